@@ -42,14 +42,14 @@ def _train_args(parser: argparse.ArgumentParser) -> None:
 COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
     "prepare": ("grpo.data.prepare:run", "generate or load the dataset into data/processed", _no_args),
     "validate": ("grpo.data.validate:run", "Great Expectations gate over the processed data", _no_args),
-    "base": ("grpo.base:run", "build the embedded tiny model or resolve the configured one", _no_args),
-    "sft": ("grpo.sft:run", "supervised fine-tuning with the one chat renderer", _no_args),
-    "preflight": ("grpo.preflight:run", "check invariants I1-I12 on the configured model", _no_args),
-    "train": ("grpo.trainer:run", "GRPO on both reward tasks", _train_args),
-    "evaluate": ("grpo.evaluate:run", "evaluate base, SFT and GRPO models side by side", _no_args),
-    "plot-entropy": ("grpo.plots:run", "plot entropy and reward curves of one or many runs", _plot_args),
-    "diagnose": ("grpo.diagnose:run", "deep entropy diagnosis of a model or checkpoint", _diagnose_args),
-    "fingerprint": ("grpo.fingerprint:run", "write the semantic code fingerprint of every stage", _no_args),
+    "base": ("grpo.model.base:run", "build the embedded tiny model or resolve the configured one", _no_args),
+    "sft": ("grpo.train.sft:run", "supervised fine-tuning with the one chat renderer", _no_args),
+    "preflight": ("grpo.checks.preflight:run", "check invariants I1-I12 on the configured model", _no_args),
+    "train": ("grpo.train.trainer:run", "GRPO on both reward tasks", _train_args),
+    "evaluate": ("grpo.eval.evaluate:run", "evaluate base, SFT and GRPO models side by side", _no_args),
+    "plot-entropy": ("grpo.eval.plots:run", "plot entropy and reward curves of one or many runs", _plot_args),
+    "diagnose": ("grpo.checks.diagnose:run", "deep entropy diagnosis of a model or checkpoint", _diagnose_args),
+    "fingerprint": ("grpo.provenance.fingerprint:run", "write the semantic code fingerprint of every stage", _no_args),
     "pipeline": ("grpo.pipeline:run", "run every stage in order (what `make run` does)", _no_args),
 }
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import time
 
-from grpo import stages
+from grpo.provenance import stages
 from grpo.cli import COMMANDS
 from grpo.config import Config
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from grpo.metrics import METRICS_FILE, entropy_history_path, read_metrics
+from grpo.health.metrics import METRICS_FILE, entropy_history_path, read_metrics
 from tasks.artifacts import project_config, publish_metrics, publish_rows
 from tasks.dvc_stage import run_stage
 

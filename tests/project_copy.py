@@ -128,9 +128,9 @@ def clone(project: Path, dest: Path) -> Path:
 
 
 def missing_stage_modules() -> list[str]:
-    """Entry modules of grpo/stages.py that do not exist yet (the end-to-end tests need them all)."""
+    """Entry modules of grpo/provenance/stages.py that do not exist yet (the end-to-end tests need them all)."""
     import importlib.util
 
-    from grpo import stages
+    from grpo.provenance import stages
 
     return [m for spec in stages.STAGES.values() for m in spec.modules if importlib.util.find_spec(m) is None]

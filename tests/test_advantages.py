@@ -1,4 +1,4 @@
-"""Tests of grpo/advantages.py: I12 (zero-variance groups give exactly 0 and are counted)."""
+"""Tests of grpo/core/advantages.py: I12 (zero-variance groups give exactly 0 and are counted)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from grpo.advantages import AdvantageError, group_advantages, group_advantages_loop
+from grpo.core.advantages import AdvantageError, group_advantages, group_advantages_loop
 
 
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])

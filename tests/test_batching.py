@@ -1,4 +1,4 @@
-"""grpo/batching.py: ids joined as generated (I3), cut at the prompt width (I4), masks from positions
+"""grpo/core/batching.py: ids joined as generated (I3), cut at the prompt width (I4), masks from positions
 (I5), the same log-probs alone and padded (I11)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo import chat
-from grpo.batching import (
+from grpo.model import chat
+from grpo.core.batching import (
     completion_ids_from_generated,
     completion_mask,
     join_prompt_completion,

@@ -1,4 +1,4 @@
-"""grpo/chat.py: one renderer for SFT and RL (I1), targets that end the turn (I2), stop tokens."""
+"""grpo/model/chat.py: one renderer for SFT and RL (I1), targets that end the turn (I2), stop tokens."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from grpo import chat
+from grpo.model import chat
 from grpo.config import ModelConfig
 from grpo.data.schema import ABSTENTION
 from grpo.errors import GrpoError
-from grpo.modeling import LLAMA3_CHAT_TEMPLATE, load_tokenizer
+from grpo.model.modeling import LLAMA3_CHAT_TEMPLATE, load_tokenizer
 from tests.conftest import REAL_TOKENIZERS, shared_tokenizer_path
 
 DATE = {"date_string": "26 Jul 2024"}

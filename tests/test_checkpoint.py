@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo.checkpoint import (
+from grpo.train.checkpoint import (
     MARKER,
     OPTIMIZER,
     WEIGHTS,
@@ -24,7 +24,7 @@ from grpo.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from grpo.modeling import build_tiny_model
+from grpo.model.modeling import build_tiny_model
 
 LINEAGE = {"stage": "grpo", "code": "abc123"}
 

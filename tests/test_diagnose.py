@@ -1,4 +1,4 @@
-"""Tests of grpo/diagnose.py: a collapsed and a healthy adapter trained here on a real tiny model.
+"""Tests of grpo/checks/diagnose.py: a collapsed and a healthy adapter trained here on a real tiny model.
 
 The collapsed policy is trained with a huge NEGATIVE entropy coefficient (minimising
 ``-(-50) * entropy`` drives entropy to 0) and a high learning rate; the healthy one with the same
@@ -16,12 +16,12 @@ import pytest
 import torch
 import yaml
 
-from grpo import checkpoint as ckpt
-from grpo.batching import join_prompt_completion
-from grpo.chat import end_of_turn_ids, example_messages, render_prompt
+from grpo.train import checkpoint as ckpt
+from grpo.core.batching import join_prompt_completion
+from grpo.model.chat import end_of_turn_ids, example_messages, render_prompt
 from grpo.cli import main
 from grpo.config import Config, config_to_dict
-from grpo.diagnose import (
+from grpo.checks.diagnose import (
     Check,
     DiagnoseError,
     check_advantages,
@@ -34,12 +34,12 @@ from grpo.diagnose import (
     make_probe,
     target_kind,
 )
-from grpo.logprobs import score_completions
-from grpo.losses import grpo_loss
-from grpo.modeling import load_model, load_tokenizer, save_model, wrap_lora
-from grpo.rollout import generate_rollout
-from grpo.sft import sft_dir
-from grpo.trainer import run_dir
+from grpo.core.logprobs import score_completions
+from grpo.core.losses import grpo_loss
+from grpo.model.modeling import load_model, load_tokenizer, save_model, wrap_lora
+from grpo.model.rollout import generate_rollout
+from grpo.train.sft import sft_dir
+from grpo.train.trainer import run_dir
 from tests.test_evaluate import GROUP, build_project, make_records
 
 TRAIN_STEPS = 8

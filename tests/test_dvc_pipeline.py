@@ -1,7 +1,7 @@
 """dvc.yaml: agrees with the stage table, and real `dvc repro` reruns exactly what a change touches.
 
 The fast test reads dvc.yaml through DVC itself (templating resolved) and checks it against
-grpo/stages.py. The slow ones copy the project into a throwaway git repo with tiny params and run
+grpo/provenance/stages.py. The slow ones copy the project into a throwaway git repo with tiny params and run
 real DVC: one full repro, then partial ones after a comment edit, a semantic edit and a params edit.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 
-from grpo import stages
+from grpo.provenance import stages
 from grpo.cli import COMMANDS
-from grpo.fingerprint import import_closure
+from grpo.provenance.fingerprint import import_closure
 from tests.project_copy import ROOT, clone, dvc, missing_stage_modules, stages_run, write_params
 
 pytest.importorskip("dvc")
@@ -63,7 +63,7 @@ def test_dvc_yaml_matches_stage_table():
         stage = by_stage[name]
         assert spec.command in COMMANDS
         assert stage.cmd == f"grpo {spec.command}", name
-        assert _params(stage) == set(spec.params), f"{name}: dvc.yaml params differ from grpo/stages.py"
+        assert _params(stage) == set(spec.params), f"{name}: dvc.yaml params differ from grpo/provenance/stages.py"
         deps = _file_deps(stage)
         assert PurePosixPath(f"fingerprints/{name}.json") in deps, name
         assert not any(d.suffix == ".py" or d.parts[0] == "grpo" for d in deps), f"{name}: code dep"
@@ -127,10 +127,10 @@ def _changed_deps(status: dict, stage: str) -> dict:
 @pytest.mark.slow
 @needs_all_stages
 def test_load_sft_refuses_model_after_chat_change(project):
-    """A semantic edit in grpo/chat.py makes the trained SFT model stale: loading it raises."""
-    chat = project / "grpo" / "chat.py"
+    """A semantic edit in grpo/model/chat.py makes the trained SFT model stale: loading it raises."""
+    chat = project / "grpo" / "model" / "chat.py"
     chat.write_text(chat.read_text(encoding="utf-8") + "\n_SEMANTIC_PROBE = 1\n", encoding="utf-8")
-    code = ("from grpo.config import load_config\nfrom grpo.sft import load_sft\n"
+    code = ("from grpo.config import load_config\nfrom grpo.train.sft import load_sft\n"
             "try:\n    load_sft(load_config())\nexcept Exception as exc:\n"
             "    print(type(exc).__name__, exc)\n    raise SystemExit(3)\n")
     from tasks.dvc_stage import stage_env
@@ -139,7 +139,7 @@ def test_load_sft_refuses_model_after_chat_change(project):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert proc.stdout.startswith("StaleArtifactError"), proc.stdout
-    assert "grpo/chat.py changed" in proc.stdout and "dvc repro sft" in proc.stdout
+    assert "grpo/model/chat.py changed" in proc.stdout and "dvc repro sft" in proc.stdout
 
 
 @pytest.mark.slow
@@ -150,14 +150,14 @@ def test_repro_reruns_exactly_what_changed(project):
     assert stages_run(again.stdout) == {"fingerprint"}, again.stdout
     assert set(_status(project)) <= {"fingerprint"}  # always_changed is the only thing ever "changed"
 
-    losses = project / "grpo" / "losses.py"
+    losses = project / "grpo" / "core" / "losses.py"
     original = losses.read_text(encoding="utf-8")
     losses.write_text(original + "\n# a comment changes no meaning\n", encoding="utf-8")
     comment = dvc(project, "repro")
     assert stages_run(comment.stdout) == {"fingerprint"}, comment.stdout
 
     losses.write_text(original + "\n_SEMANTIC_PROBE = 1\n", encoding="utf-8")
-    touched = _touching(project, "grpo/losses.py")
+    touched = _touching(project, "grpo/core/losses.py")
     assert {"preflight", "grpo"} <= touched
     dvc(project, "repro", "fingerprint")
     why = _status(project)

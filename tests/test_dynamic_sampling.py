@@ -1,11 +1,11 @@
-"""grpo/dynamic_sampling.py: zero-variance groups kept, filtered, or replaced by fresh prompts."""
+"""grpo/train/dynamic_sampling.py: zero-variance groups kept, filtered, or replaced by fresh prompts."""
 
 from __future__ import annotations
 
 import torch
 
-from grpo.dynamic_sampling import Draw, sample_groups
-from grpo.rollout import Rollout
+from grpo.train.dynamic_sampling import Draw, sample_groups
+from grpo.model.rollout import Rollout
 
 G = 2
 

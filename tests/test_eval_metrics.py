@@ -1,4 +1,4 @@
-"""Tests of grpo/eval_metrics.py: BBQ bias scores, hallucination metrics, diversity, all on hand tables."""
+"""Tests of grpo/eval/metrics.py: BBQ bias scores, hallucination metrics, diversity, all on hand tables."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 
 from grpo.errors import GrpoError
-from grpo.eval_metrics import (
+from grpo.eval.metrics import (
     FairnessItem,
     HallucinationItem,
     MetricInputError,

@@ -1,4 +1,4 @@
-"""Tests of grpo/evaluate.py on a real tiny model folder set (base, SFT == base copy, GRPO adapter).
+"""Tests of grpo/eval/evaluate.py on a real tiny model folder set (base, SFT == base copy, GRPO adapter).
 
 The project helpers at the top (records from the data module's generators, a built tiny model, the
 SFT lineage, a GRPO adapter with its lineage) are reused by tests/test_diagnose.py.
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.chat import end_of_turn_ids, example_messages, render_prompt
+from grpo.model.chat import end_of_turn_ids, example_messages, render_prompt
 from grpo.config import Config, TinyModelConfig, config_from_dict
 from grpo.data.schema import LETTERS, make_record, record_line
 from grpo.data.synthetic_fairness import generate_fairness
 from grpo.data.synthetic_grounded import generate_grounded
-from grpo.evaluate import (
+from grpo.eval.evaluate import (
     balanced_records,
     diversity_metrics,
     eval_records,
@@ -29,11 +29,11 @@ from grpo.evaluate import (
     run,
     task_metrics,
 )
-from grpo.lineage import StaleArtifactError, make_lineage, write_lineage
-from grpo.modeling import build_tiny, load_model, load_tokenizer, save_model, wrap_lora
-from grpo.rollout import stop_ids
-from grpo.sft import sft_dir, sft_inputs
-from grpo.trainer import grpo_dir, grpo_inputs, run_dir
+from grpo.provenance.lineage import StaleArtifactError, make_lineage, write_lineage
+from grpo.model.modeling import build_tiny, load_model, load_tokenizer, save_model, wrap_lora
+from grpo.model.rollout import stop_ids
+from grpo.train.sft import sft_dir, sft_inputs
+from grpo.train.trainer import grpo_dir, grpo_inputs, run_dir
 
 SIZES = TinyModelConfig(
     vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -187,7 +187,7 @@ def test_generate_greedy_deterministic_and_uses_rollout_processors(project):
 def test_evaluate_model_stops_on_the_trainers_stop_ids(project, monkeypatch):
     """Eval decodes with ``rollout.stop_ids`` (eos, end-of-turn AND the model's own generation eos
     ids), as training does; the tokenizer's ids alone miss the tiny model's <|end_of_text|>."""
-    import grpo.evaluate as evaluate_module
+    import grpo.eval.evaluate as evaluate_module
 
     tokenizer = load_tokenizer(sft_dir(project), project.model)
     model = load_model(sft_dir(project), project.model).eval()

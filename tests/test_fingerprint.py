@@ -9,19 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from grpo import fingerprint, stages
+from grpo.provenance import fingerprint
+from grpo.provenance import stages
 from grpo.cli import COMMANDS
 from grpo.config import Config
-from grpo.fingerprint import (
+from grpo.provenance.fingerprint import (
     FingerprintError,
     import_closure,
     semantic_hash,
     stage_fingerprint,
     write_fingerprints,
 )
-from grpo.stages import StageSpec
+from grpo.provenance.stages import StageSpec
 
-ROOT = Path(fingerprint.__file__).resolve().parents[1]
+ROOT = Path(fingerprint.__file__).resolve().parents[2]
 
 ORIGINAL = '''
 """Module docstring."""
@@ -176,14 +177,14 @@ def test_every_real_stage_has_a_fingerprint_of_its_own_code():
         assert fp["stage"] == name
         assert "grpo/config.py" not in fp["modules"], name  # values enter through the params hash
         assert len(fp["fingerprint"]) == 64
-    assert "grpo/losses.py" in stage_fingerprint("grpo")["modules"]
-    assert "grpo/losses.py" not in stage_fingerprint("sft")["modules"]
-    assert "grpo/chat.py" in stage_fingerprint("sft")["modules"]
+    assert "grpo/core/losses.py" in stage_fingerprint("grpo")["modules"]
+    assert "grpo/core/losses.py" not in stage_fingerprint("sft")["modules"]
+    assert "grpo/model/chat.py" in stage_fingerprint("sft")["modules"]
 
 
 def test_bookkeeping_modules_are_in_no_stage_closure():
     bookkeeping = {f"{name.replace('.', '/')}.py" for name in stages.BOOKKEEPING_MODULES}
-    assert bookkeeping == {"grpo/stages.py", "grpo/fingerprint.py", "grpo/lineage.py", "grpo/config.py"}
+    assert bookkeeping == {"grpo/provenance/stages.py", "grpo/provenance/fingerprint.py", "grpo/provenance/lineage.py", "grpo/config.py"}
     for name in stages.STAGES:
         assert not bookkeeping & set(stage_fingerprint(name)["modules"]), name
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from grpo import stages
+from grpo.provenance import stages
 from grpo.config import Config, config_from_dict
 from grpo.errors import GrpoError
-from grpo.lineage import (
+from grpo.provenance.lineage import (
     LINEAGE_FILE,
     MissingInputError,
     StaleArtifactError,
@@ -22,7 +22,7 @@ from grpo.lineage import (
     params_values,
     write_lineage,
 )
-from grpo.stages import StageSpec
+from grpo.provenance.stages import StageSpec
 
 
 def _write(path: Path, text: str) -> Path:

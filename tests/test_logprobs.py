@@ -1,4 +1,4 @@
-"""Tests of grpo/logprobs.py: I10 (temperature-scaled distribution) and I11 (padding changes nothing)."""
+"""Tests of grpo/core/logprobs.py: I10 (temperature-scaled distribution) and I11 (padding changes nothing)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from grpo.batching import left_pad, position_ids_from_mask
-from grpo.logprobs import (
+from grpo.core.batching import left_pad, position_ids_from_mask
+from grpo.core.logprobs import (
     Scored,
     ScoringError,
     entropy_from_logits,
@@ -176,7 +176,7 @@ def test_i11_garbage_in_padded_positions_changes_nothing(tiny_model, tiny_tokeni
 
 def test_score_completions_works_with_peft_model(tiny_model, tiny_tokenizer):
     from grpo.config import LoraConfig
-    from grpo.modeling import wrap_lora
+    from grpo.model.modeling import wrap_lora
 
     input_ids, attention_mask, completion_mask, _ = completion_batch(tiny_tokenizer)
     with torch.no_grad():

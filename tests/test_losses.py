@@ -1,4 +1,4 @@
-"""Tests of grpo/losses.py: I7 (one loss formula, entropy sign), I8 (per-token ratio, step 0), I11."""
+"""Tests of grpo/core/losses.py: I7 (one loss formula, entropy sign), I8 (per-token ratio, step 0), I11."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from grpo.batching import left_pad
-from grpo.logprobs import score_completions
-from grpo.losses import (
+from grpo.core.batching import left_pad
+from grpo.core.logprobs import score_completions
+from grpo.core.losses import (
     LossError,
     LossTerms,
     agg_loss,

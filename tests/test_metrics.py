@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from grpo.config import TrackingConfig
-from grpo.metrics import (
+from grpo.health.metrics import (
     HEALTH_METRICS,
     MetricsError,
     MetricsWriter,

@@ -1,4 +1,4 @@
-"""grpo/modeling.py: the embedded tiny model, real loading by path, LoRA wrapping."""
+"""grpo/model/modeling.py: the embedded tiny model, real loading by path, LoRA wrapping."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo.config import LoraConfig, ModelConfig
-from grpo.modeling import (
+from grpo.model.modeling import (
     EOT,
     SPECIAL_TOKENS,
     ModelLoadError,
@@ -46,7 +46,7 @@ def test_build_save_load_round_trip(tmp_path, tiny_sizes):
 
 
 def test_same_seed_same_weights(tiny_tokenizer, tiny_sizes):
-    from grpo.modeling import build_tiny_model
+    from grpo.model.modeling import build_tiny_model
 
     a = build_tiny_model(tiny_tokenizer, tiny_sizes, seed=5)
     b = build_tiny_model(tiny_tokenizer, tiny_sizes, seed=5)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from grpo.config import MonitorConfig, RuleConfig
-from grpo.monitor import Finding, Monitor, MonitorError, TrainingStopped, raise_if_stop
+from grpo.health.monitor import Finding, Monitor, MonitorError, TrainingStopped, raise_if_stop
 
 CONTEXT = "Context: Two friends, a tall one and a short one, met at the station."
 USER = f"{CONTEXT}\nQuestion: Who was late? Options: A. the tall one B. the short one C. Unknown"
@@ -102,7 +102,7 @@ def test_frozen_lengths_warn():
 def test_healthy_stream_triggers_nothing(caplog):
     rng = np.random.default_rng(0)
     monitor = Monitor(MonitorConfig())
-    with caplog.at_level(logging.WARNING, logger="grpo.monitor"):
+    with caplog.at_level(logging.WARNING, logger="grpo.health.monitor"):
         for step in range(1, 101):
             low = float(rng.integers(2, 6))
             metrics = {
@@ -183,7 +183,7 @@ def test_boundary_is_checked_only_on_the_first_steps(boundary):
 
 def test_boundary_metric_rules(caplog):
     monitor = Monitor(MonitorConfig())
-    with caplog.at_level(logging.WARNING, logger="grpo.monitor"):
+    with caplog.at_level(logging.WARNING, logger="grpo.health.monitor"):
         findings = monitor.observe(1, {"entropy": 0.001, "completions/mean_length": 24.0, "completions/clipped_ratio": 1.0})
     assert sorted((f.rule, f.action) for f in findings) == [("boundary_clipped", "warn"), ("boundary_entropy_low", "stop")]
     assert any("boundary_clipped" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
@@ -202,7 +202,7 @@ def test_rule_turned_off_never_fires():
 
 def test_missing_metric_is_warned_once_and_never_fires(caplog):
     monitor = Monitor(MonitorConfig())
-    with caplog.at_level(logging.WARNING, logger="grpo.monitor"):
+    with caplog.at_level(logging.WARNING, logger="grpo.health.monitor"):
         for step in range(10, 20):
             assert monitor.observe(step, {"entropy": 1.0}) == []
     missing = [r.getMessage() for r in caplog.records if "reward_zero_std" in r.getMessage()]

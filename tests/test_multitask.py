@@ -1,4 +1,4 @@
-"""Tests of grpo/multitask.py: gradient combinations and I7 (an entropy step raises entropy in every mode)."""
+"""Tests of grpo/core/multitask.py: gradient combinations and I7 (an entropy step raises entropy in every mode)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 
-from grpo.batching import left_pad
-from grpo.logprobs import score_completions
-from grpo.losses import masked_mean, policy_loss_terms, total_loss
-from grpo.multitask import (
+from grpo.core.batching import left_pad
+from grpo.core.logprobs import score_completions
+from grpo.core.losses import masked_mean, policy_loss_terms, total_loss
+from grpo.core.multitask import (
     MultitaskError,
     TaskLoss,
     cagrad,

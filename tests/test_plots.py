@@ -1,4 +1,4 @@
-"""Tests of grpo/plots.py: real JSON/JSONL files in tmp_path, real PNGs read back with matplotlib."""
+"""Tests of grpo/eval/plots.py: real JSON/JSONL files in tmp_path, real PNGs read back with matplotlib."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from grpo.cli import build_parser, main
 from grpo.config import config_from_dict
 from grpo.errors import GrpoError
-from grpo.plots import (
+from grpo.eval.plots import (
     PlotInputError,
     build_entropy_figure,
     discover_entropy_files,

@@ -1,4 +1,4 @@
-"""grpo/preflight.py: the invariant checks on the configured tokenizer and model, and the train gate."""
+"""grpo/checks/preflight.py: the invariant checks on the configured tokenizer and model, and the train gate."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo.chat import ChatError
+from grpo.model.chat import ChatError
 from grpo.config import config_from_dict, load_config
 from grpo.data.prepare import build_records
-from grpo.preflight import (
+from grpo.checks.preflight import (
     CHECKS,
     PreflightError,
     make_subject,

@@ -1,4 +1,4 @@
-"""grpo/sampling.py: penalties and EOS suppression look at completion tokens only (I6)."""
+"""grpo/model/sampling.py: penalties and EOS suppression look at completion tokens only (I6)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import LogitsProcessor
 
-from grpo import chat
-from grpo.batching import left_pad
+from grpo.model import chat
+from grpo.core.batching import left_pad
 from grpo.config import SamplingConfig
 from grpo.errors import GrpoError
-from grpo.sampling import CompletionPenalty, EosSuppressor, build_logits_processors
+from grpo.model.sampling import CompletionPenalty, EosSuppressor, build_logits_processors
 
 V = 12
 EOS = (3, 5)

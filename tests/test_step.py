@@ -1,4 +1,4 @@
-"""grpo/step.py: one GRPO step on the tiny model: accumulation before combination, NaN handling."""
+"""grpo/train/step.py: one GRPO step on the tiny model: accumulation before combination, NaN handling."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from accelerate import Accelerator
 
 from grpo.config import config_from_dict
 from grpo.data.prepare import build_records
-from grpo.modeling import wrap_lora
-from grpo.multitask import MultitaskError
-from grpo.rollout import stop_ids
-from grpo.step import StepContext, draw, grpo_step, prepare_batch, update
+from grpo.model.modeling import wrap_lora
+from grpo.core.multitask import MultitaskError
+from grpo.model.rollout import stop_ids
+from grpo.train.step import StepContext, draw, grpo_step, prepare_batch, update
 
 
 def make_context(tiny_model, tiny_tokenizer, **grpo) -> StepContext:
@@ -83,7 +83,7 @@ def test_zero_variance_step_makes_no_update(tiny_model, tiny_tokenizer, records)
 
 @pytest.mark.parametrize("mode", ["none", "filter", "resample"])
 def test_step_reports_every_health_metric(tiny_model, tiny_tokenizer, records, mode):
-    from grpo.metrics import HEALTH_METRICS
+    from grpo.health.metrics import HEALTH_METRICS
 
     ctx = make_context(tiny_model, tiny_tokenizer, dynamic_sampling=mode, max_resample=1)
     result = grpo_step(ctx, records, 1, lambda attempt: records[::-1])
@@ -97,7 +97,7 @@ def test_step_reports_every_health_metric(tiny_model, tiny_tokenizer, records, m
 def test_i9_reference_is_the_sft_policy_with_the_adapter_disabled(tiny_model, tiny_tokenizer, records):
     """The KL reference is the SFT weights themselves (the LoRA adapter switched off), not the
     pre-SFT base and not the moving policy; no second copy of the weights is made."""
-    from grpo.logprobs import score_completions
+    from grpo.core.logprobs import score_completions
 
     sft = copy.deepcopy(tiny_model)
     ctx = make_context(tiny_model, tiny_tokenizer, loss={"beta": 0.1})

@@ -1,4 +1,4 @@
-"""grpo/trainer.py end to end on a tiny config: SFT then GRPO, resume after a kill, NaN, 2 processes."""
+"""grpo/train/trainer.py end to end on a tiny config: SFT then GRPO, resume after a kill, NaN, 2 processes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from grpo.config import load_config
-from grpo.metrics import HEALTH_METRICS
+from grpo.health.metrics import HEALTH_METRICS
 from tests.tiny_project import prepared_project, run_stages
 
 pytestmark = pytest.mark.slow
@@ -100,7 +100,7 @@ def test_half_written_checkpoint_is_never_loaded(project, tmp_path):
     # A kill during save: a newer checkpoint directory whose completion marker was never written.
     shutil.copytree(run_dir / "checkpoint-00000004", run_dir / "checkpoint-00000009")
     (run_dir / "checkpoint-00000009" / "state.json").unlink()
-    from grpo.checkpoint import latest_checkpoint
+    from grpo.train.checkpoint import latest_checkpoint
 
     assert latest_checkpoint(run_dir).name == "checkpoint-00000004"
 
@@ -109,7 +109,7 @@ def test_nan_loss_stops_with_a_clear_error_and_saves_nothing(project, tmp_path, 
     """A reward function that returns NaN (a user's buggy reward) poisons the loss of its task."""
     from grpo.errors import GrpoError
     from grpo.rewards import REWARDS
-    from grpo.trainer import train
+    from grpo.train.trainer import train
 
     params = copy_project(project, tmp_path / "p")
     monkeypatch.setitem(REWARDS, "hallucination", lambda completion, example: float("nan"))

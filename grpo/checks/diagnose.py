@@ -26,24 +26,24 @@ from typing import Any, Literal
 import torch
 from tqdm.auto import tqdm
 
-from grpo import checkpoint as ckpt
-from grpo.advantages import group_advantages
-from grpo.batching import join_prompt_completion
-from grpo.chat import example_messages, render_prompt
+from grpo.train import checkpoint as ckpt
+from grpo.core.advantages import group_advantages
+from grpo.core.batching import join_prompt_completion
+from grpo.model.chat import example_messages, render_prompt
 from grpo.config import Config
 from grpo.errors import GrpoError
-from grpo.evaluate import balanced_records, eval_records
-from grpo.lineage import is_stale
-from grpo.logprobs import Scored, score_completions
-from grpo.losses import LossTerms, k3_kl, masked_mean, policy_loss_terms, total_loss
-from grpo.modeling import POINTER_FILE, load_model, load_tokenizer, wrap_lora
+from grpo.eval.evaluate import balanced_records, eval_records
+from grpo.provenance.lineage import is_stale
+from grpo.core.logprobs import Scored, score_completions
+from grpo.core.losses import LossTerms, k3_kl, masked_mean, policy_loss_terms, total_loss
+from grpo.model.modeling import POINTER_FILE, load_model, load_tokenizer, wrap_lora
 from grpo.rewards import group_rewards
-from grpo.rollout import Rollout, generate_rollout, stop_ids
-from grpo.sft import sft_dir, sft_inputs
-from grpo.trainer import grpo_inputs
+from grpo.model.rollout import Rollout, generate_rollout, stop_ids
+from grpo.train.sft import sft_dir, sft_inputs
+from grpo.train.trainer import grpo_inputs
 
 CHECKPOINT_NAME = re.compile(r"checkpoint-\d{8,}")
-"""Folder name ``grpo.checkpoint.checkpoint_path`` gives a checkpoint."""
+"""Folder name ``grpo.train.checkpoint.checkpoint_path`` gives a checkpoint."""
 ENTROPY_TOL = 1e-6
 """Entropy changes within this many nats are fp32 noise, not a direction."""
 Status = Literal["pass", "warn", "fail", "skip"]
@@ -244,7 +244,7 @@ def check_advantages(advantages: torch.Tensor) -> Check:
     """Advantages are finite and not all zero. advantages: [N]."""
     if not torch.isfinite(advantages).all():
         return Check("advantages", "fail", None, "advantages hold NaN/Inf",
-                     "a reward returned NaN/Inf, or the std division lost its epsilon: check grpo/advantages.py")
+                     "a reward returned NaN/Inf, or the std division lost its epsilon: check grpo/core/advantages.py")
     abs_mean = float(advantages.abs().mean())
     if abs_mean == 0.0:
         return Check("advantages", "fail", 0.0, "every advantage is exactly 0: the policy term has no gradient",

@@ -17,13 +17,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_schedule_with_warmup
 
-from grpo.batching import SftBatch, position_ids_from_mask, sft_batch
-from grpo.chat import SftExample, example_messages, render_sft, sft_target
+from grpo.core.batching import SftBatch, position_ids_from_mask, sft_batch
+from grpo.model.chat import SftExample, example_messages, render_sft, sft_target
 from grpo.config import Config, SftConfig
 from grpo.data.jsonl import read_records
 from grpo.errors import GrpoError
-from grpo.lineage import check_lineage, make_lineage, write_lineage
-from grpo.modeling import load_model, load_tokenizer, save_model, wrap_lora
+from grpo.provenance.lineage import check_lineage, make_lineage, write_lineage
+from grpo.model.modeling import load_model, load_tokenizer, save_model, wrap_lora
 
 
 def build_examples(

@@ -28,12 +28,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.batching import join_prompt_completion, left_pad
-from grpo.chat import example_messages, render_prompt
+from grpo.core.batching import join_prompt_completion, left_pad
+from grpo.model.chat import example_messages, render_prompt
 from grpo.config import Config, SamplingConfig
 from grpo.data.jsonl import read_records
 from grpo.errors import GrpoError
-from grpo.eval_metrics import (
+from grpo.eval.metrics import (
     FairnessItem,
     HallucinationItem,
     bias_scores,
@@ -42,17 +42,17 @@ from grpo.eval_metrics import (
     mean,
     self_bleu,
 )
-from grpo.lineage import check_lineage
-from grpo.logprobs import score_completions
-from grpo.metrics import METRICS_FILE, entropy_history_path
-from grpo.modeling import load_model, load_tokenizer
-from grpo.plots import load_entropy_history, load_metrics_jsonl, plot_entropy
+from grpo.provenance.lineage import check_lineage
+from grpo.core.logprobs import score_completions
+from grpo.health.metrics import METRICS_FILE, entropy_history_path
+from grpo.model.modeling import load_model, load_tokenizer
+from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy
 from grpo.rewards import fairness_outcome, hallucination_outcome, weighted_reward
-from grpo.rollout import Rollout, generate_rollout, generation_config, rollout_from_sequences, stop_ids
-from grpo.sampling import build_logits_processors
-from grpo.sft import load_sft, sft_dir, sft_inputs
-from grpo.task_mix import split_by_task
-from grpo.trainer import grpo_dir, grpo_inputs, run_dir
+from grpo.model.rollout import Rollout, generate_rollout, generation_config, rollout_from_sequences, stop_ids
+from grpo.model.sampling import build_logits_processors
+from grpo.train.sft import load_sft, sft_dir, sft_inputs
+from grpo.train.task_mix import split_by_task
+from grpo.train.trainer import grpo_dir, grpo_inputs, run_dir
 
 MODELS = ("base", "sft", "grpo")
 LABELS = {"base": "base", "sft": "SFT", "grpo": "GRPO"}

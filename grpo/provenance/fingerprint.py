@@ -1,6 +1,6 @@
 """Semantic code fingerprints: per stage, a hash of the meaning of the project code it runs.
 
-DVC's own dependency hashes are byte hashes, so a comment edit in ``grpo/chat.py`` would retrain
+DVC's own dependency hashes are byte hashes, so a comment edit in ``grpo/model/chat.py`` would retrain
 every model. Instead, ``grpo fingerprint`` (an always-run DVC stage) writes
 ``fingerprints/<stage>.json`` and every other stage depends on its own file: the hash of each module
 in the stage's static import closure is taken over its syntax tree, with docstrings dropped and
@@ -19,12 +19,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from grpo import stages
+from grpo.provenance import stages
 from grpo.config import Config
 from grpo.errors import GrpoError
 
 # The folder that holds the ``grpo`` package: the code that is running is the code fingerprinted.
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 FINGERPRINT_DIR = Path("fingerprints")
 
 _DOCSTRING_OWNERS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)

@@ -3,7 +3,7 @@
 The rows of the two tasks are disjoint, so each task's gradient comes from its own rows of one
 batch. ``combine`` turns per-task flat gradients ``[K, P]`` into one update direction ``[P]``;
 ``multitask_backward`` computes those gradients from the loss terms and writes the result into
-``p.grad``. Every loss it differentiates goes through ``grpo.losses.total_loss`` (I7), so the
+``p.grad``. Every loss it differentiates goes through ``grpo.core.losses.total_loss`` (I7), so the
 entropy sign is the same in every mode.
 """
 
@@ -16,7 +16,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from grpo.errors import GrpoError
-from grpo.losses import LossTerms, total_loss
+from grpo.core.losses import LossTerms, total_loss
 
 Mode = Literal["sum", "pcgrad", "cagrad"]
 MODES = ("sum", "pcgrad", "cagrad")

@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from grpo.rollout import Rollout, concat_rollouts, select_groups
+from grpo.model.rollout import Rollout, concat_rollouts, select_groups
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from grpo import stages
+from grpo.provenance import stages
 from grpo.config import Config, config_to_dict
 from grpo.errors import GrpoError
-from grpo.fingerprint import stage_fingerprint
+from grpo.provenance.fingerprint import stage_fingerprint
 
 LINEAGE_FILE = "lineage.json"
 

@@ -39,7 +39,7 @@ COLLAPSE_CAUSES = (
     "KL too strong or the reference wrong: grpo.loss.beta, and invariant I9 (reference = the SFT policy)",
 )
 BOUNDARY_CAUSES = (
-    "the chat template differs between SFT and rollout (invariant I1: one renderer, grpo/chat.py)",
+    "the chat template differs between SFT and rollout (invariant I1: one renderer, grpo/model/chat.py)",
     "completions not cut at the absolute prompt width of the left-padded batch (invariant I4)",
     "a completion mask built from id != pad instead of positions (invariant I5; pad == eos on Llama-3)",
     "the end-of-turn token is not a stop token of generation (model.extra_stop_tokens)",

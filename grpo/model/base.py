@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from grpo.config import Config
-from grpo.lineage import make_lineage, write_lineage
-from grpo.modeling import build_tiny, load_model, load_tokenizer, write_pointer
+from grpo.provenance.lineage import make_lineage, write_lineage
+from grpo.model.modeling import build_tiny, load_model, load_tokenizer, write_pointer
 
 TEXT_FIELDS = ("context", "question", "answer")
 

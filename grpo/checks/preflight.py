@@ -17,21 +17,21 @@ from typing import Any
 
 import torch
 
-from grpo.advantages import group_advantages
-from grpo.batching import completion_mask, join_prompt_completion, position_ids_from_mask
-from grpo.chat import example_messages, render_prompt, render_sft, sft_target
+from grpo.core.advantages import group_advantages
+from grpo.core.batching import completion_mask, join_prompt_completion, position_ids_from_mask
+from grpo.model.chat import example_messages, render_prompt, render_sft, sft_target
 from grpo.config import Config
 from grpo.data.jsonl import read_records
 from grpo.errors import GrpoError
-from grpo.lineage import make_lineage
-from grpo.logprobs import score_completions, selective_log_softmax
-from grpo.losses import masked_mean, policy_loss_terms
-from grpo.modeling import wrap_lora
-from grpo.multitask import TaskLoss, multitask_backward
-from grpo.rollout import generate_rollout, stop_ids
-from grpo.sampling import CompletionPenalty, EosSuppressor
-from grpo.sft import load_sft, sft_dir
-from grpo.step import header_tokens
+from grpo.provenance.lineage import make_lineage
+from grpo.core.logprobs import score_completions, selective_log_softmax
+from grpo.core.losses import masked_mean, policy_loss_terms
+from grpo.model.modeling import wrap_lora
+from grpo.core.multitask import TaskLoss, multitask_backward
+from grpo.model.rollout import generate_rollout, stop_ids
+from grpo.model.sampling import CompletionPenalty, EosSuppressor
+from grpo.train.sft import load_sft, sft_dir
+from grpo.train.step import header_tokens
 
 LINEAGE_KEYS = ("code_fingerprint", "params_hash", "inputs")
 

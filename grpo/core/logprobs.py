@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from grpo.batching import position_ids_from_mask
+from grpo.core.batching import position_ids_from_mask
 from grpo.errors import GrpoError
 
 DEFAULT_CHUNK_SIZE = 128

@@ -1,7 +1,7 @@
 """The one table of pipeline stages: what each runs, which params it reads, what it is made from.
 
 ``dvc.yaml`` lists, per stage, the params keys below and depends on ``fingerprints/<stage>.json``
-(written by ``grpo fingerprint`` from the entry modules below); ``grpo/lineage.py`` hashes the same
+(written by ``grpo fingerprint`` from the entry modules below); ``grpo/provenance/lineage.py`` hashes the same
 params keys into every artifact's ``lineage.json``. Keeping the three in one table means a stage
 cannot be rerun by DVC for one set of keys and guarded by lineage for another.
 
@@ -9,11 +9,11 @@ cannot be rerun by DVC for one set of keys and guarded by lineage for another.
 | --- | --- | --- | --- |
 | prepare | grpo prepare | grpo.data.prepare | - |
 | validate | grpo validate | grpo.data.validate | prepare |
-| base | grpo base | grpo.base | prepare, validate |
-| sft | grpo sft | grpo.sft | prepare, validate, base |
-| preflight | grpo preflight | grpo.preflight | prepare, validate, sft |
-| grpo | grpo train | grpo.trainer | prepare, validate, sft, preflight |
-| evaluate | grpo evaluate | grpo.evaluate | prepare, validate, base, sft, grpo |
+| base | grpo base | grpo.model.base | prepare, validate |
+| sft | grpo sft | grpo.train.sft | prepare, validate, base |
+| preflight | grpo preflight | grpo.checks.preflight | prepare, validate, sft |
+| grpo | grpo train | grpo.train.trainer | prepare, validate, sft, preflight |
+| evaluate | grpo evaluate | grpo.eval.evaluate | prepare, validate, base, sft, grpo |
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ COMMON_MODULES: tuple[str, ...] = ()
 # and those enter every artifact's lineage through the params hash of the validated tree; a new
 # field or a better error message in config.py retrains nothing. (DVC itself sees only the values
 # written in params.yaml, which is why params.yaml spells out every key.)
-BOOKKEEPING_MODULES: tuple[str, ...] = ("grpo.stages", "grpo.fingerprint", "grpo.lineage", "grpo.config")
+BOOKKEEPING_MODULES: tuple[str, ...] = ("grpo.provenance.stages", "grpo.provenance.fingerprint", "grpo.provenance.lineage", "grpo.config")
 
 
 @dataclass(frozen=True)
@@ -64,14 +64,14 @@ STAGES: dict[str, StageSpec] = {
     for spec in (
         StageSpec("prepare", "prepare", ("grpo.data.prepare",), ("seed", "data", "paths"), ()),
         StageSpec("validate", "validate", ("grpo.data.validate",), ("data", "paths"), ("prepare",)),
-        StageSpec("base", "base", ("grpo.base",), ("seed", "model", "paths"), ("prepare", "validate")),
+        StageSpec("base", "base", ("grpo.model.base",), ("seed", "model", "paths"), ("prepare", "validate")),
         StageSpec(
-            "sft", "sft", ("grpo.sft",), ("seed", "model", "sft", "paths"), ("prepare", "validate", "base")
+            "sft", "sft", ("grpo.train.sft",), ("seed", "model", "sft", "paths"), ("prepare", "validate", "base")
         ),
         StageSpec(
             "preflight",
             "preflight",
-            ("grpo.preflight",),
+            ("grpo.checks.preflight",),
             # Only what the checks use: a new step count or learning rate needs no new pre-flight.
             ("seed", "model", "grpo.group_size", "grpo.sampling", "grpo.loss.scale_rewards", "grpo.multitask",
              "paths"),
@@ -80,14 +80,14 @@ STAGES: dict[str, StageSpec] = {
         StageSpec(
             "grpo",
             "train",
-            ("grpo.trainer",),
+            ("grpo.train.trainer",),
             ("seed", "experiment", "model", "grpo", "rewards", "monitor", "checkpoint", "tracking", "paths"),
             ("prepare", "validate", "sft", "preflight"),
         ),
         StageSpec(
             "evaluate",
             "evaluate",
-            ("grpo.evaluate",),
+            ("grpo.eval.evaluate",),
             ("seed", "experiment", "model", "grpo", "rewards", "eval", "paths"),
             ("prepare", "validate", "base", "sft", "grpo"),
         ),
@@ -103,7 +103,7 @@ def get_stage(name: str) -> StageSpec:
     """The stage called ``name``; an unknown name is an error that lists the known ones."""
     if name not in STAGES:
         raise UnknownStageError(
-            f"unknown stage {name!r}: expected one of {', '.join(STAGES)} (the table in grpo/stages.py)"
+            f"unknown stage {name!r}: expected one of {', '.join(STAGES)} (the table in grpo/provenance/stages.py)"
         )
     return STAGES[name]
 
