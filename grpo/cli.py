@@ -1,8 +1,11 @@
-"""``grpo <stage>``: the only argument parser of the project; one command per pipeline stage.
+"""``grpo <command>``: the only argument parser of the project.
 
-Every command takes ``--params PATH`` and any number of ``--set section.key=value`` overrides, loads
-the one typed config, and calls one library function ``run(cfg, args)``. Commands are imported lazily
-so ``grpo --help`` stays fast.
+One command per pipeline stage, built from the stage table (``grpo/provenance/stages.py``), plus the
+commands that are not stages (``plot-entropy``, ``diagnose``, ``fingerprint``, ``pipeline``). Every
+command takes ``--params PATH`` and any number of ``--set section.key=value`` overrides, loads the one
+typed config, and calls one library function ``run(cfg, **options)`` whose keyword arguments are the
+command's own options, typed. Flag combinations are checked here, before the library runs. Entry
+modules are imported lazily so ``grpo --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -11,9 +14,18 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
 
 from grpo.config import ConfigError, load_config
 from grpo.errors import GrpoError
+from grpo.provenance import stages
+
+COMMON = ("command", "params", "overrides")
+
+
+class UsageError(GrpoError):
+    """A combination of command-line options that cannot mean anything."""
 
 
 def _no_args(parser: argparse.ArgumentParser) -> None:
@@ -21,12 +33,27 @@ def _no_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _plot_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--entropy-files", nargs="*", default=None, help="entropy_history_*.json files")
+    parser.add_argument("--entropy-files", nargs="*", type=Path, default=None, help="entropy_history_*.json files")
     parser.add_argument("--labels", nargs="*", default=None, help="one label per entropy file")
-    parser.add_argument("--search-dir", default=None, help="plot every entropy_history_*.json under it")
-    parser.add_argument("--metrics-file", default=None, help="per-step JSONL for reward curves")
+    parser.add_argument("--search-dir", type=Path, default=None, help="plot every entropy_history_*.json under it")
+    parser.add_argument("--metrics-file", type=Path, default=None, help="per-step JSONL for reward curves")
     parser.add_argument("--with-stats", action="store_true", help="add a panel of mean/min/max/final")
-    parser.add_argument("--out", default=None, help="output PNG path")
+    parser.add_argument("--out", type=Path, default=None, help="output PNG path")
+
+
+def _check_plot_args(options: dict) -> None:
+    files, labels, search_dir = options["entropy_files"], options["labels"], options["search_dir"]
+    if files is not None and search_dir is not None:
+        raise UsageError("give either --entropy-files or --search-dir, not both")
+    if files is None and labels:
+        raise UsageError("--labels names --entropy-files; with --search-dir labels come from file names")
+    if files is not None and not files:
+        raise UsageError("--entropy-files was given without any file; list at least one entropy_history_*.json")
+    if files and labels and len(labels) != len(files):
+        raise UsageError(
+            f"--labels has {len(labels)} label(s) for {len(files)} --entropy-files: give one label per file "
+            "or none (labels then come from the file names)"
+        )
 
 
 def _diagnose_args(parser: argparse.ArgumentParser) -> None:
@@ -38,27 +65,39 @@ def _train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
 
 
-# name -> (module:function, help, extra-argument adder)
-COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = {
-    "prepare": ("grpo.data.prepare:run", "generate or load the dataset into data/processed", _no_args),
-    "validate": ("grpo.data.validate:run", "Great Expectations gate over the processed data", _no_args),
-    "base": ("grpo.model.base:run", "build the embedded tiny model or resolve the configured one", _no_args),
-    "sft": ("grpo.train.sft:run", "supervised fine-tuning with the one chat renderer", _no_args),
-    "preflight": ("grpo.checks.preflight:run", "check invariants I1-I12 on the configured model", _no_args),
-    "train": ("grpo.train.trainer:run", "GRPO on both reward tasks", _train_args),
-    "evaluate": ("grpo.eval.evaluate:run", "evaluate base, SFT and GRPO models side by side", _no_args),
-    "plot-entropy": ("grpo.eval.plots:run", "plot entropy and reward curves of one or many runs", _plot_args),
-    "diagnose": ("grpo.checks.diagnose:run", "deep entropy diagnosis of a model or checkpoint", _diagnose_args),
-    "fingerprint": ("grpo.provenance.fingerprint:run", "write the semantic code fingerprint of every stage", _no_args),
-    "pipeline": ("grpo.pipeline:run", "run every stage in order (what `make run` does)", _no_args),
+AddArgs = Callable[[argparse.ArgumentParser], None]
+CheckArgs = Callable[[dict], None]
+
+
+class Command(NamedTuple):
+    """One ``grpo`` command: its entry function, help line, options and the check of their combination."""
+
+    entry: str
+    help: str
+    add_args: AddArgs = _no_args
+    check: CheckArgs | None = None
+
+
+# Options of the stage commands that take more than --params/--set.
+STAGE_ARGS: dict[str, AddArgs] = {"train": _train_args}
+
+COMMANDS: dict[str, Command] = {
+    **{spec.command: Command(spec.entry, spec.help, STAGE_ARGS.get(spec.command, _no_args))
+       for spec in stages.STAGES.values()},
+    "plot-entropy": Command("grpo.eval.plots:run", "plot entropy and reward curves of one or many runs",
+                            _plot_args, _check_plot_args),
+    "diagnose": Command("grpo.checks.diagnose:run", "deep entropy diagnosis of a model or checkpoint",
+                        _diagnose_args),
+    "fingerprint": Command("grpo.provenance.fingerprint:run", "write the semantic code fingerprint of every stage"),
+    "pipeline": Command("grpo.pipeline:run", "run every stage in order (what `make run` does)"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (_, help_text, add_args) in COMMANDS.items():
-        cmd = sub.add_parser(name, help=help_text, description=help_text)
+    for name, command in COMMANDS.items():
+        cmd = sub.add_parser(name, help=command.help, description=command.help)
         cmd.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
         cmd.add_argument(
             "--set",
@@ -68,25 +107,29 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="SECTION.KEY=VALUE",
             help="override one params value, e.g. --set grpo.loss.beta=0.1 (repeatable)",
         )
-        add_args(cmd)
+        command.add_args(cmd)
     return parser
 
 
-def _resolve(target: str) -> Callable:
-    module_name, _, func_name = target.partition(":")
+def resolve(entry: str) -> Callable[..., int]:
+    """The function named by ``module:function``."""
+    module_name, _, func_name = entry.partition(":")
     return getattr(importlib.import_module(module_name), func_name)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    command = COMMANDS[args.command]
+    options = {key: value for key, value in vars(args).items() if key not in COMMON}
     try:
+        if command.check is not None:
+            command.check(options)
         cfg = load_config(args.params, args.overrides)
-    except ConfigError as exc:
+    except (UsageError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    run = _resolve(COMMANDS[args.command][0])
     try:
-        code = run(cfg, args)
+        code = resolve(command.entry)(cfg, **options)
     except (GrpoError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -131,8 +131,9 @@ class TinyModelConfig(Section):
 
 
 class LoraConfig(Section):
-    enabled: bool = False
-    """Train a LoRA adapter instead of all weights (GRPO's reference is then the adapter disabled)."""
+    enabled: bool = True
+    """GRPO trains a LoRA adapter on the SFT weights (reference: the adapter disabled); false: GRPO
+    trains every weight (full fine-tuning) and the reference is a frozen copy of the SFT model (I9)."""
     r: int = Field(8, ge=1)
     """LoRA rank."""
     alpha: int = Field(16, ge=1)
@@ -195,7 +196,8 @@ class SftConfig(Section):
     max_length: int = Field(512, ge=16)
     """Conversations longer than this (prompt + answer tokens) are an error, not silently cut."""
     lora: bool = False
-    """Train a LoRA adapter (model.lora) and merge it, instead of all weights (full for the tiny model)."""
+    """SFT through a LoRA adapter (sizes from model.lora) merged into the weights afterwards: the SFT
+    model is full weights either way. Independent of model.lora.enabled, which decides how GRPO trains."""
 
 
 

@@ -6,17 +6,16 @@ from __future__ import annotations
 import importlib
 import time
 
-from grpo.provenance import stages
-from grpo.cli import COMMANDS
 from grpo.config import Config
+from grpo.provenance import stages
 
 
-def run(cfg: Config, args=None) -> int:
+def run(cfg: Config) -> int:
     timings = {}
     for spec in stages.STAGES.values():
-        module, _, func = COMMANDS[spec.command][0].partition(":")
+        module, _, func = spec.entry.partition(":")
         started = time.perf_counter()
-        code = getattr(importlib.import_module(module), func)(cfg, args)
+        code = getattr(importlib.import_module(module), func)(cfg)
         timings[spec.name] = time.perf_counter() - started
         if code:
             print(f"pipeline: stage {spec.name} exited {code}; later stages not run")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from prefect import task
 
+from grpo import paths
 from tasks.artifacts import project_config, publish_markdown, publish_metrics
 from tasks.dvc_stage import run_stage
 
@@ -16,6 +17,6 @@ def evaluate(project_dir: str, force: bool = False) -> bool:
     ran = run_stage("evaluate", project_dir, force)
     cfg = project_config(project_dir)
     root = Path(project_dir)
-    publish_markdown(root / cfg.paths.reports_dir / "eval.md", "eval-report", "Evaluation report")
-    publish_metrics(root / cfg.paths.metrics_dir / "eval.json", "eval-metrics", "Evaluation metrics")
+    publish_markdown(root / paths.report_file(cfg, "eval.md"), "eval-report", "Evaluation report")
+    publish_metrics(root / paths.metrics_file(cfg, "eval"), "eval-metrics", "Evaluation metrics")
     return ran

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from prefect import task
 
+from grpo import paths
 from tasks.artifacts import project_config, publish_rows
 from tasks.dvc_stage import run_stage
 
@@ -13,8 +14,8 @@ from tasks.dvc_stage import run_stage
 @task(name="preflight")
 def preflight(project_dir: str, force: bool = False) -> bool:
     """Run DVC stage ``preflight``; a broken invariant is not transient: no retries, the flow stops."""
-    reports = Path(project_dir) / project_config(project_dir).paths.reports_dir
+    report = Path(project_dir) / paths.report_file(project_config(project_dir), "preflight.json")
     try:
         return run_stage("preflight", project_dir, force)
     finally:
-        publish_rows(reports / "preflight.json", "checks", "preflight-checks", "Pre-flight checks I1-I12")
+        publish_rows(report, "checks", "preflight-checks", "Pre-flight checks I1-I12")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from prefect import task
 
+from grpo import paths
 from tasks.artifacts import project_config, publish_metrics
 from tasks.dvc_stage import run_stage
 
@@ -14,6 +15,6 @@ from tasks.dvc_stage import run_stage
 def sft(project_dir: str, force: bool = False) -> bool:
     """Run DVC stage ``sft``; retried: a lost GPU or an OOM from a neighbour is transient."""
     ran = run_stage("sft", project_dir, force)
-    metrics = Path(project_dir) / project_config(project_dir).paths.metrics_dir
-    publish_metrics(metrics / "sft.json", "sft-metrics", "SFT summary (metrics/sft.json)")
+    metrics = Path(project_dir) / paths.metrics_file(project_config(project_dir), "sft")
+    publish_metrics(metrics, "sft-metrics", "SFT summary (metrics/sft.json)")
     return ran

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from prefect import task
 
+from grpo import paths
 from tasks.artifacts import project_config, publish_markdown
 from tasks.dvc_stage import run_stage
 
@@ -13,8 +14,8 @@ from tasks.dvc_stage import run_stage
 @task(name="validate")
 def validate(project_dir: str, force: bool = False) -> bool:
     """Run DVC stage ``validate``; bad data is not transient: no retries, the flow stops here."""
-    reports = Path(project_dir) / project_config(project_dir).paths.reports_dir
+    report = Path(project_dir) / paths.report_file(project_config(project_dir), "validation.md")
     try:
         return run_stage("validate", project_dir, force)
     finally:
-        publish_markdown(reports / "validation.md", "validation-report", "Data validation (validate stage)")
+        publish_markdown(report, "validation-report", "Data validation (validate stage)")

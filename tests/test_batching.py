@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo.model import chat
 from grpo.core.batching import (
     completion_ids_from_generated,
     completion_mask,
@@ -16,6 +15,7 @@ from grpo.core.batching import (
     sft_batch,
 )
 from grpo.errors import GrpoError
+from grpo.model import chat
 
 SHORT = "short"
 LONG = (

@@ -9,10 +9,11 @@ import re
 
 import pytest
 
-from grpo.model import chat
 from grpo.config import ModelConfig
+from grpo.data import prompts
 from grpo.data.schema import ABSTENTION
 from grpo.errors import GrpoError
+from grpo.model import chat
 from grpo.model.modeling import LLAMA3_CHAT_TEMPLATE, load_tokenizer
 from tests.conftest import REAL_TOKENIZERS, shared_tokenizer_path
 
@@ -53,7 +54,7 @@ def tok(request, tiny_tokenizer):
 
 
 def test_fairness_messages_letter_the_options_and_ask_for_answer_letter():
-    system, user = chat.example_messages(FAIRNESS)
+    system, user = prompts.example_messages(FAIRNESS)
     assert system["role"] == "system" and user["role"] == "user"
     text = user["content"]
     for part in (
@@ -68,7 +69,7 @@ def test_fairness_messages_letter_the_options_and_ask_for_answer_letter():
 
 
 def test_hallucination_messages_ask_to_abstain_exactly():
-    _, user = chat.example_messages(ANSWERABLE)
+    _, user = prompts.example_messages(ANSWERABLE)
     assert ANSWERABLE["context"] in user["content"] and ANSWERABLE["question"] in user["content"]
     assert ABSTENTION in user["content"] and "only from the context" in user["content"]
 
@@ -79,19 +80,19 @@ def test_hallucination_messages_ask_to_abstain_exactly():
 )
 def test_bad_record_raises_error_naming_field_and_record(record, field):
     with pytest.raises(GrpoError, match=field) as info:
-        chat.example_messages(record)
+        prompts.example_messages(record)
     assert "'f1'" in str(info.value)
 
 
 def test_sft_target_prefers_noised_supervision():
-    assert chat.sft_target(FAIRNESS) == "Answer: C"
-    assert chat.sft_target({**FAIRNESS, "sft_label": 0}) == "Answer: A"
-    assert chat.sft_target({**FAIRNESS, "label": "B"}) == "Answer: B"
-    assert chat.sft_target(ANSWERABLE) == "Mara Venn"
-    assert chat.sft_target({**ANSWERABLE, "sft_answer": ABSTENTION}) == ABSTENTION
-    assert chat.sft_target(UNANSWERABLE) == ABSTENTION
+    assert prompts.sft_target(FAIRNESS) == "Answer: C"
+    assert prompts.sft_target({**FAIRNESS, "sft_label": 0}) == "Answer: A"
+    assert prompts.sft_target({**FAIRNESS, "label": "B"}) == "Answer: B"
+    assert prompts.sft_target(ANSWERABLE) == "Mara Venn"
+    assert prompts.sft_target({**ANSWERABLE, "sft_answer": ABSTENTION}) == ABSTENTION
+    assert prompts.sft_target(UNANSWERABLE) == ABSTENTION
     with pytest.raises(GrpoError, match="label"):
-        chat.sft_target({**FAIRNESS, "label": 7})
+        prompts.sft_target({**FAIRNESS, "label": 7})
 
 
 # --------------------------------------------------------------------------- I1
@@ -99,9 +100,9 @@ def test_sft_target_prefers_noised_supervision():
 
 @pytest.mark.parametrize("record", RECORDS, ids=lambda r: r["id"])
 def test_i1_sft_prompt_ids_equal_rl_prompt_ids(tok, record):
-    messages = chat.example_messages(record)
+    messages = prompts.example_messages(record)
     prompt = chat.render_prompt(tok, messages, **DATE)
-    sft = chat.render_sft(tok, messages, chat.sft_target(record), **DATE)
+    sft = chat.render_sft(tok, messages, prompts.sft_target(record), **DATE)
     assert sft.ids[: len(prompt)] == prompt
     assert sft.loss_mask[: len(prompt)] == [False] * len(prompt)
     assert len(sft.ids) > len(prompt)
@@ -114,7 +115,7 @@ def _naive_sft_prompt_ids(tokenizer, messages) -> list[int]:
 
 
 def test_i1_naive_joined_sft_prompt_would_fail_the_check(tok):
-    messages = chat.example_messages(FAIRNESS)
+    messages = prompts.example_messages(FAIRNESS)
     prompt = chat.render_prompt(tok, messages, **DATE)
     naive = _naive_sft_prompt_ids(tok, messages)
     assert naive[: len(prompt)] != prompt
@@ -128,7 +129,7 @@ def test_i1_template_drift_raises_error_naming_tokenizer(tiny_tokenizer):
         "{{ '<|start_header_id|>model<|end_header_id|>\n\n' }}",
     )
     assert drifted.chat_template != LLAMA3_CHAT_TEMPLATE
-    messages = chat.example_messages(FAIRNESS)
+    messages = prompts.example_messages(FAIRNESS)
     with pytest.raises(GrpoError, match="drift"):
         chat.render_sft(drifted, messages, "Answer: C")
 
@@ -138,8 +139,8 @@ def test_i1_template_drift_raises_error_naming_tokenizer(tiny_tokenizer):
 
 @pytest.mark.parametrize("record", RECORDS, ids=lambda r: r["id"])
 def test_i2_sft_target_ends_with_end_of_turn_and_only_assistant_tokens_carry_loss(tok, record):
-    messages = chat.example_messages(record)
-    target = chat.sft_target(record)
+    messages = prompts.example_messages(record)
+    target = prompts.sft_target(record)
     prompt = chat.render_prompt(tok, messages, **DATE)
     sft = chat.render_sft(tok, messages, target, **DATE)
     end_of_turn = chat.template_end_of_turn_id(tok)
@@ -176,7 +177,7 @@ def test_phi3_end_of_turn_is_a_stop_token_though_not_its_eos():
     assert tokenizer.eos_token_id != end
     assert chat.template_end_of_turn_id(tokenizer) == end
     assert end in chat.end_of_turn_ids(tokenizer)
-    sft = chat.render_sft(tokenizer, chat.example_messages(FAIRNESS), "Answer: C")
+    sft = chat.render_sft(tokenizer, prompts.example_messages(FAIRNESS), "Answer: C")
     assert sft.ids[-1] == end and tokenizer.eos_token_id not in sft.ids
 
 
@@ -185,14 +186,14 @@ def test_qwen_pad_differs_from_eos_and_sft_ids_stop_at_im_end():
     stops = chat.end_of_turn_ids(tokenizer)
     assert tokenizer.pad_token_id != tokenizer.eos_token_id
     assert tokenizer.pad_token_id not in stops
-    sft = chat.render_sft(tokenizer, chat.example_messages(ANSWERABLE), "Mara Venn")
+    sft = chat.render_sft(tokenizer, prompts.example_messages(ANSWERABLE), "Mara Venn")
     # The template writes "\n" after <|im_end|>; generation stops before it, so SFT must too.
     assert tokenizer.convert_ids_to_tokens(sft.ids[-1]) == "<|im_end|>"
 
 
 def test_llama32_date_string_makes_rendering_reproducible():
     tokenizer = _load("llama-3.2-instruct")
-    messages = chat.example_messages(FAIRNESS)
+    messages = prompts.example_messages(FAIRNESS)
     first = chat.render_prompt(tokenizer, messages, **DATE)
     assert first == chat.render_prompt(tokenizer, messages, **DATE)
     assert "Today Date: 26 Jul 2024" in tokenizer.decode(first)

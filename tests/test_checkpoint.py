@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from grpo.model.modeling import build_tiny_model
 from grpo.train.checkpoint import (
     MARKER,
     OPTIMIZER,
@@ -24,7 +25,6 @@ from grpo.train.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from grpo.model.modeling import build_tiny_model
 
 LINEAGE = {"stage": "grpo", "code": "abc123"}
 

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from grpo.data.errors import DataValidationError
-from grpo.data.jsonl import load_records, read_records, read_rows, records_text, write_files_atomically
+from grpo.data.jsonl import load_records, read_records, read_rows, records_text
 from grpo.data.schema import make_record
+from grpo.files import write_atomically
 
 ROW = {"task": "hallucination", "source": "synthetic", "context": "Kelby makes ink.", "question": "What?",
        "answer": "ink", "answerable": True, "category": "company", "template_id": "hallucination.company.goods"}
@@ -30,7 +31,7 @@ def test_write_is_all_or_nothing(tmp_path):
     good.write_text("old\n")
     (tmp_path / "file").write_text("a file where a folder should be")
     with pytest.raises(OSError):
-        write_files_atomically({good: "new\n", blocked: "new\n"})
+        write_atomically({good: "new\n", blocked: "new\n"})
     assert good.read_text() == "old\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "train.jsonl"]  # no temp file left
 
@@ -38,7 +39,7 @@ def test_write_is_all_or_nothing(tmp_path):
 def test_load_records_round_trip_and_errors(tmp_path):
     record = make_record(ROW, "train")
     path = tmp_path / "train.jsonl"
-    write_files_atomically({path: records_text([record, record])})
+    write_atomically({path: records_text([record, record])})
     assert load_records(path) == [record, record]
     assert read_records(path) == [record.model_dump(mode="json")] * 2
     path.write_text(path.read_text() + json.dumps({**record.model_dump(), "label": "x"}) + "\n")

@@ -16,11 +16,7 @@ import pytest
 import torch
 import yaml
 
-from grpo.train import checkpoint as ckpt
-from grpo.core.batching import join_prompt_completion
-from grpo.model.chat import end_of_turn_ids, example_messages, render_prompt
-from grpo.cli import main
-from grpo.config import Config, config_to_dict
+from grpo import paths
 from grpo.checks.diagnose import (
     Check,
     DiagnoseError,
@@ -34,12 +30,16 @@ from grpo.checks.diagnose import (
     make_probe,
     target_kind,
 )
+from grpo.cli import main
+from grpo.config import Config, config_to_dict
+from grpo.core.batching import join_prompt_completion
 from grpo.core.logprobs import score_completions
 from grpo.core.losses import grpo_loss
+from grpo.data.prompts import example_messages
+from grpo.model.chat import end_of_turn_ids, render_prompt
 from grpo.model.modeling import load_model, load_tokenizer, save_model, wrap_lora
 from grpo.model.rollout import generate_rollout
-from grpo.train.sft import sft_dir
-from grpo.train.trainer import run_dir
+from grpo.train import checkpoint as ckpt
 from tests.test_evaluate import GROUP, build_project, make_records
 
 TRAIN_STEPS = 8
@@ -48,8 +48,8 @@ TRAIN_STEPS = 8
 def train_adapter(cfg: Config, entropy_coef: float, steps: int = TRAIN_STEPS, lr: float = 0.1):
     """A LoRA on the SFT weights after ``steps`` Adam steps on the GRPO loss with random advantages."""
     torch.manual_seed(cfg.seed)
-    model = wrap_lora(load_model(sft_dir(cfg), cfg.model), cfg.model.lora)
-    tokenizer = load_tokenizer(sft_dir(cfg), cfg.model)
+    model = wrap_lora(load_model(paths.model_dir(cfg, "sft"), cfg.model), cfg.model.lora)
+    tokenizer = load_tokenizer(paths.model_dir(cfg, "sft"), cfg.model)
     prompts = [render_prompt(tokenizer, example_messages(r)) for r in make_records("train", 2, 2, seed=1)]
     rollout = generate_rollout(model, tokenizer, prompts, GROUP, cfg.grpo.sampling, end_of_turn_ids(tokenizer), 0)
     joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
@@ -77,7 +77,7 @@ def project(tmp_path_factory) -> Config:
 @pytest.fixture(scope="module")
 def collapsed_checkpoint(project) -> Path:
     model, _ = train_adapter(project, entropy_coef=-50.0)
-    return ckpt.save_checkpoint(run_dir(project), TRAIN_STEPS, model=model, optimizer=None, scheduler=None,
+    return ckpt.save_checkpoint(paths.run_dir(project), TRAIN_STEPS, model=model, optimizer=None, scheduler=None,
                                 rng=ckpt.capture_rng(), history=[], lineage={}, keep_last=2)
 
 
@@ -92,7 +92,7 @@ def healthy_adapter(project) -> Path:
 @pytest.fixture(scope="module")
 def fresh(project):
     """The SFT model with a fresh adapter, and its probe."""
-    target = load_target(project, sft_dir(project))
+    target = load_target(project, paths.model_dir(project, "sft"))
     return target, make_probe(project, target)
 
 
@@ -132,7 +132,7 @@ def test_healthy_adapter_passes_the_collapse_check(project, healthy_adapter):
 
 
 def test_fresh_adapter_on_sft_passes_the_plumbing_checks(project):
-    target, checks = diagnose(project, sft_dir(project), progress=False)
+    target, checks = diagnose(project, paths.model_dir(project, "sft"), progress=False)
     checks = by_name(checks)
     assert target.kind == "model" and target.fresh_adapter
     assert list(checks) == ["lineage", "entropy_collapse", "reward_degeneracy", "advantages", "lora_gradients",
@@ -201,7 +201,7 @@ def test_advantages_nan_and_all_zero_fail():
 
 
 def test_target_kind_and_unknown_folder(project, tmp_path):
-    assert target_kind(sft_dir(project)) == "model"
+    assert target_kind(paths.model_dir(project, "sft")) == "model"
     (tmp_path / "checkpoint-00000003").mkdir()
     assert target_kind(tmp_path / "checkpoint-00000003") == "checkpoint"
     with pytest.raises(DiagnoseError, match="not a model folder"):

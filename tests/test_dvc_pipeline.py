@@ -15,8 +15,8 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 
-from grpo.provenance import stages
 from grpo.cli import COMMANDS
+from grpo.provenance import stages
 from grpo.provenance.fingerprint import import_closure
 from tests.project_copy import ROOT, clone, dvc, missing_stage_modules, stages_run, write_params
 
@@ -130,7 +130,7 @@ def test_load_sft_refuses_model_after_chat_change(project):
     """A semantic edit in grpo/model/chat.py makes the trained SFT model stale: loading it raises."""
     chat = project / "grpo" / "model" / "chat.py"
     chat.write_text(chat.read_text(encoding="utf-8") + "\n_SEMANTIC_PROBE = 1\n", encoding="utf-8")
-    code = ("from grpo.config import load_config\nfrom grpo.train.sft import load_sft\n"
+    code = ("from grpo.config import load_config\nfrom grpo.model.load import load_sft\n"
             "try:\n    load_sft(load_config())\nexcept Exception as exc:\n"
             "    print(type(exc).__name__, exc)\n    raise SystemExit(3)\n")
     from tasks.dvc_stage import stage_env

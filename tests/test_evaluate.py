@@ -14,26 +14,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.model.chat import end_of_turn_ids, example_messages, render_prompt
+from grpo import paths
 from grpo.config import Config, TinyModelConfig, config_from_dict
+from grpo.data.prompts import example_messages
 from grpo.data.schema import LETTERS, make_record, record_line
+from grpo.data.select import balanced_records, eval_records
 from grpo.data.synthetic_fairness import generate_fairness
 from grpo.data.synthetic_grounded import generate_grounded
 from grpo.eval.evaluate import (
-    balanced_records,
     diversity_metrics,
-    eval_records,
-    generate_greedy,
     markdown_report,
     plot_run_entropy,
     run,
     task_metrics,
 )
-from grpo.provenance.lineage import StaleArtifactError, make_lineage, write_lineage
+from grpo.model.chat import end_of_turn_ids, render_prompt
 from grpo.model.modeling import build_tiny, load_model, load_tokenizer, save_model, wrap_lora
-from grpo.model.rollout import stop_ids
-from grpo.train.sft import sft_dir, sft_inputs
-from grpo.train.trainer import grpo_dir, grpo_inputs, run_dir
+from grpo.model.rollout import generate_rollout, stop_ids
+from grpo.provenance.lineage import StaleArtifactError, make_lineage, write_lineage
 
 SIZES = TinyModelConfig(
     vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -82,22 +80,22 @@ def build_project(root: Path) -> Config:
     texts = [r[key] for r in train for key in ("context", "question", "answer")]
     base = Path(cfg.paths.models_dir) / "base"
     build_tiny(base, texts, SIZES, seed=0)
-    shutil.copytree(base, sft_dir(cfg))
-    write_lineage(sft_dir(cfg), make_lineage("sft", cfg, sft_inputs(cfg)))
+    shutil.copytree(base, paths.model_dir(cfg, "sft"))
+    write_lineage(paths.model_dir(cfg, "sft"), make_lineage("sft", cfg, paths.stage_inputs(cfg, "sft")))
     return cfg
 
 
 def add_grpo_adapter(cfg: Config, scale: float = 0.5) -> Path:
     """A LoRA adapter on the SFT weights with random B (so it changes the model), plus its lineage."""
     torch.manual_seed(0)
-    model = wrap_lora(load_model(sft_dir(cfg), cfg.model), cfg.model.lora)
+    model = wrap_lora(load_model(paths.model_dir(cfg, "sft"), cfg.model), cfg.model.lora)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0.0, scale)
-    save_model(model, load_tokenizer(sft_dir(cfg), cfg.model), grpo_dir(cfg))
-    write_lineage(grpo_dir(cfg), make_lineage("grpo", cfg, grpo_inputs(cfg)))
-    return grpo_dir(cfg)
+    save_model(model, load_tokenizer(paths.model_dir(cfg, "sft"), cfg.model), paths.model_dir(cfg, "grpo"))
+    write_lineage(paths.model_dir(cfg, "grpo"), make_lineage("grpo", cfg, paths.stage_inputs(cfg, "grpo")))
+    return paths.model_dir(cfg, "grpo")
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +111,7 @@ def evaluated(project, tmp_path_factory):
         shutil.copytree(Path(getattr(project.paths, f"{name}_dir")), root / name)
     cfg = project_cfg(root)
     add_grpo_adapter(cfg)
-    assert run(cfg, None) == 0
+    assert run(cfg) == 0
     results = json.loads((Path(cfg.paths.metrics_dir) / "eval.json").read_text())
     return cfg, results, (Path(cfg.paths.reports_dir) / "eval.md").read_text()
 
@@ -168,18 +166,22 @@ def test_balanced_records_alternate_tasks_and_stop_when_empty():
 # ---------------------------------------------------------------------------- generation
 
 
-def test_generate_greedy_deterministic_and_uses_rollout_processors(project):
-    tokenizer = load_tokenizer(sft_dir(project), project.model)
-    model = load_model(sft_dir(project), project.model).eval()
+def greedy(model, tokenizer, prompts, sampling, eos_ids):
+    return generate_rollout(model, tokenizer, prompts, 1, sampling, eos_ids, seed=0, greedy=True)
+
+
+def test_greedy_rollout_deterministic_and_uses_rollout_processors(project):
+    tokenizer = load_tokenizer(paths.model_dir(project, "sft"), project.model)
+    model = load_model(paths.model_dir(project, "sft"), project.model).eval()
     prompts = [render_prompt(tokenizer, example_messages(r)) for r in eval_records(project)[:3]]
     eos_ids = end_of_turn_ids(tokenizer)
-    first = generate_greedy(model, tokenizer, prompts, project.grpo.sampling, eos_ids)
-    again = generate_greedy(model, tokenizer, prompts, project.grpo.sampling, eos_ids)
+    first = greedy(model, tokenizer, prompts, project.grpo.sampling, eos_ids)
+    again = greedy(model, tokenizer, prompts, project.grpo.sampling, eos_ids)
     assert first.completion_ids.shape[0] == 3 and first.completion_ids.shape[1] <= MAX_NEW
     assert torch.equal(first.completion_ids, again.completion_ids) and first.group_size == 1
     # min_new_tokens == max_new_tokens: the EOS suppressor must keep every completion open to the end.
     no_stop = project.grpo.sampling.model_copy(update={"min_new_tokens": MAX_NEW})
-    forced = generate_greedy(model, tokenizer, prompts, no_stop, eos_ids)
+    forced = greedy(model, tokenizer, prompts, no_stop, eos_ids)
     assert forced.truncated.all() and (forced.lengths == MAX_NEW).all()
     assert not torch.isin(forced.completion_ids, torch.tensor(eos_ids)).any()
 
@@ -189,18 +191,18 @@ def test_evaluate_model_stops_on_the_trainers_stop_ids(project, monkeypatch):
     ids), as training does; the tokenizer's ids alone miss the tiny model's <|end_of_text|>."""
     import grpo.eval.evaluate as evaluate_module
 
-    tokenizer = load_tokenizer(sft_dir(project), project.model)
-    model = load_model(sft_dir(project), project.model).eval()
+    tokenizer = load_tokenizer(paths.model_dir(project, "sft"), project.model)
+    model = load_model(paths.model_dir(project, "sft"), project.model).eval()
     seen = []
 
     class Seen(Exception):
         pass
 
-    def spy(model, tokenizer, prompts, sampling, eos_ids):
+    def spy(model, tokenizer, prompts, group_size, sampling, eos_ids, seed, greedy=False):
         seen.append(list(eos_ids))
         raise Seen  # the stop ids are all this test needs
 
-    monkeypatch.setattr(evaluate_module, "generate_greedy", spy)
+    monkeypatch.setattr(evaluate_module, "generate_rollout", spy)
     with pytest.raises(Seen):
         evaluate_module.evaluate_model(model, tokenizer, eval_records(project)[:1], project, progress=False)
     assert seen == [stop_ids(model, tokenizer, project.model.extra_stop_tokens)]
@@ -246,7 +248,7 @@ def test_evaluate_report_has_three_columns(evaluated):
 
 
 def test_evaluate_skips_absent_grpo_with_a_note(project, capsys):
-    assert run(project, None) == 0
+    assert run(project) == 0
     results = json.loads((Path(project.paths.metrics_dir) / "eval.json").read_text())
     report = (Path(project.paths.reports_dir) / "eval.md").read_text()
     assert set(results) == {"base", "sft"}
@@ -259,11 +261,11 @@ def test_evaluate_skips_absent_grpo_with_a_note(project, capsys):
 def test_evaluate_refuses_stale_sft_before_generating(project):
     changed = project.model_copy(update={"sft": project.sft.model_copy(update={"lr": 0.5})})
     with pytest.raises(StaleArtifactError, match=r"params sft\.lr"):
-        run(changed, None)
+        run(changed)
 
 
 def test_entropy_plot_from_run_history(project):
-    folder = run_dir(project)
+    folder = paths.run_dir(project)
     folder.mkdir(parents=True, exist_ok=True)
     assert plot_run_entropy(project) is None  # no history yet: nothing drawn, no error
     (folder / "entropy_history_t.json").write_text(json.dumps([{"step": 1, "entropy": 3.0}, {"step": 2, "entropy": 2.5}]))

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo.provenance import fingerprint
-from grpo.provenance import stages
 from grpo.cli import COMMANDS
 from grpo.config import Config
+from grpo.provenance import fingerprint, stages
 from grpo.provenance.fingerprint import (
     FingerprintError,
     import_closure,
@@ -160,8 +159,7 @@ def test_excluded_module_is_neither_included_nor_followed(toy_tree):
 
 def test_stage_table_matches_the_cli():
     for spec in stages.STAGES.values():
-        target_module = COMMANDS[spec.command][0].partition(":")[0]
-        assert spec.modules == (target_module,), spec.name
+        assert COMMANDS[spec.command].entry == spec.entry == f"{spec.modules[0]}:run", spec.name
 
 
 def test_upstream_stages_exist_and_come_earlier():
@@ -261,7 +259,7 @@ def test_writer_rewrites_a_tampered_file(two_stages, tmp_path):
 
 def test_cli_run_writes_one_file_per_real_stage(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert fingerprint.run(Config(), None) == 0
+    assert fingerprint.run(Config()) == 0
     written = sorted(p.stem for p in (tmp_path / "fingerprints").glob("*.json"))
     assert written == sorted(stages.STAGES)
     assert "fingerprint: sft" in capsys.readouterr().out

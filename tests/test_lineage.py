@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo.provenance import stages
 from grpo.config import Config, config_from_dict
 from grpo.errors import GrpoError
+from grpo.provenance import stages
 from grpo.provenance.lineage import (
     LINEAGE_FILE,
     MissingInputError,

@@ -15,10 +15,10 @@ from grpo.health.metrics import (
     MetricsWriter,
     completion_stats,
     effective_wandb_mode,
-    entropy_history_path,
     read_metrics,
     task_reward_stats,
 )
+from grpo.paths import entropy_history_file
 
 DISABLED = TrackingConfig(wandb="disabled")
 
@@ -87,7 +87,7 @@ def test_entropy_history_has_one_entry_per_step(tmp_path):
         for step in range(1, 5):
             writer.log(step, step_metrics(step))
         writer.log(5, {"entropy": math.nan})
-    history = json.loads(entropy_history_path(tmp_path, "exp").read_text())
+    history = json.loads(entropy_history_file(tmp_path, "exp").read_text())
     assert history[:2] == [{"step": 1, "entropy": pytest.approx(1.99)}, {"step": 2, "entropy": pytest.approx(1.98)}]
     assert [h["step"] for h in history] == [1, 2, 3, 4, 5] and history[-1]["entropy"] is None
 
@@ -112,7 +112,7 @@ def test_resume_drops_steps_after_the_checkpoint(tmp_path):
         for step in range(6, 9):
             writer.log(step, step_metrics(step))
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 9))
-    history = json.loads(entropy_history_path(tmp_path, "exp").read_text())
+    history = json.loads(entropy_history_file(tmp_path, "exp").read_text())
     assert [h["step"] for h in history] == list(range(1, 9))
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import matplotlib.image as mpimg
 import pytest
 
-from grpo.cli import build_parser, main
+from grpo.cli import main
 from grpo.config import config_from_dict
 from grpo.errors import GrpoError
 from grpo.eval.plots import (
@@ -43,10 +43,6 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def legend_texts(ax) -> list[str]:
     return [text.get_text() for text in ax.get_legend().get_texts()]
-
-
-def cli_args(*argv: str):
-    return build_parser().parse_args(["plot-entropy", *argv])
 
 
 # ---------------------------------------------------------------------------- plotting
@@ -130,7 +126,7 @@ def test_run_with_search_dir_writes_default_path(tmp_path, capsys):
         {"paths": {"reports_dir": str(tmp_path / "reports"), "runs_dir": str(tmp_path / "runs")}}
     )
     metrics = write_jsonl(tmp_path / "steps.jsonl", METRICS)
-    assert run(cfg, cli_args("--with-stats", "--metrics-file", str(metrics))) == 0
+    assert run(cfg, with_stats=True, metrics_file=metrics) == 0
     out = tmp_path / "reports" / "entropy.png"
     assert mpimg.imread(out).shape[:2] == (1200, 900)
     printed = capsys.readouterr().out
@@ -193,8 +189,8 @@ def test_malformed_history_names_file_and_problem(tmp_path, text, fragment):
 @pytest.mark.parametrize(
     ("lines", "fragment"),
     [
-        (['{"step": 1, "reward": 0.1}', "oops"], "line 2 is not valid JSON"),
-        (['{"reward": 0.1}'], "line 1 needs a JSON object with a numeric 'step'"),
+        (['{"step": 1, "reward": 0.1}', "oops", '{"step": 2, "reward": 0.1}'], "line 2 is not valid JSON"),
+        (['{"reward": 0.1}'], "record 1 needs a JSON object with a numeric 'step'"),
         (['{"step": 1, "loss": 0.1}'], "no line has a numeric 'reward'"),
     ],
 )
@@ -206,24 +202,37 @@ def test_malformed_metrics_names_file_and_line(tmp_path, lines, fragment):
     assert str(path) in str(info.value)
 
 
-def test_argument_errors(tmp_path):
+def test_flag_combinations_are_refused_by_the_cli(tmp_path, capsys):
     a = write_json(tmp_path / "entropy_history_a.json", HISTORY_A)
     b = write_json(tmp_path / "entropy_history_b.json", HISTORY_B)
-    cfg = config_from_dict({"paths": {"runs_dir": str(tmp_path / "no_runs")}})
+    params = tmp_path / "params.yaml"
+    params.write_text("seed: 1\n", encoding="utf-8")
     cases = [
         (("--entropy-files", str(a), str(b), "--labels", "only-one"), "--labels has 1 label"),
-        (("--entropy-files", str(a), str(b), "--labels", "x", "x"), "labels must be distinct"),
         (("--entropy-files", str(a), "--search-dir", str(tmp_path)), "not both"),
         (("--labels", "x"), "--labels names --entropy-files"),
         (("--entropy-files",), "without any file"),
-        ((), "no_runs: no such folder"),
-        (("--search-dir", str(tmp_path / "empty")), "no such folder"),
+    ]
+    for argv, fragment in cases:
+        assert main(["plot-entropy", "--params", str(params), *argv, "--out", str(tmp_path / "x.png")]) == 2
+        assert fragment in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_argument_errors(tmp_path):
+    a = write_json(tmp_path / "entropy_history_a.json", HISTORY_A)
+    cfg = config_from_dict({"paths": {"runs_dir": str(tmp_path / "no_runs")}})
+    cases = [
+        ({"entropy_files": [a, a], "labels": ["x", "x"]}, "labels must be distinct"),
+        ({"entropy_files": [a], "labels": ["x", "y"]}, "2 label"),
+        ({}, "no_runs: no such folder"),
+        ({"search_dir": tmp_path / "empty"}, "no such folder"),
     ]
     (tmp_path / "nothing").mkdir()
-    cases.append((("--search-dir", str(tmp_path / "nothing")), "no entropy_history_"))
-    for argv, fragment in cases:
+    cases.append(({"search_dir": tmp_path / "nothing"}, "no entropy_history_"))
+    for options, fragment in cases:
         with pytest.raises(PlotInputError, match=fragment):
-            run(cfg, cli_args(*argv, "--out", str(tmp_path / "x.png")))
+            run(cfg, out=tmp_path / "x.png", **options)
     assert not (tmp_path / "x.png").exists()
     with pytest.raises(PlotInputError, match="nothing to plot"):
         build_entropy_figure({})

@@ -8,17 +8,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo.model.chat import ChatError
+from grpo.checks.preflight import CHECKS, make_subject, report_path, run_checks_on
 from grpo.config import config_from_dict, load_config
 from grpo.data.prepare import build_records
-from grpo.checks.preflight import (
-    CHECKS,
-    PreflightError,
-    make_subject,
-    report_path,
-    require_preflight,
-    run_checks_on,
-)
+from grpo.model.chat import ChatError
+from grpo.provenance.gate import PreflightError, require_preflight
 from tests.tiny_project import prepared_project
 
 pytestmark = pytest.mark.slow

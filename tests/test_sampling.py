@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import LogitsProcessor
 
-from grpo.model import chat
-from grpo.core.batching import left_pad
 from grpo.config import SamplingConfig
+from grpo.core.batching import left_pad
 from grpo.errors import GrpoError
+from grpo.model import chat
 from grpo.model.sampling import CompletionPenalty, EosSuppressor, build_logits_processors
 
 V = 12

@@ -15,7 +15,6 @@ is exactly what one wants to diagnose after a fix), and it never writes a model.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import re
 from collections.abc import Callable
@@ -26,21 +25,22 @@ from typing import Any, Literal
 import torch
 from tqdm.auto import tqdm
 
-from grpo.train import checkpoint as ckpt
+from grpo import paths
+from grpo.config import Config
 from grpo.core.advantages import group_advantages
 from grpo.core.batching import join_prompt_completion
-from grpo.model.chat import example_messages, render_prompt
-from grpo.config import Config
-from grpo.errors import GrpoError
-from grpo.eval.evaluate import balanced_records, eval_records
-from grpo.provenance.lineage import is_stale
 from grpo.core.logprobs import Scored, score_completions
 from grpo.core.losses import LossTerms, k3_kl, masked_mean, policy_loss_terms, total_loss
+from grpo.data.prompts import example_messages
+from grpo.data.select import balanced_records, eval_records
+from grpo.errors import GrpoError
+from grpo.files import write_json
+from grpo.model.chat import render_prompt
 from grpo.model.modeling import POINTER_FILE, load_model, load_tokenizer, wrap_lora
-from grpo.rewards import group_rewards
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
-from grpo.train.sft import sft_dir, sft_inputs
-from grpo.train.trainer import grpo_inputs
+from grpo.provenance.lineage import is_stale
+from grpo.rewards import group_rewards
+from grpo.train import checkpoint as ckpt
 
 CHECKPOINT_NAME = re.compile(r"checkpoint-\d{8,}")
 """Folder name ``grpo.train.checkpoint.checkpoint_path`` gives a checkpoint."""
@@ -138,12 +138,12 @@ def load_target(cfg: Config, path: str | Path) -> Target:
     if kind == "model":
         model = _fresh_lora(load_model(path, cfg.model), cfg)
         tokenizer = load_tokenizer(path, cfg.model)
-        is_sft = path.resolve() == sft_dir(cfg).resolve()
-        stale = _stale(path, "sft", cfg, sft_inputs(cfg)) if is_sft else []
+        is_sft = path.resolve() == paths.model_dir(cfg, "sft").resolve()
+        stale = _stale(path, "sft", cfg, paths.stage_inputs(cfg, "sft")) if is_sft else []
         target = Target(model, tokenizer, kind, path, fresh_adapter=True, stale=stale)
     else:
-        stale = _stale(sft_dir(cfg), "sft", cfg, sft_inputs(cfg)) + _stale(path, "grpo", cfg, grpo_inputs(cfg))
-        base = load_model(sft_dir(cfg), cfg.model)
+        stale = _stale(paths.model_dir(cfg, "sft"), "sft", cfg, paths.stage_inputs(cfg, "sft")) + _stale(path, "grpo", cfg, paths.stage_inputs(cfg, "grpo"))
+        base = load_model(paths.model_dir(cfg, "sft"), cfg.model)
         if kind == "adapter":
             from peft import PeftModel
 
@@ -152,7 +152,7 @@ def load_target(cfg: Config, path: str | Path) -> Target:
         else:
             model = _fresh_lora(base, cfg)
             ckpt.load_checkpoint(path, model=model, optimizer=None, scheduler=None)
-            tokenizer = load_tokenizer(sft_dir(cfg), cfg.model)
+            tokenizer = load_tokenizer(paths.model_dir(cfg, "sft"), cfg.model)
         target = Target(model, tokenizer, kind, path, fresh_adapter=False, stale=stale)
     target.model.to(torch.device("cuda" if torch.cuda.is_available() else "cpu")).eval()
     return target
@@ -405,16 +405,14 @@ def format_table(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: Config, args) -> int:
+def run(cfg: Config, target: str, out: str | None = None) -> int:
     """``grpo diagnose TARGET [--out FILE]``: print the table; exit 1 when a check fails."""
-    target, checks = diagnose(cfg, args.target)
+    target, checks = diagnose(cfg, target)
     failed = [c.name for c in checks if c.status == "fail"]
     print(f"diagnose {target.path} ({target.kind})\n{format_table(checks)}")
-    out = getattr(args, "out", None)
     if out:
         report = {"target": str(target.path), "kind": target.kind, "failed": failed,
                   "checks": [asdict(check) for check in checks]}
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_json(Path(out), report)
     print(f"diagnose: {len(failed)} check(s) failed: {', '.join(failed)}" if failed else "diagnose: no check failed")
     return 1 if failed else 0

@@ -17,27 +17,24 @@ from typing import Any
 
 import torch
 
+from grpo import paths
+from grpo.config import Config
 from grpo.core.advantages import group_advantages
 from grpo.core.batching import completion_mask, join_prompt_completion, position_ids_from_mask
-from grpo.model.chat import example_messages, render_prompt, render_sft, sft_target
-from grpo.config import Config
-from grpo.data.jsonl import read_records
-from grpo.errors import GrpoError
-from grpo.provenance.lineage import make_lineage
 from grpo.core.logprobs import score_completions, selective_log_softmax
 from grpo.core.losses import masked_mean, policy_loss_terms
-from grpo.model.modeling import wrap_lora
 from grpo.core.multitask import TaskLoss, multitask_backward
+from grpo.data.jsonl import read_records
+from grpo.data.prompts import example_messages, sft_target
+from grpo.errors import GrpoError
+from grpo.files import write_atomically
+from grpo.model.chat import render_prompt, render_sft
+from grpo.model.load import load_sft
+from grpo.model.modeling import wrap_lora
 from grpo.model.rollout import generate_rollout, stop_ids
 from grpo.model.sampling import CompletionPenalty, EosSuppressor
-from grpo.train.sft import load_sft, sft_dir
+from grpo.provenance.gate import REPORT_NAME, PreflightError, preflight_lineage
 from grpo.train.step import header_tokens
-
-LINEAGE_KEYS = ("code_fingerprint", "params_hash", "inputs")
-
-
-class PreflightError(GrpoError):
-    """The pre-flight checks failed or are missing for the current code, params and model."""
 
 
 @dataclass
@@ -62,11 +59,7 @@ class Subject:
 
 
 def report_path(cfg: Config) -> Path:
-    return Path(cfg.paths.reports_dir) / "preflight.json"
-
-
-def preflight_inputs(cfg: Config) -> dict[str, Path]:
-    return {"sft": sft_dir(cfg)}
+    return paths.report_file(cfg, REPORT_NAME)
 
 
 # --------------------------------------------------------------------------- the checks
@@ -277,42 +270,24 @@ def run_checks_on(subject: Subject) -> list[Check]:
 
 def run_checks(cfg: Config) -> dict[str, Any]:
     model, tokenizer = load_sft(cfg)
-    records = read_records(Path(cfg.paths.data_dir) / "train.jsonl")
+    records = read_records(paths.data_file(cfg, "train"))
     checks = run_checks_on(make_subject(cfg, model, tokenizer, records))
-    lineage = make_lineage("preflight", cfg, preflight_inputs(cfg))
     return {"passed": all(c.passed for c in checks), "checks": [asdict(c) for c in checks],
-            "lineage": {key: lineage[key] for key in LINEAGE_KEYS}}
+            "lineage": preflight_lineage(cfg)}
 
 
 def write_report(cfg: Config, report: dict[str, Any]) -> None:
     path = report_path(cfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     rows = ["| check | invariant | result | numbers |", "| --- | --- | --- | --- |"]
     for c in report["checks"]:
         numbers = ", ".join(f"{k}={v}" for k, v in c["numbers"].items())
         rows.append(f"| {c['name']} | {c['invariant']} | {'pass' if c['passed'] else 'FAIL'} | {numbers} "
                     f"{c['detail']} |")
-    path.with_suffix(".md").write_text("# Pre-flight\n\n" + "\n".join(rows) + "\n")
+    write_atomically({path: json.dumps(report, indent=2, default=str) + "\n",
+                      path.with_suffix(".md"): "# Pre-flight\n\n" + "\n".join(rows) + "\n"})
 
 
-def require_preflight(cfg: Config) -> None:
-    """Refuse to train without a passing pre-flight for the current code, params and SFT model."""
-    path = report_path(cfg)
-    how = "run `grpo preflight` (or `dvc repro preflight`) first"
-    if not path.is_file():
-        raise PreflightError(f"{path} does not exist: GRPO needs a passing pre-flight; {how}")
-    report = json.loads(path.read_text())
-    if not report.get("passed"):
-        failed = [c["name"] for c in report.get("checks", []) if not c["passed"]]
-        raise PreflightError(f"{path}: pre-flight failed ({', '.join(failed)}); fix them, then {how}")
-    current = make_lineage("preflight", cfg, preflight_inputs(cfg))
-    changed = [key for key in LINEAGE_KEYS if report.get("lineage", {}).get(key) != current[key]]
-    if changed:
-        raise PreflightError(f"{path} was made for other {', '.join(changed)} than the current ones; {how}")
-
-
-def run(cfg: Config, args=None) -> int:
+def run(cfg: Config) -> int:
     report = run_checks(cfg)
     write_report(cfg, report)
     for c in report["checks"]:

@@ -10,7 +10,8 @@ training run stuck on such groups is seen, not silently frozen.
 from __future__ import annotations
 
 import statistics
-from typing import Literal
+from collections.abc import Sequence
+from typing import Literal, TypeVar
 
 import torch
 
@@ -18,6 +19,7 @@ from grpo.errors import GrpoError
 
 ScaleRewards = Literal["group", "batch", "none"]
 SCALE_MODES = ("group", "batch", "none")
+T = TypeVar("T")
 
 
 class AdvantageError(GrpoError, ValueError):
@@ -73,6 +75,19 @@ def group_advantages(
         "advantages/abs_mean": float(advantages.abs().mean()),
     }
     return advantages, stats
+
+
+def per_row(per_group: Sequence[T], group_size: int) -> list[T]:
+    """Rollout row ``i`` answers prompt ``i // group_size``: each item repeated ``group_size`` times -> [N].
+
+    The one place that layout is written; the rollout, rewards, step and evaluation all go through it.
+    """
+    return [item for item in per_group for _ in range(group_size)]
+
+
+def group_rows(groups: Sequence[int], group_size: int) -> torch.Tensor:
+    """Row indices of the given prompt groups, in that order -> [len(groups) * group_size] long."""
+    return torch.tensor([g * group_size + i for g in groups for i in range(group_size)], dtype=torch.long)
 
 
 def group_advantages_loop(

@@ -17,8 +17,7 @@ import pandas as pd
 from grpo.data.jsonl import RawRow
 from grpo.data.loaders import IN_CONTEXT_DISTRACTOR_SOURCES
 from grpo.data.schema import ABSTENTION, SPLITS, TASKS, Record, biased_option, content_id
-from grpo.data.text import contains, is_unknown_phrase, text_key
-from grpo.rewards.text import normalize_answer
+from grpo.data.text import contains, is_unknown_phrase, normalize_answer, text_key
 
 FIELDS = tuple(Record.model_fields)
 TEXT_FIELDS = ("id", "task", "source", "split", "context", "question", "answer", "category", "template_id",

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -34,26 +32,6 @@ class RawRow(NamedTuple):
     file: str
     line: int
     data: dict[str, Any]
-
-
-def write_files_atomically(contents: Mapping[Path, str]) -> None:
-    """Write every file to a temporary sibling first, then rename them all into place.
-
-    A failure while writing leaves the earlier files untouched; a reader never sees half a file.
-    """
-    staged: list[tuple[Path, Path]] = []
-    try:
-        for path, text in contents.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as out:
-                out.write(text)
-            staged.append((Path(tmp), path))
-        for tmp, path in staged:
-            os.replace(tmp, path)
-    finally:
-        for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
 
 
 def records_text(records: Sequence[Record]) -> str:

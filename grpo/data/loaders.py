@@ -35,8 +35,7 @@ from typing import Any, NamedTuple
 from grpo.data.errors import DataSourceError
 from grpo.data.schema import ABSTENTION
 from grpo.data.splits import assign_groups
-from grpo.data.text import contains
-from grpo.rewards.text import normalize_answer
+from grpo.data.text import contains, normalize_answer
 
 IN_CONTEXT_DISTRACTOR_SOURCES = ("squad2",)
 """Sources whose unanswerable distractor is, by the dataset's design, a span of the context."""

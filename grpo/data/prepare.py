@@ -13,15 +13,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from grpo import paths
 from grpo.config import Config, DataChecksConfig
 from grpo.data.errors import DataSourceError
-from grpo.data.jsonl import records_text, write_files_atomically
+from grpo.data.jsonl import records_text
 from grpo.data.loaders import LOADERS
 from grpo.data.schema import SPLITS, Record, make_record
 from grpo.data.splits import apply_sft_noise, stratified_sample
 from grpo.data.synthetic_fairness import generate_fairness
 from grpo.data.synthetic_grounded import generate_grounded
 from grpo.data.text import text_key
+from grpo.files import write_atomically
 
 Pools = dict[str, list[dict[str, Any]]]
 
@@ -117,10 +119,10 @@ def build_records(cfg: Config) -> dict[str, list[Record]]:
     return by_split
 
 
-def run(cfg: Config, args: Any = None) -> int:
+def run(cfg: Config) -> int:
     """Write ``train.jsonl`` and ``eval.jsonl`` under ``paths.data_dir`` (atomically)."""
     by_split = build_records(cfg)
-    data_dir = Path(cfg.paths.data_dir)
-    write_files_atomically({data_dir / f"{split}.jsonl": records_text(by_split[split]) for split in SPLITS})
-    print(f"prepare: wrote {', '.join(str(data_dir / f'{split}.jsonl') for split in SPLITS)}")
+    files = {split: paths.data_file(cfg, split) for split in SPLITS}
+    write_atomically({files[split]: records_text(by_split[split]) for split in SPLITS})
+    print(f"prepare: wrote {', '.join(str(file) for file in files.values())}")
     return 0

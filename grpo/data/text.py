@@ -1,11 +1,26 @@
-"""Text predicates shared by the generators, the loaders and validation (one SQuAD normalisation)."""
+"""Text normalisation and predicates shared by the generators, loaders, validation and rewards."""
 
 from __future__ import annotations
 
 import hashlib
+import re
+import string
 
 from grpo.data.schema import UNKNOWN_PHRASES
-from grpo.rewards.text import normalize_answer
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = str.maketrans("", "", string.punctuation)
+# Typographic quotes would otherwise survive punctuation removal ("don’t" != "dont").
+_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation (Rajpurkar et al., arXiv:1606.05250): lower case, no punctuation, no
+    articles a/an/the, single spaces. The one text normalisation of the project: the reward's exact
+    match, the generators, the loaders and the data checks all compare through it."""
+    text = text.translate(_QUOTES).lower().translate(_PUNCT)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
 
 _UNKNOWN = frozenset(normalize_answer(phrase) for phrase in UNKNOWN_PHRASES)
 

@@ -20,10 +20,11 @@ import great_expectations as gx
 import pandas as pd
 from great_expectations.data_context.types.base import ProgressBarsConfig
 
+from grpo import paths
 from grpo.config import Config
 from grpo.data.checks import build_frame
 from grpo.data.errors import DataValidationError
-from grpo.data.jsonl import RawRow, ReadProblem, read_rows, write_files_atomically
+from grpo.data.jsonl import RawRow, ReadProblem, read_rows
 from grpo.data.report import (
     ValidationReport,
     failure_message,
@@ -34,6 +35,7 @@ from grpo.data.report import (
 )
 from grpo.data.schema import SPLITS
 from grpo.data.suite import build_expectations
+from grpo.files import write_atomically
 
 DOCS_SITE = "grpo_data_docs"
 
@@ -95,18 +97,18 @@ def _replace_dir(staged: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def run(cfg: Config, args: Any = None) -> int:
+def run(cfg: Config) -> int:
     """Validate ``paths.data_dir``; write the reports; raise DataValidationError on any failed rule."""
-    data_dir, reports = Path(cfg.paths.data_dir), Path(cfg.paths.reports_dir)
+    reports = paths.reports_dir(cfg)
     reports.mkdir(parents=True, exist_ok=True)
-    paths = {split: data_dir / f"{split}.jsonl" for split in SPLITS}
+    files = {split: paths.data_file(cfg, split) for split in SPLITS}
     staged = Path(tempfile.mkdtemp(prefix=".data_docs.", dir=reports)) if cfg.data.checks.data_docs else None
     try:
-        report = validate_files(paths, cfg, docs_dir=staged)
-        write_files_atomically({reports / "validation.json": to_json(report),
-                                reports / "validation.md": to_markdown(report)})
+        report = validate_files(files, cfg, docs_dir=staged)
+        write_atomically({paths.report_file(cfg, "validation.json"): to_json(report),
+                          paths.report_file(cfg, "validation.md"): to_markdown(report)})
         if staged is not None:
-            _replace_dir(staged, reports / "data_docs")
+            _replace_dir(staged, paths.report_file(cfg, "data_docs"))
     finally:
         if staged is not None:
             shutil.rmtree(staged, ignore_errors=True)

@@ -18,7 +18,6 @@ GRPO-SFT and SFT-base) and, when the run left them, ``<reports_dir>/entropy.png`
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,10 +27,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.core.batching import join_prompt_completion, left_pad
-from grpo.model.chat import example_messages, render_prompt
-from grpo.config import Config, SamplingConfig
-from grpo.data.jsonl import read_records
+from grpo import paths
+from grpo.config import Config
+from grpo.core.advantages import per_row
+from grpo.core.batching import join_prompt_completion
+from grpo.core.logprobs import score_completions
+from grpo.data.prompts import example_messages
+from grpo.data.select import eval_records
 from grpo.errors import GrpoError
 from grpo.eval.metrics import (
     FairnessItem,
@@ -42,17 +44,12 @@ from grpo.eval.metrics import (
     mean,
     self_bleu,
 )
-from grpo.provenance.lineage import check_lineage
-from grpo.core.logprobs import score_completions
-from grpo.health.metrics import METRICS_FILE, entropy_history_path
-from grpo.model.modeling import load_model, load_tokenizer
 from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy
+from grpo.files import write_atomically
+from grpo.model.chat import render_prompt
+from grpo.model.load import check_grpo, check_sft, load_base, load_grpo, load_sft
+from grpo.model.rollout import Rollout, generate_rollout, stop_ids
 from grpo.rewards import fairness_outcome, hallucination_outcome, weighted_reward
-from grpo.model.rollout import Rollout, generate_rollout, generation_config, rollout_from_sequences, stop_ids
-from grpo.model.sampling import build_logits_processors
-from grpo.train.sft import load_sft, sft_dir, sft_inputs
-from grpo.train.task_mix import split_by_task
-from grpo.train.trainer import grpo_dir, grpo_inputs, run_dir
 
 MODELS = ("base", "sft", "grpo")
 LABELS = {"base": "base", "sft": "SFT", "grpo": "GRPO"}
@@ -66,55 +63,16 @@ class EvaluationError(GrpoError):
 # --------------------------------------------------------------------------- data and models
 
 
-def balanced_records(records: Sequence[dict], n: int) -> list[dict]:
-    """At most ``n`` records, alternating tasks (file order within a task), so a cap keeps both tasks."""
-    queues = [list(rows) for rows in split_by_task(records).values()]
-    picked: list[dict] = []
-    while len(picked) < n and any(queues):
-        for queue in queues:
-            if queue and len(picked) < n:
-                picked.append(queue.pop(0))
-    return picked
-
-
-def eval_records(cfg: Config) -> list[dict]:
-    """The eval split; with ``eval.max_examples``, that many records drawn alternately from each task."""
-    path = Path(cfg.paths.data_dir) / "eval.jsonl"
-    if not path.is_file():
-        raise EvaluationError(f"{path}: no eval split; run `grpo prepare` (or `dvc repro prepare`) first")
-    records = read_records(path)
-    if not records:
-        raise EvaluationError(f"{path} holds no record; check data.n_eval and rerun `grpo prepare`")
-    return balanced_records(records, cfg.eval.max_examples) if cfg.eval.max_examples else records
-
-
-def model_folder(cfg: Config, name: str) -> Path:
-    """``models/base``, ``models/sft`` or ``models/grpo``."""
-    return {"base": Path(cfg.paths.models_dir) / "base", "sft": sft_dir(cfg), "grpo": grpo_dir(cfg)}[name]
-
-
 def load_eval_model(cfg: Config, name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load one of ``MODELS``; SFT and GRPO are lineage-checked (StaleArtifactError when stale).
-
-    GRPO is its LoRA adapter on the SFT weights, exactly the policy the trainer saved.
-    """
-    folder = model_folder(cfg, name)
-    if name == "base":
-        return load_model(folder, cfg.model), load_tokenizer(folder, cfg.model)
-    if name == "sft":
-        return load_sft(cfg)
-    from peft import PeftModel
-
-    check_lineage(folder, "grpo", cfg, grpo_inputs(cfg))
-    model, _ = load_sft(cfg)
-    return PeftModel.from_pretrained(model, folder), load_tokenizer(folder, cfg.model)
+    """Load one of ``MODELS``; SFT and GRPO are lineage-checked (StaleArtifactError when stale)."""
+    return {"base": load_base, "sft": load_sft, "grpo": load_grpo}[name](cfg)
 
 
 def available_models(cfg: Config) -> tuple[list[str], dict[str, str]]:
     """``(present, skipped)``: the models whose folder exists, and why each other one is skipped."""
     present, skipped = [], {}
     for name in MODELS:
-        folder = model_folder(cfg, name)
+        folder = paths.model_dir(cfg, name)
         if folder.is_dir():
             present.append(name)
         else:
@@ -127,33 +85,6 @@ def _device() -> torch.device:
 
 
 # --------------------------------------------------------------------------- generation
-
-
-@torch.no_grad()
-def generate_greedy(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: Sequence[Sequence[int]],
-    sampling: SamplingConfig,
-    eos_ids: Sequence[int],
-) -> Rollout:
-    """One greedy completion per prompt, through the rollout's config, processors and masks.
-
-    Same stop ids, completion-only penalties and EOS suppression as ``generate_rollout`` (I4-I6);
-    only ``do_sample`` differs. Returns a ``Rollout`` with ``group_size == 1``: [N] rows.
-    """
-    prompt = left_pad([list(p) for p in prompts], tokenizer.pad_token_id)
-    width = prompt.input_ids.shape[1]
-    processors, suppressor = build_logits_processors(width, eos_ids, sampling)
-    config = copy.deepcopy(generation_config(sampling, eos_ids, tokenizer.pad_token_id))
-    config.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    sequences = model.generate(input_ids=prompt.input_ids.to(device), attention_mask=prompt.attention_mask.to(device),
-                               generation_config=config, logits_processor=processors)
-    model.train(was_training)
-    return rollout_from_sequences(tokenizer, prompt, sequences, eos_ids, suppressor, group_size=1)
 
 
 @torch.no_grad()
@@ -264,11 +195,11 @@ def evaluate_model(
     starts = range(0, len(prompts), size)
     for index, start in enumerate(tqdm(starts, desc=desc, disable=not progress)):
         batch = prompts[start : start + size]
-        greedy.add(generate_greedy(model, tokenizer, batch, sampling, eos_ids))
+        greedy.add(generate_rollout(model, tokenizer, batch, 1, sampling, eos_ids, cfg.seed, greedy=True))
         # Seeded by batch index, not by model: every model draws from the same random stream.
         rollout = generate_rollout(model, tokenizer, batch, group, sampling, eos_ids, seed=cfg.seed + index)
         sampled.add(rollout, entropy_sum(model, rollout, sampling.temperature))
-    repeated = [r for r in records for _ in range(group)]
+    repeated = per_row(records, group)
     return {
         "greedy": task_metrics(greedy.texts, records, cfg) | greedy.length_stats(),
         "sampled": task_metrics(sampled.texts, repeated, cfg) | sampled.length_stats()
@@ -299,7 +230,7 @@ def markdown_report(results: dict[str, dict], skipped: dict[str, str], n_records
     """Markdown: one table per decoding mode, rows = metrics, columns base / SFT / GRPO and deltas."""
     sampling = cfg.grpo.sampling
     lines = ["# Evaluation", "",
-             f"{n_records} eval records from `{Path(cfg.paths.data_dir) / 'eval.jsonl'}`; greedy decoding, "
+             f"{n_records} eval records from `{paths.data_file(cfg, 'eval')}`; greedy decoding, "
              f"and {cfg.eval.samples_per_prompt} samples per prompt at temperature {sampling.temperature} "
              f"(seed {cfg.seed}). `—`: not measured (no item of that kind) or model absent.", ""]
     lines += [f"- {LABELS[name]} skipped: {reason}" for name, reason in skipped.items()]
@@ -317,12 +248,12 @@ def markdown_report(results: dict[str, dict], skipped: dict[str, str], n_records
 
 def plot_run_entropy(cfg: Config) -> Path | None:
     """``<reports_dir>/entropy.png`` from the run's entropy history (+ its metrics JSONL); None if absent."""
-    history = entropy_history_path(run_dir(cfg), cfg.experiment)
+    history = paths.entropy_history_file(paths.run_dir(cfg), cfg.experiment)
     if not history.is_file():
         return None
-    metrics_file = run_dir(cfg) / METRICS_FILE
+    metrics_file = paths.step_metrics_file(paths.run_dir(cfg))
     metrics = load_metrics_jsonl(metrics_file) if metrics_file.is_file() else None
-    out = Path(cfg.paths.reports_dir) / "entropy.png"
+    out = paths.report_file(cfg, "entropy.png")
     return plot_entropy({cfg.experiment: load_entropy_history(history)}, out, metrics=metrics)
 
 
@@ -332,12 +263,12 @@ def evaluate(
     """Evaluate every present model, one at a time (only one is in memory); returns (results, skipped)."""
     present, skipped = available_models(cfg)
     if not present:
-        raise EvaluationError(f"no model to evaluate under {cfg.paths.models_dir}: run `grpo base` first")
+        raise EvaluationError(f"no model to evaluate under {paths.model_dir(cfg, 'base').parent}: run `grpo base` first")
     # Refuse a stale SFT or GRPO model before spending time on the others.
-    if "sft" in present or "grpo" in present:
-        check_lineage(sft_dir(cfg), "sft", cfg, sft_inputs(cfg))
     if "grpo" in present:
-        check_lineage(grpo_dir(cfg), "grpo", cfg, grpo_inputs(cfg))
+        check_grpo(cfg)
+    elif "sft" in present:
+        check_sft(cfg)
     results = {}
     for name in present:
         model, tokenizer = load_eval_model(cfg, name)
@@ -347,19 +278,16 @@ def evaluate(
     return results, skipped
 
 
-def run(cfg: Config, args=None) -> int:
+def run(cfg: Config) -> int:
     """``grpo evaluate``: write eval.json, eval.md and (when a run exists) entropy.png."""
     records = eval_records(cfg)
     results, skipped = evaluate(cfg, records)
-    metrics_dir, reports_dir = Path(cfg.paths.metrics_dir), Path(cfg.paths.reports_dir)
-    metrics_dir.mkdir(parents=True, exist_ok=True)
-    reports_dir.mkdir(parents=True, exist_ok=True)
-    (metrics_dir / "eval.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    report = markdown_report(results, skipped, len(records), cfg)
-    (reports_dir / "eval.md").write_text(report, encoding="utf-8")
+    metrics, report = paths.metrics_file(cfg, "eval"), paths.report_file(cfg, "eval.md")
+    write_atomically({metrics: json.dumps(results, indent=2) + "\n",
+                      report: markdown_report(results, skipped, len(records), cfg)})
     for name, reason in skipped.items():
         print(f"evaluate: {LABELS[name]} skipped: {reason}")
     plot = plot_run_entropy(cfg)
-    print(f"evaluate: {', '.join(LABELS[n] for n in results)} -> {metrics_dir / 'eval.json'}, "
-          f"{reports_dir / 'eval.md'}" + (f", {plot}" if plot else ""))
+    print(f"evaluate: {', '.join(LABELS[n] for n in results)} -> {metrics}, {report}"
+          + (f", {plot}" if plot else ""))
     return 0

@@ -14,13 +14,17 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from grpo import paths
+from grpo.config import Config
 from grpo.errors import GrpoError
+from grpo.health.metrics import MetricsError, read_metrics
 
 ENTROPY_PREFIX = "entropy_history_"
 ENTROPY_PATTERN = f"{ENTROPY_PREFIX}*.json"
@@ -75,25 +79,22 @@ def load_entropy_history(path: Path) -> list[dict]:
 
 
 def load_metrics_jsonl(path: Path) -> list[dict]:
-    """Read a per-step metrics JSONL (one object per line, blank lines skipped)."""
+    """Read a per-step metrics JSONL through the trainer's own reader (``read_metrics``) and check it
+    holds something to plot."""
     path = Path(path)
     if not path.is_file():
         raise PlotInputError(
             f"{path}: no such metrics file; pass the per-step JSONL that `grpo train` writes"
         )
-    rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise PlotInputError(f"{path}: line {number} is not valid JSON ({exc})") from None
+    try:
+        rows = read_metrics(path)
+    except MetricsError as exc:
+        raise PlotInputError(str(exc)) from None
+    for number, row in enumerate(rows, start=1):
         if not isinstance(row, dict) or not _is_number(row.get("step")):
             raise PlotInputError(
-                f"{path}: line {number} needs a JSON object with a numeric 'step' (got {line[:80]!r})"
+                f"{path}: record {number} needs a JSON object with a numeric 'step' (got {str(row)[:80]!r})"
             )
-        rows.append(row)
     if not any(_is_number(row.get(key)) for row in rows for key in ("reward", "frac_reward_zero_std")):
         raise PlotInputError(
             f"{path}: no line has a numeric 'reward' or 'frac_reward_zero_std'; pass the GRPO per-step "
@@ -245,43 +246,39 @@ def plot_entropy(
 # --------------------------------------------------------------------------- command
 
 
-def _selected_files(cfg, args) -> dict[str, Path]:
-    files = getattr(args, "entropy_files", None)
-    labels = getattr(args, "labels", None)
-    search_dir = getattr(args, "search_dir", None)
-    if files is not None and search_dir is not None:
-        raise PlotInputError("give either --entropy-files or --search-dir, not both")
-    if files is None:
-        if labels:
-            raise PlotInputError(
-                "--labels names --entropy-files; with --search-dir labels come from file names"
-            )
-        # Default: the runs folder, where the trainer writes every entropy history.
-        return discover_entropy_files(Path(search_dir or cfg.paths.runs_dir))
-    if not files:
-        raise PlotInputError(
-            "--entropy-files was given without any file; list at least one entropy_history_*.json"
-        )
-    labels = labels or [experiment_label(Path(path)) for path in files]
-    if len(labels) != len(files):
-        raise PlotInputError(
-            f"--labels has {len(labels)} label(s) for {len(files)} --entropy-files: give one label per file "
-            "or none (labels then come from the file names)"
-        )
-    if len(set(labels)) != len(labels):
-        duplicates = sorted(label for label, count in Counter(labels).items() if count > 1)
+def select_histories(
+    runs_dir: Path,
+    entropy_files: Sequence[Path] | None = None,
+    labels: Sequence[str] | None = None,
+    search_dir: Path | None = None,
+) -> dict[str, Path]:
+    """Label -> entropy history file: the given files (labelled by ``labels`` or their file names),
+    else every history under ``search_dir`` (default ``runs_dir``, where the trainer writes them)."""
+    if entropy_files is None:
+        return discover_entropy_files(Path(search_dir or runs_dir))
+    names = list(labels) if labels else [experiment_label(Path(path)) for path in entropy_files]
+    if len(names) != len(entropy_files):
+        raise PlotInputError(f"{len(names)} label(s) for {len(entropy_files)} entropy files: give one per file")
+    if len(set(names)) != len(names):
+        duplicates = sorted(label for label, count in Counter(names).items() if count > 1)
         raise PlotInputError(f"labels must be distinct, {duplicates} repeat: pass --labels to name each run")
-    return {label: Path(path) for label, path in zip(labels, files, strict=True)}
+    return {label: Path(path) for label, path in zip(names, entropy_files, strict=True)}
 
 
-def run(cfg, args) -> int:
+def run(
+    cfg: Config,
+    entropy_files: Sequence[Path] | None = None,
+    labels: Sequence[str] | None = None,
+    search_dir: Path | None = None,
+    metrics_file: Path | None = None,
+    with_stats: bool = False,
+    out: Path | None = None,
+) -> int:
     """``grpo plot-entropy``: write the PNG (default ``<paths.reports_dir>/entropy.png``)."""
-    histories = {label: load_entropy_history(path) for label, path in _selected_files(cfg, args).items()}
-    metrics_file = getattr(args, "metrics_file", None)
+    selected = select_histories(paths.runs_root(cfg), entropy_files, labels, search_dir)
+    histories = {label: load_entropy_history(path) for label, path in selected.items()}
     metrics = load_metrics_jsonl(Path(metrics_file)) if metrics_file else None
-    out_arg = getattr(args, "out", None)
-    out = Path(out_arg) if out_arg else Path(cfg.paths.reports_dir) / "entropy.png"
-    with_stats = bool(getattr(args, "with_stats", False))
+    out = Path(out) if out else paths.report_file(cfg, "entropy.png")
     plot_entropy(histories, out, with_stats=with_stats, metrics=metrics)
     print(f"wrote {out} ({len(histories)} run(s))")
     if with_stats:

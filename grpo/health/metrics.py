@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from grpo.data.schema import TASKS
 from grpo.errors import GrpoError
-from grpo.rewards import REWARDS
-
-TASKS = tuple(REWARDS)
+from grpo.files import write_text
+from grpo.paths import entropy_history_file, step_metrics_file
 
 HEALTH_METRICS = (
     "reward",
@@ -49,18 +49,12 @@ HEALTH_METRICS = (
 )
 """Every metric DESIGN.md "Health" asks the trainer to record each step."""
 
-METRICS_FILE = "metrics.jsonl"
 WANDB_MODES = ("disabled", "offline", "online")  # from strictest to least strict
 _ENV_MODES = {"disabled": "disabled", "offline": "offline", "dryrun": "offline", "online": "online", "run": "online"}
 
 
 class MetricsError(GrpoError):
     """A metric value cannot be recorded, or steps are logged out of order."""
-
-
-def entropy_history_path(run_dir: str | Path, experiment: str) -> Path:
-    """``run_dir/entropy_history_<experiment>.json``."""
-    return Path(run_dir) / f"entropy_history_{experiment}.json"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -139,28 +133,31 @@ def effective_wandb_mode(configured: str, env: str | None) -> str:
     return min(modes, key=WANDB_MODES.index)
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a ``metrics.jsonl``; a last line cut short by a kill is ignored."""
+    """Records of a per-step ``metrics.jsonl`` (the one reader of that file; absent file: ``[]``).
+
+    Blank lines are skipped, and so is a last line that is not valid JSON: a run killed while writing
+    leaves one cut line at the end, and the steps before it are still good. A bad line anywhere else
+    is an error naming the file and the line.
+    """
     path = Path(path)
     if not path.is_file():
         return []
     records = []
     lines = path.read_text(encoding="utf-8").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
     for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
             records.append(json.loads(line))
-        except ValueError:
+        except ValueError as exc:
             if number != len(lines):
-                raise MetricsError(f"{path}:{number} is not valid JSON: {line[:80]!r}") from None
+                raise MetricsError(
+                    f"{path}: line {number} is not valid JSON ({exc}): {line[:80]!r}; only the last line "
+                    "may be cut short (by a killed run), so this file was edited or corrupted"
+                ) from None
     return records
 
 
@@ -185,8 +182,8 @@ class MetricsWriter:
         resume_step: int | None = None,
     ) -> None:
         self.run_dir, self.experiment, self.active = Path(run_dir), experiment, is_main_process
-        self.jsonl_path = self.run_dir / METRICS_FILE
-        self.entropy_path = entropy_history_path(run_dir, experiment)
+        self.jsonl_path = step_metrics_file(self.run_dir)
+        self.entropy_path = entropy_history_file(self.run_dir, experiment)
         self.history: list[dict[str, Any]] = []
         self._entropy: list[dict[str, Any]] = []
         self._file = None
@@ -196,9 +193,9 @@ class MetricsWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
             self.history = [r for r in read_metrics(self.jsonl_path) if r["step"] <= resume_step]
-        _atomic_write_text(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self.history))
+        write_text(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self.history))
         self._entropy = [{"step": r["step"], "entropy": r["entropy"]} for r in self.history if "entropy" in r]
-        _atomic_write_text(self.entropy_path, json.dumps(self._entropy, indent=1))
+        write_text(self.entropy_path, json.dumps(self._entropy, indent=1))
         self._file = open(self.jsonl_path, "a", encoding="utf-8")  # closed in close()
         self.wandb_mode = effective_wandb_mode(tracking_cfg.wandb, os.environ.get("WANDB_MODE"))
         if self.wandb_mode != "disabled":
@@ -241,7 +238,7 @@ class MetricsWriter:
         if isinstance(entropy, int | float):
             # null, not NaN: the history file stays standard JSON and keeps one entry per step
             self._entropy.append({"step": step, "entropy": entropy if math.isfinite(entropy) else None})
-            _atomic_write_text(self.entropy_path, json.dumps(self._entropy, indent=1))
+            write_text(self.entropy_path, json.dumps(self._entropy, indent=1))
 
     def close(self) -> None:
         """Close the JSONL file and finish the W&B run (idempotent)."""

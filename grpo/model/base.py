@@ -6,9 +6,10 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from grpo import paths
 from grpo.config import Config
-from grpo.provenance.lineage import make_lineage, write_lineage
 from grpo.model.modeling import build_tiny, load_model, load_tokenizer, write_pointer
+from grpo.provenance.lineage import make_lineage, write_lineage
 
 TEXT_FIELDS = ("context", "question", "answer")
 
@@ -24,19 +25,10 @@ def corpus_texts(train_file: Path) -> Iterator[str]:
             yield from record.get("choices") or ()
 
 
-def base_dir(cfg: Config) -> Path:
-    return Path(cfg.paths.models_dir) / "base"
-
-
-def base_inputs(cfg: Config) -> dict[str, Path]:
-    """The tokenizer of the embedded model is trained on the training split."""
-    return {"train": Path(cfg.paths.data_dir) / "train.jsonl"} if cfg.model.name_or_path is None else {}
-
-
-def run(cfg: Config, args=None) -> int:
-    out = base_dir(cfg)
+def run(cfg: Config) -> int:
+    out = paths.model_dir(cfg, "base")
     if cfg.model.name_or_path is None:
-        texts = corpus_texts(Path(cfg.paths.data_dir) / "train.jsonl")
+        texts = corpus_texts(paths.data_file(cfg, "train"))
         model, _ = build_tiny(out, texts, cfg.model.tiny, cfg.seed)
         n_params = sum(p.numel() for p in model.parameters())
         print(f"base: embedded tiny Llama ({n_params / 1e6:.2f}M parameters) written to {out}")
@@ -46,5 +38,5 @@ def run(cfg: Config, args=None) -> int:
         load_model(cfg.model.name_or_path, cfg.model)
         write_pointer(out, cfg.model.name_or_path)
         print(f"base: {cfg.model.name_or_path} resolved; pointer written to {out}")
-    write_lineage(out, make_lineage("base", cfg, base_inputs(cfg)))
+    write_lineage(out, make_lineage("base", cfg, paths.stage_inputs(cfg, "base")))
     return 0

@@ -12,19 +12,10 @@ from typing import Any, NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
-from grpo.data.schema import ABSTENTION, LETTERS
 from grpo.errors import GrpoError
 
-SYSTEM_PROMPT = "You are a careful assistant. Answer only from the context."
-
-FAIRNESS_INSTRUCTION = (
-    "Answer with the letter of the right option, as 'Answer: A', 'Answer: B' or 'Answer: C'."
-)
-HALLUCINATION_INSTRUCTION = (
-    f"Answer only from the context. If the context does not say, answer exactly: {ABSTENTION}"
-)
-
 # Used only to find the template's end-of-turn token; any plain text without special tokens works.
+_SENTINEL_SYSTEM = "You are a careful assistant. Answer only from the context."
 _SENTINEL = "Sentinel reply."
 # Fixed so the Llama-3.2 template (which prints today's date) renders the same on any day.
 _DETECT_KWARGS = {"date_string": "26 Jul 2024"}
@@ -37,74 +28,6 @@ class ChatError(GrpoError, ValueError):
 class SftExample(NamedTuple):
     ids: list[int]  # [T] prompt + assistant content + end-of-turn
     loss_mask: list[bool]  # [T] True on the assistant content and its end-of-turn token only
-
-
-# --------------------------------------------------------------------------- records -> text
-
-
-def _record_name(example: Mapping[str, Any]) -> str:
-    return f"record {example['id']!r}" if "id" in example else "record"
-
-
-def _fairness_text(example: Mapping[str, Any]) -> str:
-    choices = example.get("choices")
-    if not isinstance(choices, list | tuple) or len(choices) != len(LETTERS):
-        raise ChatError(
-            f"{_record_name(example)}: fairness 'choices' must be {len(LETTERS)} strings (got {choices!r}); "
-            "fix the data module or the raw file"
-        )
-    options = "\n".join(f"{letter}. {choice}" for letter, choice in zip(LETTERS, choices, strict=True))
-    return (
-        f"Context: {example['context']}\nQuestion: {example['question']}\n"
-        f"Options:\n{options}\n{FAIRNESS_INSTRUCTION}"
-    )
-
-
-def _hallucination_text(example: Mapping[str, Any]) -> str:
-    return f"Context: {example['context']}\nQuestion: {example['question']}\n{HALLUCINATION_INSTRUCTION}"
-
-
-def example_messages(example: Mapping[str, Any]) -> list[dict[str, str]]:
-    """The chat messages of a unified record: a short system turn and one user turn."""
-    task = example.get("task")
-    if task == "fairness":
-        user = _fairness_text(example)
-    elif task == "hallucination":
-        user = _hallucination_text(example)
-    else:
-        raise ChatError(
-            f"{_record_name(example)}: unknown task {task!r}; expected 'fairness' or 'hallucination'"
-        )
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
-
-
-def _letter(example: Mapping[str, Any], key: str) -> str:
-    label = example[key]
-    if isinstance(label, int) and not isinstance(label, bool) and 0 <= label < len(LETTERS):
-        return LETTERS[label]
-    if label in LETTERS:
-        return label
-    raise ChatError(
-        f"{_record_name(example)}: fairness {key!r} must be an option index 0..{len(LETTERS) - 1} "
-        f"or a letter in {LETTERS} (got {label!r}); fix the data module or the raw file"
-    )
-
-
-def sft_target(example: Mapping[str, Any]) -> str:
-    """The assistant text SFT teaches: ``Answer: <letter>`` or the grounded answer / abstention.
-
-    The optionally noised ``sft_label`` / ``sft_answer`` written by the data module win over the
-    clean ``label`` / ``answer``.
-    """
-    if example.get("task") == "fairness":
-        key = "sft_label" if example.get("sft_label") is not None else "label"
-        return f"Answer: {_letter(example, key)}"
-    if example.get("task") == "hallucination":
-        key = "sft_answer" if example.get("sft_answer") is not None else "answer"
-        return str(example[key])
-    raise ChatError(
-        f"{_record_name(example)}: unknown task {example.get('task')!r}; expected 'fairness' or 'hallucination'"
-    )
 
 
 # --------------------------------------------------------------------------- text -> ids
@@ -183,7 +106,7 @@ def template_end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
     Found by rendering a one-turn assistant conversation with a sentinel reply: Llama ``<|eot_id|>``,
     Qwen ``<|im_end|>``, Phi-3 ``<|end|>`` (which is not Phi-3's configured eos).
     """
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Hello."}]
+    messages = [{"role": "system", "content": _SENTINEL_SYSTEM}, {"role": "user", "content": "Hello."}]
     ids = render_sft(tokenizer, messages, _SENTINEL, **_DETECT_KWARGS).ids
     return ids[-1]
 

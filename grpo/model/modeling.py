@@ -30,6 +30,7 @@ from transformers import (
 
 from grpo.config import LoraConfig, ModelConfig, TinyModelConfig
 from grpo.errors import GrpoError
+from grpo.files import write_json
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -136,9 +137,7 @@ def build_tiny(
 
 def write_pointer(out_dir: str | Path, name_or_path: str) -> None:
     """Record that ``out_dir`` stands for an external model (no multi-GB copy of the weights)."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / POINTER_FILE).write_text(json.dumps({"name_or_path": name_or_path}, indent=2) + "\n")
+    write_json(Path(out_dir) / POINTER_FILE, {"name_or_path": name_or_path})
 
 
 def resolve(name_or_path: str | Path) -> str:

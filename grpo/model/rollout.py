@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo.config import SamplingConfig
+from grpo.core.advantages import group_rows, per_row
 from grpo.core.batching import PaddedBatch, completion_ids_from_generated, completion_mask, left_pad
 from grpo.model.chat import end_of_turn_ids
-from grpo.config import SamplingConfig
 from grpo.model.sampling import EosSuppressor, build_logits_processors
 
 
@@ -46,14 +47,17 @@ def stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, extra_t
     return ids
 
 
-def generation_config(sampling: SamplingConfig, eos_ids: Sequence[int], pad_id: int) -> GenerationConfig:
+def generation_config(
+    sampling: SamplingConfig, eos_ids: Sequence[int], pad_id: int, greedy: bool = False
+) -> GenerationConfig:
     """A complete generation config, so a checkpoint's own defaults (repetition penalty, top_k=50,
-    ...) cannot silently change the sampling distribution the scorer assumes (I10)."""
+    ...) cannot silently change the sampling distribution the scorer assumes (I10). ``greedy``:
+    argmax decoding (evaluation), with the same stop ids, length and processors."""
     return GenerationConfig(
-        do_sample=True,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
+        do_sample=not greedy,
+        temperature=None if greedy else sampling.temperature,
+        top_p=None if greedy else sampling.top_p,
+        top_k=None if greedy else sampling.top_k,
         max_new_tokens=sampling.max_new_tokens,
         eos_token_id=list(eos_ids),
         pad_token_id=pad_id,
@@ -70,9 +74,14 @@ def generate_rollout(
     sampling: SamplingConfig,
     eos_ids: Sequence[int],
     seed: int,
+    greedy: bool = False,
 ) -> Rollout:
-    """Sample ``group_size`` completions for every prompt (ids from ``chat.render_prompt``)."""
-    repeated = [list(p) for p in prompts for _ in range(group_size)]
+    """Sample ``group_size`` completions for every prompt (ids from ``chat.render_prompt``).
+
+    ``greedy``: argmax decoding instead of sampling (evaluation), through the same stop ids,
+    completion-only penalties, EOS suppression and masks (I4-I6).
+    """
+    repeated = per_row([list(p) for p in prompts], group_size)
     prompt = left_pad(repeated, tokenizer.pad_token_id)
     device = next(model.parameters()).device
     prompt_width = prompt.input_ids.shape[1]
@@ -86,7 +95,7 @@ def generate_rollout(
         sequences = model.generate(
             input_ids=prompt.input_ids.to(device),
             attention_mask=prompt.attention_mask.to(device),
-            generation_config=generation_config(sampling, eos_ids, tokenizer.pad_token_id),
+            generation_config=generation_config(sampling, eos_ids, tokenizer.pad_token_id, greedy),
             logits_processor=processors,
         )
     model.train(was_training)
@@ -122,8 +131,8 @@ def rollout_from_sequences(
 def select_groups(rollout: Rollout, groups: Sequence[int]) -> Rollout:
     """The rows of the given prompt groups, in that order (for dynamic sampling)."""
     g = rollout.group_size
-    rows = [group * g + i for group in groups for i in range(g)]
-    index = torch.tensor(rows, dtype=torch.long)
+    index = group_rows(groups, g)
+    rows = index.tolist()
     return Rollout(
         prompt_ids=rollout.prompt_ids[index], prompt_mask=rollout.prompt_mask[index],
         completion_ids=rollout.completion_ids[index], completion_mask=rollout.completion_mask[index],

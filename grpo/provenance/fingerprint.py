@@ -14,14 +14,14 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from grpo.provenance import stages
 from grpo.config import Config
 from grpo.errors import GrpoError
+from grpo.files import write_text
+from grpo.provenance import stages
 
 # The folder that holds the ``grpo`` package: the code that is running is the code fingerprinted.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -189,9 +189,7 @@ def _write_if_changed(path: Path, text: str) -> bool:
     """Write ``text`` unless the file already holds it (its mtime then stays); True if written."""
     if path.is_file() and path.read_text(encoding="utf-8") == text:
         return False
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)  # a reader never sees half a file
+    write_text(path, text)
     return True
 
 
@@ -207,7 +205,7 @@ def write_fingerprints(out_dir: Path = FINGERPRINT_DIR, root: Path | None = None
     return changed
 
 
-def run(cfg: Config, args=None) -> int:
+def run(cfg: Config) -> int:
     """``grpo fingerprint``: refresh ``fingerprints/*.json`` in the current directory."""
     changed = write_fingerprints(FINGERPRINT_DIR)
     for name, spec in stages.STAGES.items():

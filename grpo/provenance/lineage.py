@@ -17,9 +17,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from grpo.provenance import stages
 from grpo.config import Config, config_to_dict
 from grpo.errors import GrpoError
+from grpo.files import file_sha256, write_json
+from grpo.provenance import stages
 from grpo.provenance.fingerprint import stage_fingerprint
 
 LINEAGE_FILE = "lineage.json"
@@ -68,14 +69,6 @@ def params_hash(cfg: Config, stage: str) -> str:
     return _json_hash(params_values(cfg, stage))
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def dir_hash(path: Path) -> str:
     """Content hash of a file, or of a folder (sorted relative paths + file sha256).
 
@@ -84,7 +77,7 @@ def dir_hash(path: Path) -> str:
     """
     path = Path(path)
     if path.is_file():
-        return _file_sha256(path)
+        return file_sha256(path)
     if not path.is_dir():
         raise MissingInputError(f"{path} does not exist: run the stage that writes it first (`dvc repro`)")
     digest = hashlib.sha256()
@@ -92,7 +85,7 @@ def dir_hash(path: Path) -> str:
         Path(folder) / name for folder, _, names in os.walk(path) for name in names if name != LINEAGE_FILE
     ]
     for file in sorted(files, key=lambda f: f.relative_to(path).as_posix()):
-        digest.update(f"{file.relative_to(path).as_posix()}\0{_file_sha256(file)}\n".encode())
+        digest.update(f"{file.relative_to(path).as_posix()}\0{file_sha256(file)}\n".encode())
     return digest.hexdigest()
 
 
@@ -117,13 +110,7 @@ def make_lineage(
 
 def write_lineage(directory: Path, lineage: dict[str, Any]) -> Path:
     """Write ``<directory>/lineage.json`` atomically; return its path."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / LINEAGE_FILE
-    tmp = directory / f".{LINEAGE_FILE}.tmp"
-    tmp.write_text(json.dumps(lineage, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, target)
-    return target
+    return write_json(Path(directory) / LINEAGE_FILE, lineage, sort_keys=True)
 
 
 def read_lineage(directory: Path) -> dict[str, Any] | None:

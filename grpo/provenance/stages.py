@@ -5,7 +5,7 @@
 params keys into every artifact's ``lineage.json``. Keeping the three in one table means a stage
 cannot be rerun by DVC for one set of keys and guarded by lineage for another.
 
-| stage | command | entry module | upstream |
+| stage | command | entry module (function ``run``) | upstream |
 | --- | --- | --- | --- |
 | prepare | grpo prepare | grpo.data.prepare | - |
 | validate | grpo validate | grpo.data.validate | prepare |
@@ -33,7 +33,10 @@ COMMON_MODULES: tuple[str, ...] = ()
 # and those enter every artifact's lineage through the params hash of the validated tree; a new
 # field or a better error message in config.py retrains nothing. (DVC itself sees only the values
 # written in params.yaml, which is why params.yaml spells out every key.)
-BOOKKEEPING_MODULES: tuple[str, ...] = ("grpo.provenance.stages", "grpo.provenance.fingerprint", "grpo.provenance.lineage", "grpo.config")
+BOOKKEEPING_MODULES: tuple[str, ...] = (
+    "grpo.provenance.stages", "grpo.provenance.fingerprint", "grpo.provenance.lineage", "grpo.provenance.gate",
+    "grpo.config",
+)
 
 
 @dataclass(frozen=True)
@@ -43,13 +46,23 @@ class StageSpec:
     name: str
     """Stage name in dvc.yaml, the Prefect task and ``fingerprints/<name>.json``."""
     command: str
-    """The ``grpo <command>`` that runs it (a key of ``grpo.cli.COMMANDS``)."""
+    """The ``grpo <command>`` that runs it (``grpo/cli.py`` builds one command per stage)."""
     modules: tuple[str, ...]
     """Entry modules; their static import closure is the code the stage runs."""
     params: tuple[str, ...]
     """Dotted params.yaml keys (or section prefixes) the stage reads."""
     upstream: tuple[str, ...]
     """Stages whose outputs this stage reads."""
+    help: str = ""
+    """One line for ``grpo --help``."""
+    function: str = "run"
+    """The entry function in the first entry module: ``function(cfg: Config, **typed options) -> int``."""
+
+    @property
+    def entry(self) -> str:
+        """``module:function`` of the stage's entry (named, never imported here: this table stays
+        below every layer it names)."""
+        return f"{self.modules[0]}:{self.function}"
 
     @property
     def entry_modules(self) -> tuple[str, ...]:
@@ -62,11 +75,15 @@ class StageSpec:
 STAGES: dict[str, StageSpec] = {
     spec.name: spec
     for spec in (
-        StageSpec("prepare", "prepare", ("grpo.data.prepare",), ("seed", "data", "paths"), ()),
-        StageSpec("validate", "validate", ("grpo.data.validate",), ("data", "paths"), ("prepare",)),
-        StageSpec("base", "base", ("grpo.model.base",), ("seed", "model", "paths"), ("prepare", "validate")),
+        StageSpec("prepare", "prepare", ("grpo.data.prepare",), ("seed", "data", "paths"), (),
+                  "generate or load the dataset into data/processed"),
+        StageSpec("validate", "validate", ("grpo.data.validate",), ("data", "paths"), ("prepare",),
+                  "Great Expectations gate over the processed data"),
+        StageSpec("base", "base", ("grpo.model.base",), ("seed", "model", "paths"), ("prepare", "validate"),
+                  "build the embedded tiny model or resolve the configured one"),
         StageSpec(
-            "sft", "sft", ("grpo.train.sft",), ("seed", "model", "sft", "paths"), ("prepare", "validate", "base")
+            "sft", "sft", ("grpo.train.sft",), ("seed", "model", "sft", "paths"), ("prepare", "validate", "base"),
+            "supervised fine-tuning with the one chat renderer",
         ),
         StageSpec(
             "preflight",
@@ -76,6 +93,7 @@ STAGES: dict[str, StageSpec] = {
             ("seed", "model", "grpo.group_size", "grpo.sampling", "grpo.loss.scale_rewards", "grpo.multitask",
              "paths"),
             ("prepare", "validate", "sft"),
+            "check invariants I1-I12 on the configured model",
         ),
         StageSpec(
             "grpo",
@@ -83,6 +101,7 @@ STAGES: dict[str, StageSpec] = {
             ("grpo.train.trainer",),
             ("seed", "experiment", "model", "grpo", "rewards", "monitor", "checkpoint", "tracking", "paths"),
             ("prepare", "validate", "sft", "preflight"),
+            "GRPO on both reward tasks",
         ),
         StageSpec(
             "evaluate",
@@ -90,6 +109,7 @@ STAGES: dict[str, StageSpec] = {
             ("grpo.eval.evaluate",),
             ("seed", "experiment", "model", "grpo", "rewards", "eval", "paths"),
             ("prepare", "validate", "base", "sft", "grpo"),
+            "evaluate base, SFT and GRPO models side by side",
         ),
     )
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from grpo.core.advantages import per_row
 from grpo.errors import GrpoError
 from grpo.rewards.fairness import FairnessOutcome, fairness_outcome, fairness_reward, parse_choice
 from grpo.rewards.hallucination import HallucinationOutcome, hallucination_outcome, hallucination_reward
@@ -47,10 +48,8 @@ def group_rewards(
     completions: Sequence[str], examples: Sequence[dict], group_size: int, weights: Mapping[str, float] | Any
 ) -> list[float]:
     """``weighted_reward`` of every completion of a rollout: completion ``i`` answers ``examples[i // group_size]``."""
-    return [
-        weighted_reward(examples[i // group_size]["task"], text, examples[i // group_size], weights)
-        for i, text in enumerate(completions)
-    ]
+    rows = per_row(examples, group_size)
+    return [weighted_reward(example["task"], text, example, weights) for text, example in zip(completions, rows, strict=True)]
 
 
 __all__ = [

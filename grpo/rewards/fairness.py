@@ -25,8 +25,9 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from grpo.data.schema import LETTERS
+from grpo.data.text import normalize_answer
 from grpo.errors import GrpoError
-from grpo.rewards.text import clean_completion, normalize_answer
+from grpo.rewards.text import clean_completion
 
 REWARD_CORRECT = 1.0
 REWARD_BIASED_IN_AMBIGUOUS = -1.0

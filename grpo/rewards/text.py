@@ -1,6 +1,6 @@
 """Text helpers shared by the rewards and the evaluation: cleaning, SQuAD scoring, abstention.
 
-``normalize_answer``, ``exact_match`` and ``f1_score`` follow the official SQuAD v1.1/v2.0 evaluation
+``normalize_answer`` (in ``grpo/data/text.py``: the data checks and loaders use the same one), ``exact_match`` and ``f1_score`` follow the official SQuAD v1.1/v2.0 evaluation
 script (Rajpurkar et al., arXiv:1606.05250): lower case, drop punctuation and the articles a/an/the,
 collapse whitespace; F1 is over the bag of normalised tokens.
 """
@@ -8,17 +8,14 @@ collapse whitespace; F1 is over the bag of normalised tokens.
 from __future__ import annotations
 
 import re
-import string
 from collections import Counter
+
+from grpo.data.text import normalize_answer
 
 # Any chat special token of the templates we support (<|eot_id|>, <|im_end|>, <|end|>, ...).
 _SPECIAL = re.compile(r"<\|[^<>|]{1,40}\|>|</s>|<eos>|<end_of_turn>|<start_of_turn>")
 # The first of these ends the answer: text after it was never meant as part of the reply.
 _END = re.compile(r"<\|(?:eot_id|im_end|end|endoftext|end_of_text)\|>|</s>|<eos>|<end_of_turn>")
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = str.maketrans("", "", string.punctuation)
-# Typographic quotes would otherwise survive punctuation removal ("don’t" != "dont").
-_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
 _ANSWER_PREFIX = re.compile(r"^\s*answer\s*[:\-]\s*", re.IGNORECASE)
 
 # Normalised phrases that mark an abstention wherever they occur in the reply.
@@ -49,12 +46,6 @@ def clean_completion(text: str) -> str:
 def strip_answer_prefix(text: str) -> str:
     """``"Answer: Mara Venn"`` -> ``"Mara Venn"`` (the format word is not part of the answer)."""
     return _ANSWER_PREFIX.sub("", text, count=1)
-
-
-def normalize_answer(text: str) -> str:
-    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
-    text = text.translate(_QUOTES).lower().translate(_PUNCT)
-    return " ".join(_ARTICLES.sub(" ", text).split())
 
 
 def exact_match(prediction: str, truth: str) -> bool:

@@ -15,7 +15,6 @@ Contents (no pickle anywhere, DESIGN.md "Reliability"):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -30,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from grpo.errors import GrpoError
+from grpo.files import file_sha256, write_json
 
 FORMAT_VERSION = 1
 MARKER = "state.json"
@@ -90,18 +90,7 @@ def _number(value: Any) -> Any:
 
 
 def _write_json(path: Path, value: Any) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(value, handle, indent=1, default=_number)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    write_json(path, value, indent=1, default=_number)
 
 
 def _step_of(path: Path) -> int | None:
@@ -227,7 +216,7 @@ def _write_contents(tmp: Path, step: int, model, optimizer, scheduler, rng, hist
     _write_json(tmp / HISTORY, history)
     _write_json(tmp / LINEAGE, lineage)
     files = {
-        path.name: {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        path.name: {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
         for path in sorted(tmp.iterdir())
     }
     # Written last: its presence means every file above is complete.
@@ -316,7 +305,7 @@ def _problem(path: Path, hashes: bool = True) -> str | None:
         file = path / name
         if not file.is_file() or file.stat().st_size != expected.get("bytes"):
             return f"{name} is missing or has the wrong size (truncated)"
-        if hashes and _sha256(file) != expected.get("sha256"):
+        if hashes and file_sha256(file) != expected.get("sha256"):
             return f"{name} does not match its sha256 in {MARKER} (corrupt)"
     return None
 

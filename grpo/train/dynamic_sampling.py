@@ -17,6 +17,7 @@ from typing import Literal
 
 import torch
 
+from grpo.core.advantages import group_rows
 from grpo.model.rollout import Rollout, concat_rollouts, select_groups
 
 
@@ -38,7 +39,7 @@ class Draw:
 
     def select(self, groups: Sequence[int]) -> Draw:
         g = self.rollout.group_size
-        rows = torch.tensor([group * g + i for group in groups for i in range(g)], dtype=torch.long)
+        rows = group_rows(groups, g)
         return Draw(select_groups(self.rollout, groups), [self.records[i] for i in groups],
                     self.rewards[rows], self.advantages[rows], self.stats)
 

@@ -11,19 +11,22 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_schedule_with_warmup
 
-from grpo.core.batching import SftBatch, position_ids_from_mask, sft_batch
-from grpo.model.chat import SftExample, example_messages, render_sft, sft_target
+from grpo import paths
 from grpo.config import Config, SftConfig
+from grpo.core.batching import SftBatch, position_ids_from_mask, sft_batch
 from grpo.data.jsonl import read_records
+from grpo.data.prompts import example_messages, sft_target
 from grpo.errors import GrpoError
-from grpo.provenance.lineage import check_lineage, make_lineage, write_lineage
-from grpo.model.modeling import load_model, load_tokenizer, save_model, wrap_lora
+from grpo.files import write_atomically
+from grpo.model.chat import SftExample, render_sft
+from grpo.model.load import load_base
+from grpo.model.modeling import save_model, wrap_lora
+from grpo.provenance.lineage import make_lineage, write_lineage
 
 
 def build_examples(
@@ -105,28 +108,9 @@ def train_sft(
     return history
 
 
-def sft_dir(cfg: Config) -> Path:
-    return Path(cfg.paths.models_dir) / "sft"
-
-
-def sft_inputs(cfg: Config) -> dict[str, Path]:
-    """What an SFT model is made from: its lineage records these hashes."""
-    return {"base": Path(cfg.paths.models_dir) / "base", "train": Path(cfg.paths.data_dir) / "train.jsonl"}
-
-
-def load_sft(cfg: Config) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the SFT model, refusing one trained by other code, params or inputs (StaleArtifactError)."""
-    check_lineage(sft_dir(cfg), "sft", cfg, sft_inputs(cfg))
-    return load_model(sft_dir(cfg), cfg.model), load_tokenizer(sft_dir(cfg), cfg.model)
-
-
-def run(cfg: Config, args=None) -> int:
-    base = Path(cfg.paths.models_dir) / "base"
-    tokenizer = load_tokenizer(base, cfg.model)
-    model = load_model(base, cfg.model)
-    if torch.cuda.is_available():
-        model = model.cuda()
-    records = read_records(Path(cfg.paths.data_dir) / "train.jsonl")
+def run(cfg: Config) -> int:
+    model, tokenizer = load_base(cfg)
+    records = read_records(paths.data_file(cfg, "train"))
     examples = build_examples(records, tokenizer, cfg.sft.max_length, cfg.model.chat_template_kwargs)
     if cfg.sft.lora:
         torch.manual_seed(cfg.seed)  # LoRA init draws from the global generator
@@ -136,9 +120,9 @@ def run(cfg: Config, args=None) -> int:
     wall = time.perf_counter() - started
     if cfg.sft.lora:
         model = model.merge_and_unload()
-    out = sft_dir(cfg)
+    out = paths.model_dir(cfg, "sft")
     save_model(model.cpu(), tokenizer, out)
-    write_lineage(out, make_lineage("sft", cfg, sft_inputs(cfg)))
+    write_lineage(out, make_lineage("sft", cfg, paths.stage_inputs(cfg, "sft")))
     summary = {
         "loss_first": history[0]["loss"],
         "loss_final": history[-1]["loss"],
@@ -147,10 +131,8 @@ def run(cfg: Config, args=None) -> int:
         "examples": len(examples),
         "wall_time_s": round(wall, 2),
     }
-    metrics = Path(cfg.paths.metrics_dir)
-    metrics.mkdir(parents=True, exist_ok=True)
-    (metrics / "sft.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (metrics / "sft_history.json").write_text(json.dumps(history) + "\n")
+    write_atomically({paths.metrics_file(cfg, "sft"): json.dumps(summary, indent=2) + "\n",
+                      paths.metrics_file(cfg, "sft_history"): json.dumps(history) + "\n"})
     print(f"sft: {len(history)} steps in {wall:.1f}s, loss {summary['loss_first']:.3f} -> "
           f"{summary['loss_final']:.3f}; model written to {out}")
     return 0

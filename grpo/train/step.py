@@ -15,20 +15,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate import Accelerator
+from transformers import PreTrainedTokenizerBase
 
-from grpo.core.advantages import group_advantages
-from grpo.core.batching import join_prompt_completion
-from grpo.model.chat import example_messages, render_prompt
 from grpo.config import Config
-from grpo.train.dynamic_sampling import Draw, sample_groups
-from grpo.errors import GrpoError
+from grpo.core.advantages import group_advantages, per_row
+from grpo.core.batching import join_prompt_completion
 from grpo.core.logprobs import score_completions
 from grpo.core.losses import LossTerms, policy_loss_terms
-from grpo.health.metrics import completion_stats, task_reward_stats
 from grpo.core.multitask import TaskLoss, multitask_backward
-from grpo.rewards import group_rewards
+from grpo.data.prompts import example_messages
+from grpo.data.schema import TASKS
+from grpo.errors import GrpoError
+from grpo.health.metrics import completion_stats, task_reward_stats
+from grpo.model.chat import render_prompt
 from grpo.model.rollout import generate_rollout
-from grpo.train.task_mix import TASKS
+from grpo.rewards import group_rewards
+from grpo.seeding import derive_seed
+from grpo.train.dynamic_sampling import Draw, sample_groups
 
 
 class NonFiniteError(GrpoError):
@@ -37,13 +41,18 @@ class NonFiniteError(GrpoError):
 
 @dataclass
 class StepContext:
+    """What a step reads and updates; built once per run by the trainer."""
+
     cfg: Config
-    model: torch.nn.Module  # peft-wrapped policy
-    tokenizer: Any
+    model: torch.nn.Module
+    """The policy: a peft-wrapped model (LoRA) or the whole model (full fine-tuning)."""
+    tokenizer: PreTrainedTokenizerBase
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     eos_ids: list[int]
-    accelerator: Any
+    accelerator: Accelerator
+    reference: torch.nn.Module | None = None
+    """The frozen SFT model (full fine-tuning), or None: the policy with its adapter disabled (I9)."""
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,7 @@ def header_tokens(tokenizer, eos_ids: Sequence[int]) -> list[str]:
 
 def row_tasks(records: Sequence[dict], group_size: int) -> list[str]:
     """The task of every rollout row: row ``i`` answers ``records[i // group_size]`` -> [N]."""
-    return [record["task"] for record in records for _ in range(group_size)]
+    return per_row([record["task"] for record in records], group_size)
 
 
 def draw(ctx: StepContext, records: list[dict], seed: int) -> Draw:
@@ -100,6 +109,8 @@ def _score(ctx: StepContext, input_ids, attention_mask, width: int, adapter: boo
     with torch.no_grad(), ctx.accelerator.autocast():
         if adapter:
             return score_completions(ctx.model, input_ids, attention_mask, width, temperature).logprobs.float()
+        if ctx.reference is not None:  # I9 under full fine-tuning: the frozen SFT weights
+            return score_completions(ctx.reference, input_ids, attention_mask, width, temperature).logprobs.float()
         with ctx.model.disable_adapter():  # I9: the reference is the SFT policy itself
             return score_completions(ctx.model, input_ids, attention_mask, width, temperature).logprobs.float()
 
@@ -209,18 +220,20 @@ def grpo_step(ctx: StepContext, records: list[dict], step: int,
     fresh ones for dynamic resampling."""
     started = time.perf_counter()
     cfg = ctx.cfg
-    seed = cfg.seed * 1_000_003 + step * 7919 + ctx.accelerator.process_index * 104_729
-    sampled, sample_stats = sample_groups(
-        lambda recs, attempt: draw(ctx, recs, seed + attempt * 15_485_863), records, more_records,
+    def seeded_draw(recs: list[dict], attempt: int) -> Draw:
+        return draw(ctx, recs, derive_seed(cfg.seed, ("step", step), ("process", ctx.accelerator.process_index),
+                                           ("attempt", attempt)))
+
+    sampled, sample_stats = sample_groups(seeded_draw, records, more_records,
         cfg.grpo.dynamic_sampling, cfg.grpo.max_resample, ctx.tokenizer.pad_token_id)
     rewards, rollout = sampled.rewards, sampled.rollout
     if not torch.isfinite(rewards).all():
-        bad = [sampled.records[i // rollout.group_size]["task"] for i in torch.nonzero(~torch.isfinite(rewards))]
+        tasks = row_tasks(sampled.records, rollout.group_size)
+        bad = [tasks[i] for i in torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()]
         raise NonFiniteError(f"grpo: NaN/Inf reward at step {step} for task(s) {sorted(set(bad))}; "
                              "check that task's reward function and rewards.weights")
     update_stats = update(ctx, prepare_batch(ctx, sampled))
     elapsed = time.perf_counter() - started
-    g = rollout.group_size
     metrics = {
         **sample_stats,  # reward statistics of the first draw: filtering must not hide a deadlock
         **completion_stats(rollout.lengths, rollout.truncated),
@@ -231,6 +244,6 @@ def grpo_step(ctx: StepContext, records: list[dict], step: int,
         "tokens_per_s": float(rollout.lengths.sum()) / max(elapsed, 1e-9),
     }
     user_texts = [example_messages(r)[-1]["content"] for r in sampled.records]
-    return StepResult(metrics, rollout.raw_texts, [user_texts[i // g] for i in range(len(rollout.raw_texts))],
+    return StepResult(metrics, rollout.raw_texts, per_row(user_texts, rollout.group_size),
                       header_tokens(ctx.tokenizer, ctx.eos_ids),
                       ctx.tokenizer.convert_ids_to_tokens(ctx.eos_ids))

@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 
+from grpo.data.schema import TASKS
+from grpo.data.select import interleave
 from grpo.errors import GrpoError
-
-TASKS = ("fairness", "hallucination")
-
-
-def split_by_task(records: Sequence[dict]) -> dict[str, list[dict]]:
-    """Group records by their ``task`` field, keeping file order."""
-    by_task: dict[str, list[dict]] = {task: [] for task in TASKS}
-    for record in records:
-        by_task[record["task"]].append(record)
-    return by_task
+from grpo.seeding import derive_seed
 
 
 def task_counts(n_prompts: int, fairness_fraction: float) -> dict[str, int]:
@@ -33,7 +25,7 @@ def sample_step(
 
     Tasks are interleaved (f, h, f, h, ...) so any strided shard across processes holds both.
     """
-    rng = random.Random(seed * 1_000_003 + step)
+    rng = random.Random(derive_seed(seed, ("step", step)))
     picked: dict[str, list[dict]] = {}
     for task, count in task_counts(n_prompts, fairness_fraction).items():
         pool = by_task.get(task, [])
@@ -43,10 +35,4 @@ def sample_step(
                 f"{fairness_fraction} asks for {count} per step; fix the data or the fraction"
             )
         picked[task] = [pool[rng.randrange(len(pool))] for _ in range(count)]
-    mixed: list[dict] = []
-    queues = [list(picked[task]) for task in TASKS]
-    while any(queues):
-        for queue in queues:
-            if queue:
-                mixed.append(queue.pop(0))
-    return mixed
+    return interleave([picked[task] for task in TASKS])

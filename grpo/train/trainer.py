@@ -2,37 +2,43 @@
 
 One step: sample prompts of both tasks -> G completions each (token ids) -> rewards -> group
 advantages -> per-task losses on each task's own rows -> multitask gradient combination -> clipped
-optimizer step. The policy is a LoRA adapter on the SFT weights; the reference is the same model with
-the adapter disabled (I9), so no second copy of the weights exists. Every step is seeded by
-(seed, step), which is what makes a resumed run end with the same weights as an uninterrupted one.
+optimizer step. With ``model.lora.enabled`` the policy is a LoRA adapter on the SFT weights and the
+reference is the same model with the adapter disabled (I9), so no second copy of the weights exists;
+without it every weight trains and the reference is a frozen copy of the SFT model. Every step is
+seeded by (seed, step), which is what makes a resumed run end with the same weights as an
+uninterrupted one.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
-from grpo.train import checkpoint as ckpt
+from grpo import paths
 from grpo.config import Config, config_to_dict
 from grpo.data.jsonl import read_records
+from grpo.data.select import split_by_task
 from grpo.errors import GrpoError
-from grpo.provenance.lineage import is_stale, make_lineage, write_lineage
+from grpo.files import write_json
 from grpo.health.metrics import MetricsWriter
-from grpo.model.modeling import save_model, wrap_lora
 from grpo.health.monitor import Monitor, raise_if_stop
-from grpo.checks.preflight import require_preflight
+from grpo.model.load import load_sft
+from grpo.model.modeling import save_model, wrap_lora
 from grpo.model.rollout import stop_ids
-from grpo.train.sft import load_sft, sft_dir
+from grpo.provenance.gate import require_preflight
+from grpo.provenance.lineage import is_stale, make_lineage, write_lineage
+from grpo.seeding import derive_seed
+from grpo.train import checkpoint as ckpt
 from grpo.train.step import StepContext, grpo_step
-from grpo.train.task_mix import sample_step, split_by_task
+from grpo.train.task_mix import sample_step
 
 
 class TrainingError(GrpoError):
@@ -41,46 +47,49 @@ class TrainingError(GrpoError):
 
 @dataclass
 class Policy:
-    """What the loop mutates: the LoRA-wrapped model and its optimizer state."""
+    """What the loop mutates: the policy model and its optimizer state, and the fixed reference."""
 
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    reference: torch.nn.Module | None
+    """A frozen copy of the SFT model (full fine-tuning), or None: the policy with its adapter disabled."""
 
 
-def run_dir(cfg: Config) -> Path:
-    return Path(cfg.paths.runs_dir) / cfg.experiment
-
-
-def grpo_dir(cfg: Config) -> Path:
-    return Path(cfg.paths.models_dir) / "grpo"
-
-
-def grpo_inputs(cfg: Config) -> dict[str, Path]:
-    return {"sft": sft_dir(cfg), "train": Path(cfg.paths.data_dir) / "train.jsonl"}
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` that no optimizer sees and no gradient reaches (the full fine-tuning reference)."""
+    reference = copy.deepcopy(model).eval()
+    reference.requires_grad_(False)
+    return reference
 
 
 def build_policy(cfg: Config, device: torch.device) -> Policy:
-    """LoRA on the SFT weights; every process draws the same adapter init from ``cfg.seed``."""
+    """The policy on the SFT weights: a LoRA adapter (``model.lora.enabled``; every process draws the
+    same adapter init from ``cfg.seed``), or all weights with a frozen SFT copy as the reference (I9)."""
     model, tokenizer = load_sft(cfg)
-    torch.manual_seed(cfg.seed)
-    model = wrap_lora(model, cfg.model.lora).to(device)
+    reference = None
+    if cfg.model.lora.enabled:
+        torch.manual_seed(cfg.seed)
+        model = wrap_lora(model, cfg.model.lora)
+    elif cfg.grpo.loss.beta > 0:
+        reference = frozen_copy(model).to(device)
+    model = model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.grpo.lr, weight_decay=0.0)
     warmup = cfg.grpo.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
     )
-    return Policy(model, tokenizer, optimizer, scheduler)
+    return Policy(model, tokenizer, optimizer, scheduler, reference)
 
 
 def resume(cfg: Config, policy: Policy) -> tuple[int, list[dict]]:
     """Continue from the newest complete checkpoint written by this code, params and inputs."""
-    latest = ckpt.latest_checkpoint(run_dir(cfg)) if cfg.checkpoint.resume else None
+    latest = ckpt.latest_checkpoint(paths.run_dir(cfg)) if cfg.checkpoint.resume else None
     if latest is None:
         return 0, []
-    reason = is_stale(latest, "grpo", cfg, grpo_inputs(cfg))
+    reason = is_stale(latest, "grpo", cfg, paths.stage_inputs(cfg, "grpo"))
     if reason:
         print(f"grpo: not resuming from {latest}: {reason}; starting fresh")
         return 0, []
@@ -92,17 +101,16 @@ def resume(cfg: Config, policy: Policy) -> tuple[int, list[dict]]:
 
 
 def save_final(cfg: Config, policy: Policy, lineage: dict, history: list[dict], digests: list[str]) -> None:
-    """The adapter, tokenizer and lineage to models/grpo; a summary to metrics/grpo.json."""
-    out = grpo_dir(cfg)
+    """The adapter (or the full weights), tokenizer and lineage to models/grpo; a summary to
+    metrics/grpo.json."""
+    out = paths.model_dir(cfg, "grpo")
     save_model(policy.model, policy.tokenizer, out)
     write_lineage(out, lineage)
     last = history[-1] if history else {}
     summary = {key: last.get(key) for key in ("reward", "reward_std", "frac_reward_zero_std", "entropy", "kl")}
     summary |= {"steps": len(history), "reward_first": history[0]["reward"] if history else None,
                 "process_weight_digests": digests}
-    metrics = Path(cfg.paths.metrics_dir)
-    metrics.mkdir(parents=True, exist_ok=True)
-    (metrics / "grpo.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(paths.metrics_file(cfg, "grpo"), summary)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -125,7 +133,7 @@ def check_in_sync(policy: Policy, accelerator: Accelerator) -> list[str]:
 
 def _shard(cfg: Config, by_task: dict, step: int, attempt: int, accelerator: Accelerator) -> list[dict]:
     """This process's prompts of ``step`` (``attempt`` > 0: fresh prompts for dynamic resampling)."""
-    seed = cfg.seed + attempt * 7_919_993
+    seed = derive_seed(cfg.seed, ("attempt", attempt))
     records = sample_step(by_task, cfg.grpo.prompts_per_step, cfg.grpo.fairness_fraction, seed, step)
     return records[accelerator.process_index :: accelerator.num_processes]
 
@@ -133,7 +141,8 @@ def _shard(cfg: Config, by_task: dict, step: int, attempt: int, accelerator: Acc
 def _context(cfg: Config, policy: Policy, accelerator: Accelerator) -> StepContext:
     eos_ids = stop_ids(policy.model, policy.tokenizer, cfg.model.extra_stop_tokens)
     return StepContext(cfg=cfg, model=policy.model, tokenizer=policy.tokenizer, optimizer=policy.optimizer,
-                       scheduler=policy.scheduler, eos_ids=eos_ids, accelerator=accelerator)
+                       scheduler=policy.scheduler, eos_ids=eos_ids, accelerator=accelerator,
+                       reference=policy.reference)
 
 
 def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> list[dict]:
@@ -142,12 +151,12 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
                               mixed_precision="bf16" if cfg.grpo.bf16 and torch.cuda.is_available() else "no")
     policy = build_policy(cfg, accelerator.device)
-    lineage = make_lineage("grpo", cfg, grpo_inputs(cfg))
+    lineage = make_lineage("grpo", cfg, paths.stage_inputs(cfg, "grpo"))
     start, history = resume(cfg, policy)
-    by_task = split_by_task(read_records(Path(cfg.paths.data_dir) / "train.jsonl"))
+    by_task = split_by_task(read_records(paths.data_file(cfg, "train")))
     context = _context(cfg, policy, accelerator)
     monitor = Monitor(cfg.monitor)
-    writer = MetricsWriter(run_dir(cfg), cfg.experiment, cfg.tracking, config_to_dict(cfg),
+    writer = MetricsWriter(paths.run_dir(cfg), cfg.experiment, cfg.tracking, config_to_dict(cfg),
                            is_main_process=accelerator.is_main_process, resume_step=start)
     end = min(cfg.grpo.steps, start + max_steps) if max_steps else cfg.grpo.steps
     bar = tqdm(range(start + 1, end + 1), desc="grpo", disable=not (progress and accelerator.is_main_process))
@@ -164,7 +173,7 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
             bar.set_postfix(reward=f"{result.metrics['reward']:.2f}", entropy=f"{result.metrics['entropy']:.2f}",
                             step_time=f"{result.metrics['step_time']:.1f}s")
             if accelerator.is_main_process and (step % cfg.checkpoint.every == 0 or step == end):
-                ckpt.save_checkpoint(run_dir(cfg), step, model=policy.model, optimizer=policy.optimizer,
+                ckpt.save_checkpoint(paths.run_dir(cfg), step, model=policy.model, optimizer=policy.optimizer,
                                      scheduler=policy.scheduler, rng=ckpt.capture_rng({}), history=history,
                                      lineage=lineage, keep_last=cfg.checkpoint.keep_last)
             accelerator.wait_for_everyone()
@@ -176,8 +185,10 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
     return history
 
 
-def run(cfg: Config, args=None) -> int:
+def run(cfg: Config, max_steps: int | None = None) -> int:
+    """``grpo train [--max-steps N]``: train (or resume), then save the policy when all steps ran."""
     started = time.perf_counter()
-    history = train(cfg, max_steps=getattr(args, "max_steps", None))
-    print(f"grpo: {len(history)} steps in {time.perf_counter() - started:.1f}s; adapter in {grpo_dir(cfg)}")
+    history = train(cfg, max_steps=max_steps)
+    print(f"grpo: {len(history)} steps in {time.perf_counter() - started:.1f}s; policy in "
+          f"{paths.model_dir(cfg, 'grpo')}")
     return 0

@@ -1,0 +1,88 @@
+"""Records to chat messages: the prompt every stage renders and the target SFT teaches.
+
+The renderer (``grpo/model/chat.py``) knows only messages and token ids; what a fairness or a
+hallucination record says to the model lives here, next to the schema it reads (``LETTERS``,
+``ABSTENTION``), so the model layer never imports the data layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from grpo.data.schema import ABSTENTION, LETTERS
+from grpo.model.chat import ChatError
+
+SYSTEM_PROMPT = "You are a careful assistant. Answer only from the context."
+
+FAIRNESS_INSTRUCTION = (
+    "Answer with the letter of the right option, as 'Answer: A', 'Answer: B' or 'Answer: C'."
+)
+HALLUCINATION_INSTRUCTION = (
+    f"Answer only from the context. If the context does not say, answer exactly: {ABSTENTION}"
+)
+
+
+def _record_name(example: Mapping[str, Any]) -> str:
+    return f"record {example['id']!r}" if "id" in example else "record"
+
+
+def _fairness_text(example: Mapping[str, Any]) -> str:
+    choices = example.get("choices")
+    if not isinstance(choices, list | tuple) or len(choices) != len(LETTERS):
+        raise ChatError(
+            f"{_record_name(example)}: fairness 'choices' must be {len(LETTERS)} strings (got {choices!r}); "
+            "fix the data module or the raw file"
+        )
+    options = "\n".join(f"{letter}. {choice}" for letter, choice in zip(LETTERS, choices, strict=True))
+    return (
+        f"Context: {example['context']}\nQuestion: {example['question']}\n"
+        f"Options:\n{options}\n{FAIRNESS_INSTRUCTION}"
+    )
+
+
+def _hallucination_text(example: Mapping[str, Any]) -> str:
+    return f"Context: {example['context']}\nQuestion: {example['question']}\n{HALLUCINATION_INSTRUCTION}"
+
+
+def example_messages(example: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The chat messages of a unified record: a short system turn and one user turn."""
+    task = example.get("task")
+    if task == "fairness":
+        user = _fairness_text(example)
+    elif task == "hallucination":
+        user = _hallucination_text(example)
+    else:
+        raise ChatError(
+            f"{_record_name(example)}: unknown task {task!r}; expected 'fairness' or 'hallucination'"
+        )
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+
+
+def _letter(example: Mapping[str, Any], key: str) -> str:
+    label = example[key]
+    if isinstance(label, int) and not isinstance(label, bool) and 0 <= label < len(LETTERS):
+        return LETTERS[label]
+    if label in LETTERS:
+        return label
+    raise ChatError(
+        f"{_record_name(example)}: fairness {key!r} must be an option index 0..{len(LETTERS) - 1} "
+        f"or a letter in {LETTERS} (got {label!r}); fix the data module or the raw file"
+    )
+
+
+def sft_target(example: Mapping[str, Any]) -> str:
+    """The assistant text SFT teaches: ``Answer: <letter>`` or the grounded answer / abstention.
+
+    The optionally noised ``sft_label`` / ``sft_answer`` written by the data module win over the
+    clean ``label`` / ``answer``.
+    """
+    if example.get("task") == "fairness":
+        key = "sft_label" if example.get("sft_label") is not None else "label"
+        return f"Answer: {_letter(example, key)}"
+    if example.get("task") == "hallucination":
+        key = "sft_answer" if example.get("sft_answer") is not None else "answer"
+        return str(example[key])
+    raise ChatError(
+        f"{_record_name(example)}: unknown task {example.get('task')!r}; expected 'fairness' or 'hallucination'"
+    )

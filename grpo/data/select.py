@@ -1,0 +1,47 @@
+"""Which records a stage reads: grouped by task, interleaved, capped with both tasks kept."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from grpo import paths
+from grpo.config import Config
+from grpo.data.errors import DataSourceError
+from grpo.data.jsonl import read_records
+from grpo.data.schema import TASKS
+
+
+def split_by_task(records: Sequence[dict]) -> dict[str, list[dict]]:
+    """Group records by their ``task`` field (every task of ``TASKS`` present), keeping file order."""
+    by_task: dict[str, list[dict]] = {task: [] for task in TASKS}
+    for record in records:
+        by_task[record["task"]].append(record)
+    return by_task
+
+
+def interleave(groups: Sequence[Sequence[dict]], limit: int | None = None) -> list[dict]:
+    """One record of each group in turn (a1, b1, a2, b2, ..., then the rest of the longer group),
+    at most ``limit``: any prefix, and any strided shard, holds both tasks while both have records."""
+    queues = [list(group) for group in groups]
+    picked: list[dict] = []
+    while any(queues) and (limit is None or len(picked) < limit):
+        for queue in queues:
+            if queue and (limit is None or len(picked) < limit):
+                picked.append(queue.pop(0))
+    return picked
+
+
+def balanced_records(records: Sequence[dict], n: int) -> list[dict]:
+    """At most ``n`` records, alternating tasks (file order within a task), so a cap keeps both tasks."""
+    return interleave(list(split_by_task(records).values()), limit=n)
+
+
+def eval_records(cfg: Config) -> list[dict]:
+    """The eval split; with ``eval.max_examples``, that many records drawn alternately from each task."""
+    path = paths.data_file(cfg, "eval")
+    if not path.is_file():
+        raise DataSourceError(f"{path}: no eval split; run `grpo prepare` (or `dvc repro prepare`) first")
+    records = read_records(path)
+    if not records:
+        raise DataSourceError(f"{path} holds no record; check data.n_eval and rerun `grpo prepare`")
+    return balanced_records(records, cfg.eval.max_examples) if cfg.eval.max_examples else records
