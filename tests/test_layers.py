@@ -1,0 +1,205 @@
+"""The layering of grpo/: every module imports only from its own layer or those below (README "Layout").
+
+Parsed from the code's own import statements (``ast``, function-level imports included), so the
+layering cannot decay silently. Bottom-up:
+
+| rank | layer | modules |
+| ---: | --- | --- |
+| 0 | root | ``grpo.errors``, ``grpo.config``, ``grpo.paths``, ``grpo.files``, ``grpo.seeding`` |
+| 1 | provenance | ``grpo.provenance.*`` (reads code as text; names entry functions as strings) |
+| 2 | core | ``grpo.core.*`` (torch and ``grpo.errors`` only) |
+| 3 | model | ``grpo.model.*`` |
+| 4 | data | ``grpo.data.*`` |
+| 5 | rewards | ``grpo.rewards.*`` |
+| 6 | train, health | ``grpo.train.*``, ``grpo.health.*`` |
+| 7 | checks, eval | ``grpo.checks.*``, ``grpo.eval.*`` |
+| 8 | top | ``grpo.cli``, ``grpo.pipeline`` |
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+GRPO = Path(__file__).resolve().parents[1] / "grpo"
+
+ROOT_MODULES = ("grpo.errors", "grpo.config", "grpo.paths", "grpo.files", "grpo.seeding")
+LAYERS: dict[str, int] = {
+    **dict.fromkeys(ROOT_MODULES, 0),
+    "grpo.provenance": 1,
+    "grpo.core": 2,
+    "grpo.model": 3,
+    "grpo.data": 4,
+    "grpo.rewards": 5,
+    "grpo.train": 6,
+    "grpo.health": 6,
+    "grpo.checks": 7,
+    "grpo.eval": 7,
+    "grpo.cli": 8,
+    "grpo.pipeline": 8,
+}
+# Within root, only these directions (errors imports nothing; config may use errors; paths the config).
+ROOT_MAY_IMPORT = {
+    "grpo.errors": (),
+    "grpo.files": (),
+    "grpo.seeding": (),
+    "grpo.config": ("grpo.errors",),
+    "grpo.paths": ("grpo.config",),
+}
+CORE_THIRD_PARTY = {"torch"}
+STAGE_ENTRY_MODULES = ("grpo.data.prepare", "grpo.data.validate", "grpo.model.base", "grpo.train.sft",
+                       "grpo.checks.preflight", "grpo.train.trainer", "grpo.eval.evaluate")
+
+
+def module_name(path: Path, package_dir: Path) -> str:
+    parts = list(path.relative_to(package_dir.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path, package_dir: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import in the file, at any depth; ``from grpo import paths`` -> grpo.paths."""
+    name = module_name(path, package_dir)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            out += [(node.lineno, f"{base}.{alias.name}" if _is_submodule(base, alias.name, package_dir) else base)
+                    for alias in node.names]
+    return out
+
+
+def _is_submodule(base: str, name: str, package_dir: Path) -> bool:
+    folder = package_dir.parent.joinpath(*base.split("."))
+    return (folder / f"{name}.py").is_file() or (folder / name / "__init__.py").is_file()
+
+
+def layer_of(module: str) -> tuple[str, int] | None:
+    """The layer prefix and rank of a project module (longest matching prefix), None outside grpo."""
+    matches = [prefix for prefix in LAYERS if module == prefix or module.startswith(prefix + ".")]
+    if not matches:
+        return None
+    prefix = max(matches, key=len)
+    return prefix, LAYERS[prefix]
+
+
+def violations(package_dir: Path) -> list[str]:
+    """Every import that goes against the layering, as ``file:line: importer -> imported (why)``."""
+    found = []
+    for path in sorted(package_dir.rglob("*.py")):
+        importer = module_name(path, package_dir)
+        own = layer_of(importer)
+        if own is None:
+            if importer != "grpo":
+                found.append(f"{path}: {importer} belongs to no layer; add it to the Layout table")
+            continue
+        for line, imported in imported_modules(path, package_dir):
+            why = _why_not(importer, own, imported)
+            if why:
+                found.append(f"{path}:{line}: {importer} -> {imported} ({why})")
+    return found
+
+
+def _why_not(importer: str, own: tuple[str, int], imported: str) -> str | None:
+    top = imported.split(".")[0]
+    if own[0] == "grpo.core" and top not in ("grpo", *CORE_THIRD_PARTY) and top not in sys.stdlib_module_names:
+        return "core imports torch and the standard library only"
+    if top in ("prefect", "dvc") or (top == "argparse" and importer != "grpo.cli"):
+        return "grpo/ knows nothing of Prefect or DVC, and only grpo/cli.py parses arguments"
+    target = layer_of(imported)
+    if target is None or imported == "grpo":
+        return None
+    if own[0] in ROOT_MAY_IMPORT:
+        allowed = ROOT_MAY_IMPORT[own[0]]
+        return None if target[0] in allowed else f"root module {own[0]} may import only {allowed or 'nothing'}"
+    if own[0] == "grpo.core" and target[0] not in ("grpo.core", "grpo.errors"):
+        return "core imports grpo.errors only"
+    if target[1] > own[1]:
+        return f"upward: layer {own[0]} (rank {own[1]}) may not import {target[0]} (rank {target[1]})"
+    if target[1] == own[1] and target[0] != own[0] and own[1] == 7:
+        return f"{own[0]} and {target[0]} sit side by side and stay apart"
+    if importer in STAGE_ENTRY_MODULES and imported in STAGE_ENTRY_MODULES and imported != importer:
+        return "a stage module imports another stage module; take paths from grpo.paths"
+    return None
+
+
+# --------------------------------------------------------------------------- the real package
+
+
+def test_every_import_goes_down_the_layers():
+    assert violations(GRPO) == []
+
+
+def test_every_module_belongs_to_a_layer():
+    modules = [module_name(path, GRPO) for path in GRPO.rglob("*.py")]
+    assert [m for m in modules if m != "grpo" and layer_of(m) is None] == []
+
+
+def test_data_does_not_import_rewards():
+    """One text normalisation (grpo.data.text); rewards build on data, never the other way."""
+    back = [(path.name, imported) for path in (GRPO / "data").rglob("*.py")
+            for _, imported in imported_modules(path, GRPO) if imported.startswith("grpo.rewards")]
+    assert back == []
+
+
+# --------------------------------------------------------------------------- the checker itself
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    package = tmp_path / "grpo"
+    for name, text in files.items():
+        path = package / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    for folder in [package, *[p for p in package.rglob("*") if p.is_dir()]]:
+        (folder / "__init__.py").touch()
+    return package
+
+
+@pytest.mark.parametrize(
+    ("files", "fragment"),
+    [
+        ({"model/chat.py": "from grpo.data.schema import LETTERS\n", "data/schema.py": ""}, "upward"),
+        ({"core/losses.py": "def f():\n    from grpo.model import modeling\n", "model/modeling.py": ""},
+         "core imports grpo.errors only"),
+        ({"core/losses.py": "import numpy\n"}, "core imports torch and the standard library only"),
+        ({"data/text.py": "from ..rewards.text import normalize_answer\n", "rewards/text.py": ""}, "upward"),
+        ({"train/trainer.py": "from grpo.checks import preflight\n", "checks/preflight.py": ""}, "upward"),
+        ({"eval/evaluate.py": "from grpo.checks.diagnose import run\n", "checks/diagnose.py": ""}, "side by side"),
+        ({"eval/evaluate.py": "from grpo.train.sft import run\n", "train/sft.py": ""}, "another stage module"),
+        ({"provenance/lineage.py": "import grpo.train.step\n", "train/step.py": ""}, "upward"),
+        ({"train/trainer.py": "import argparse\n"}, "only grpo/cli.py parses arguments"),
+        ({"paths.py": "from grpo.data import schema\n", "data/schema.py": ""}, "root module grpo.paths"),
+        ({"newlayer/thing.py": ""}, "belongs to no layer"),
+    ],
+)
+def test_checker_reports_a_broken_rule(tmp_path, files, fragment):
+    found = violations(_package(tmp_path, files))
+    assert any(fragment in line for line in found), found
+
+
+def test_checker_accepts_downward_and_same_layer_imports(tmp_path):
+    package = _package(tmp_path, {
+        "train/trainer.py": "from grpo.health import monitor\nfrom grpo.core import losses\nfrom grpo import paths\n",
+        "health/monitor.py": "from grpo.train import checkpoint\n",
+        "train/checkpoint.py": "",
+        "core/losses.py": "import math\nimport torch\nfrom grpo.errors import GrpoError\n",
+        "rewards/text.py": "from grpo.data.text import normalize_answer\n",
+        "data/text.py": "",
+        "paths.py": "from grpo.config import Config\n",
+        "config.py": "from grpo.errors import GrpoError\n",
+        "errors.py": "",
+        "cli.py": "import argparse\nfrom grpo.provenance import stages\n",
+        "provenance/stages.py": "",
+    })
+    assert violations(package) == []
