@@ -34,7 +34,7 @@ from grpo.cli import main
 from grpo.config import Config, config_to_dict
 from grpo.core.batching import join_prompt_completion
 from grpo.core.logprobs import score_completions
-from grpo.core.losses import grpo_loss
+from grpo.core.losses import policy_loss_terms, total_loss
 from grpo.data.prompts import example_messages
 from grpo.model.chat import end_of_turn_ids, render_prompt
 from grpo.model.modeling import load_model, load_tokenizer, save_model, wrap_lora
@@ -59,10 +59,10 @@ def train_adapter(cfg: Config, entropy_coef: float, steps: int = TRAIN_STEPS, lr
     for _ in range(steps):
         scored = score_completions(model, joined.input_ids, joined.attention_mask, rollout.completion_ids.shape[1],
                                    cfg.grpo.sampling.temperature)
-        loss, _ = grpo_loss(scored.logprobs, scored.logprobs.detach(), None, advantages, rollout.completion_mask,
-                            scored.entropy, epsilon_low=0.2, epsilon_high=0.28, loss_type="grpo",
-                            max_completion_length=cfg.grpo.sampling.max_new_tokens, beta=0.0,
-                            entropy_coef=entropy_coef)
+        terms, _ = policy_loss_terms(scored.logprobs, scored.logprobs.detach(), None, advantages,
+                                     rollout.completion_mask, scored.entropy, epsilon_low=0.2, epsilon_high=0.28,
+                                     loss_type="grpo", max_completion_length=cfg.grpo.sampling.max_new_tokens)
+        loss = total_loss(terms, beta=0.0, entropy_coef=entropy_coef)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -14,7 +14,6 @@ from grpo.core.losses import (
     LossTerms,
     agg_loss,
     clipped_surrogate,
-    grpo_loss,
     k3_kl,
     policy_loss_terms,
     total_loss,
@@ -136,6 +135,12 @@ def test_i8_kl_is_the_per_token_k3_estimator():
     assert (k3_kl(logprobs, ref, torch.ones(1, 3)) >= 0).all()
 
 
+def loss_of(logprobs, old, ref, advantages, completion_mask, entropy, *, beta, entropy_coef, **common):
+    """What production computes: the step's ``policy_loss_terms``, then multitask's ``total_loss``."""
+    terms, stats = policy_loss_terms(logprobs, old, ref, advantages, completion_mask, entropy, **common)
+    return total_loss(terms, beta, entropy_coef), stats
+
+
 # --------------------------------------------------------------------------- I11
 
 
@@ -143,7 +148,7 @@ def test_i8_kl_is_the_per_token_k3_estimator():
 def test_i11_loss_unchanged_when_padded_positions_hold_plus_minus_1e4(loss_type):
     logprobs, old, ref, advantages, completion_mask, entropy = random_inputs(seed=1)
     kwargs = {**CLIP, "loss_type": loss_type, "max_completion_length": 6, "beta": 0.04, "entropy_coef": 0.01}
-    clean, _ = grpo_loss(logprobs, old, ref, advantages, completion_mask, entropy, **kwargs)
+    clean, _ = loss_of(logprobs, old, ref, advantages, completion_mask, entropy, **kwargs)
     (clean_grad,) = torch.autograd.grad(clean, logprobs)
     out = ~completion_mask
     signs = torch.where(torch.rand(out.shape, generator=torch.Generator().manual_seed(2)) > 0.5, 1e4, -1e4)
@@ -152,7 +157,7 @@ def test_i11_loss_unchanged_when_padded_positions_hold_plus_minus_1e4(loss_type)
         return torch.where(out, sign * signs, t)
 
     dirty_logprobs = dirty(logprobs.detach(), 1.0).requires_grad_()
-    loss, _ = grpo_loss(
+    loss, _ = loss_of(
         dirty_logprobs, dirty(old, -1.0), dirty(ref, 1.0), advantages, completion_mask, dirty(entropy, -1.0), **kwargs
     )
     (grad,) = torch.autograd.grad(loss, dirty_logprobs)
@@ -171,28 +176,20 @@ def test_i7_gradient_of_total_loss_wrt_entropy_is_minus_entropy_coef(entropy_coe
     assert total_loss(terms, 0.04, entropy_coef).item() == pytest.approx(0.3 + 0.04 * 0.1 - entropy_coef * 2.0)
 
 
-def test_i7_grpo_loss_is_total_loss_of_the_terms():
+def test_i7_entropy_bonus_gradient_is_negative_on_kept_tokens_only():
+    """A bonus: minimising the loss raises entropy, so d loss / d entropy < 0 on every kept token."""
     logprobs, old, ref, advantages, completion_mask, entropy = random_inputs(seed=3)
     common = {**CLIP, "loss_type": "grpo", "max_completion_length": 6}
-    terms, _ = policy_loss_terms(logprobs, old, ref, advantages, completion_mask, entropy, **common)
-    loss, stats = grpo_loss(
-        logprobs, old, ref, advantages, completion_mask, entropy, **common, beta=0.1, entropy_coef=0.05
-    )
-    assert torch.equal(loss, total_loss(terms, 0.1, 0.05))
-    assert stats["loss"] == pytest.approx(loss.item())
-    # A bonus: minimising the loss raises entropy, so d loss / d entropy is negative on every kept token.
     entropy_leaf = entropy.clone().requires_grad_()
-    with_leaf, _ = grpo_loss(
+    with_leaf, _ = loss_of(
         logprobs, old, ref, advantages, completion_mask, entropy_leaf, **common, beta=0.1, entropy_coef=0.05
     )
     (entropy_grad,) = torch.autograd.grad(with_leaf, entropy_leaf)
     assert (entropy_grad[completion_mask] < 0).all() and (entropy_grad[~completion_mask] == 0).all()
 
 
-def test_grpo_loss_with_beta_needs_reference_logprobs():
+def test_no_reference_means_no_kl_term():
     logprobs, old, _, advantages, completion_mask, entropy = random_inputs()
     common = {**CLIP, "loss_type": "grpo", "max_completion_length": 6, "entropy_coef": 0.0}
-    with pytest.raises(LossError, match=r"beta is 0.04"):
-        grpo_loss(logprobs, old, None, advantages, completion_mask, entropy, **common, beta=0.04)
-    loss, stats = grpo_loss(logprobs, old, None, advantages, completion_mask, entropy, **common, beta=0.0)
+    loss, stats = loss_of(logprobs, old, None, advantages, completion_mask, entropy, **common, beta=0.0)
     assert stats["kl"] == 0.0 and torch.isfinite(loss)

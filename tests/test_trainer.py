@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from grpo.config import load_config
@@ -142,3 +143,43 @@ def test_two_processes_end_with_identical_weights(project, tmp_path):
     run_dir = params.parent / "runs" / "tiny"
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_lora_off_trains_every_weight_against_the_frozen_sft_model(project, tmp_path):
+    """``model.lora.enabled: false``: GRPO fine-tunes all weights, and the KL reference stays the SFT
+    weights (a frozen copy, I9) while the policy moves away from them over two steps."""
+    from grpo.core.logprobs import score_completions
+    from grpo.data.jsonl import read_records
+    from grpo.model.device import make_accelerator
+    from grpo.model.load import load_sft
+    from grpo.train import trainer
+    from grpo.train.step import draw, grpo_step, prepare_batch
+
+    params = copy_project(project, tmp_path / "p")
+    tree = yaml.safe_load(params.read_text())
+    tree["model"]["lora"]["enabled"] = False
+    tree["grpo"] |= {"steps": 2, "loss": {"beta": 0.1}}
+    params.write_text(yaml.safe_dump(tree, sort_keys=False))
+    cfg = load_config(params)
+    assert not cfg.model.lora.enabled and cfg.grpo.loss.beta == 0.1
+    run_stages(params, "sft")  # model.* is part of the SFT lineage: rebuilt under these params
+    sft, _ = load_sft(cfg)
+    accelerator = make_accelerator(cfg)
+    policy = trainer.build_policy(cfg, accelerator.device)
+    assert not any("lora" in name for name, _ in policy.model.named_parameters())
+    assert all(p.requires_grad for p in policy.model.parameters())
+    assert policy.reference is not None and not any(p.requires_grad for p in policy.reference.parameters())
+    ctx = trainer._context(cfg, policy, accelerator)
+    records = read_records(params.parent / "data" / "processed" / "train.jsonl")[:4]
+    for step in (1, 2):
+        grpo_step(ctx, records, step, lambda attempt: records)
+    sft_weights = dict(sft.named_parameters())
+    assert any(not torch.equal(p, sft_weights[n]) for n, p in policy.model.named_parameters()), "policy did not move"
+    assert all(torch.equal(p, sft_weights[n]) for n, p in policy.reference.named_parameters())
+    batch = prepare_batch(ctx, draw(ctx, records, seed=3))
+    width, mask = batch.completion_mask.shape[1], batch.completion_mask
+    with torch.no_grad():
+        expected = score_completions(sft, batch.input_ids, batch.attention_mask, width, 1.0).logprobs
+        moved = score_completions(policy.model, batch.input_ids, batch.attention_mask, width, 1.0).logprobs
+    torch.testing.assert_close(batch.ref_logprobs[mask], expected[mask], rtol=0, atol=1e-5)
+    assert (moved[mask] - expected[mask]).abs().max() > 1e-4, "the reference would equal the moving policy"

@@ -36,6 +36,7 @@ from grpo.data.select import balanced_records, eval_records
 from grpo.errors import GrpoError
 from grpo.files import write_json
 from grpo.model.chat import render_prompt
+from grpo.model.device import make_accelerator, model_device, to_device
 from grpo.model.modeling import POINTER_FILE, load_model, load_tokenizer, wrap_lora
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
 from grpo.provenance.lineage import is_stale
@@ -154,7 +155,7 @@ def load_target(cfg: Config, path: str | Path) -> Target:
             ckpt.load_checkpoint(path, model=model, optimizer=None, scheduler=None)
             tokenizer = load_tokenizer(paths.model_dir(cfg, "sft"), cfg.model)
         target = Target(model, tokenizer, kind, path, fresh_adapter=False, stale=stale)
-    target.model.to(torch.device("cuda" if torch.cuda.is_available() else "cpu")).eval()
+    target.model.to(make_accelerator(cfg).device).eval()
     return target
 
 
@@ -171,9 +172,8 @@ def make_probe(cfg: Config, target: Target) -> Probe:
                                seed=cfg.seed)
     joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
                                     rollout.completion_mask)
-    device = next(target.model.parameters()).device
-    return Probe(records, rollout, joined.input_ids.to(device), joined.attention_mask.to(device),
-                 rollout.completion_mask.to(device))
+    return Probe(records, rollout, *to_device(model_device(target.model), joined.input_ids,
+                                              joined.attention_mask, rollout.completion_mask))
 
 
 def _score(model: torch.nn.Module, probe: Probe, temperature: float, adapter: bool = True) -> Scored:

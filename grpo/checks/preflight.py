@@ -29,6 +29,7 @@ from grpo.data.prompts import example_messages, sft_target
 from grpo.errors import GrpoError
 from grpo.files import write_atomically
 from grpo.model.chat import render_prompt, render_sft
+from grpo.model.device import make_accelerator, model_device, to_device
 from grpo.model.load import load_sft
 from grpo.model.modeling import wrap_lora
 from grpo.model.rollout import generate_rollout, stop_ids
@@ -97,10 +98,11 @@ def check_left_padded_extraction(s: Subject) -> Check:
     rollout = generate_rollout(s.policy, s.tokenizer, s.prompts, 1, s.cfg.grpo.sampling, s.eos_ids, s.cfg.seed)
     joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
                                     rollout.completion_mask)
-    device = next(s.policy.parameters()).device
+    device = model_device(s.policy)
+    input_ids, attention_mask = to_device(device, joined.input_ids, joined.attention_mask)
     temperature = s.cfg.grpo.sampling.temperature
     with torch.no_grad():
-        batched = score_completions(s.policy, joined.input_ids.to(device), joined.attention_mask.to(device),
+        batched = score_completions(s.policy, input_ids, attention_mask,
                                     rollout.completion_ids.shape[1], temperature).logprobs.cpu()
     headers = set(s.tokenizer.convert_tokens_to_ids(header_tokens(s.tokenizer, s.eos_ids)))
     worst, leaked = 0.0, []
@@ -153,8 +155,7 @@ def _sampled_batch(s: Subject):
                                s.cfg.grpo.sampling, s.eos_ids, s.cfg.seed + 1)
     joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
                                     rollout.completion_mask)
-    device = next(s.policy.parameters()).device
-    return joined.input_ids.to(device), joined.attention_mask.to(device), rollout.completion_mask.to(device)
+    return to_device(model_device(s.policy), joined.input_ids, joined.attention_mask, rollout.completion_mask)
 
 
 def check_ratio_kl_at_init(s: Subject) -> Check:
@@ -237,9 +238,7 @@ def make_subject(cfg: Config, model, tokenizer, records: list[dict]) -> Subject:
     """``model`` wrapped as the GRPO policy (fresh LoRA, seeded) and one prompt per task, chosen so
     the two prompt widths differ as much as possible (the shorter one is the one left padding shifts)."""
     torch.manual_seed(cfg.seed)
-    policy = wrap_lora(model, cfg.model.lora)
-    if torch.cuda.is_available():
-        policy = policy.cuda()
+    policy = wrap_lora(model, cfg.model.lora).to(make_accelerator(cfg).device)
     kwargs = cfg.model.chat_template_kwargs
 
     def rendered(task: str) -> list[tuple[list[int], dict]]:

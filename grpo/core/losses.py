@@ -167,34 +167,3 @@ def total_loss(terms: LossTerms, beta: float, entropy_coef: float) -> torch.Tens
     A positive ``entropy_coef`` is a bonus: minimising the loss raises entropy.
     """
     return terms.policy + beta * terms.kl - entropy_coef * terms.entropy
-
-
-def grpo_loss(
-    logprobs: torch.Tensor,  # [N, C]
-    old_logprobs: torch.Tensor,  # [N, C]
-    ref_logprobs: torch.Tensor | None,  # [N, C] or None
-    advantages: torch.Tensor,  # [N]
-    completion_mask: torch.Tensor,  # [N, C]
-    entropy: torch.Tensor,  # [N, C]
-    *,
-    epsilon_low: float,
-    epsilon_high: float,
-    loss_type: LossType,
-    max_completion_length: int,
-    beta: float,
-    entropy_coef: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """``policy_loss_terms`` then ``total_loss`` -> ``(loss [], stats)``; stats add ``loss``."""
-    if beta != 0.0 and ref_logprobs is None:
-        raise LossError(
-            f"grpo.loss.beta is {beta} but no reference log-probs were given; score the reference "
-            "model (the SFT policy) or set grpo.loss.beta: 0"
-        )
-    terms, stats = policy_loss_terms(
-        logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, entropy,
-        epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-        loss_type=loss_type, max_completion_length=max_completion_length,
-    )
-    loss = total_loss(terms, beta, entropy_coef)
-    stats["loss"] = float(loss.detach())
-    return loss, stats

@@ -34,12 +34,6 @@ SPLITS = ("train", "eval")
 SOURCES = ("synthetic", "bbq", "halueval", "squad2")
 """Where a record came from: the built-in generator or a published dataset format."""
 
-FAIRNESS_SOURCES = ("synthetic", "bbq")
-"""Sources that can feed the fairness task."""
-
-HALLUCINATION_SOURCES = ("synthetic", "halueval", "squad2")
-"""Sources that can feed the hallucination task."""
-
 Task = Literal["fairness", "hallucination"]
 Split = Literal["train", "eval"]
 Source = Literal["synthetic", "bbq", "halueval", "squad2"]

@@ -47,6 +47,7 @@ from grpo.eval.metrics import (
 from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy
 from grpo.files import write_atomically
 from grpo.model.chat import render_prompt
+from grpo.model.device import make_accelerator, model_device, to_device
 from grpo.model.load import check_grpo, check_sft, load_base, load_grpo, load_sft
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
 from grpo.rewards import fairness_outcome, hallucination_outcome, weighted_reward
@@ -80,10 +81,6 @@ def available_models(cfg: Config) -> tuple[list[str], dict[str, str]]:
     return present, skipped
 
 
-def _device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 # --------------------------------------------------------------------------- generation
 
 
@@ -95,10 +92,9 @@ def entropy_sum(model: PreTrainedModel, rollout: Rollout, temperature: float) ->
     """
     joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
                                     rollout.completion_mask)
-    device = next(model.parameters()).device
-    scored = score_completions(model, joined.input_ids.to(device), joined.attention_mask.to(device),
-                               rollout.completion_ids.shape[1], temperature)
-    mask = rollout.completion_mask.to(device)
+    input_ids, attention_mask, mask = to_device(model_device(model), joined.input_ids, joined.attention_mask,
+                                                rollout.completion_mask)
+    scored = score_completions(model, input_ids, attention_mask, rollout.completion_ids.shape[1], temperature)
     return float(torch.where(mask, scored.entropy, 0.0).sum()), int(mask.sum())
 
 
@@ -269,10 +265,10 @@ def evaluate(
         check_grpo(cfg)
     elif "sft" in present:
         check_sft(cfg)
-    results = {}
+    results, device = {}, make_accelerator(cfg).device
     for name in present:
         model, tokenizer = load_eval_model(cfg, name)
-        model = model.to(_device()).eval()
+        model = model.to(device).eval()
         results[name] = evaluate_model(model, tokenizer, records, cfg, desc=f"eval {name}", progress=progress)
         del model
     return results, skipped

@@ -13,17 +13,20 @@ import time
 from collections.abc import Sequence
 
 import torch
+from accelerate import Accelerator
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_schedule_with_warmup
 
 from grpo import paths
 from grpo.config import Config, SftConfig
 from grpo.core.batching import SftBatch, position_ids_from_mask, sft_batch
+from grpo.core.losses import masked_mean
 from grpo.data.jsonl import read_records
 from grpo.data.prompts import example_messages, sft_target
 from grpo.errors import GrpoError
 from grpo.files import write_atomically
 from grpo.model.chat import SftExample, render_sft
+from grpo.model.device import make_accelerator, to_device
 from grpo.model.load import load_base
 from grpo.model.modeling import save_model, wrap_lora
 from grpo.provenance.lineage import make_lineage, write_lineage
@@ -60,10 +63,9 @@ def sft_loss(model: PreTrainedModel, batch: SftBatch) -> tuple[torch.Tensor, dic
     token_loss = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
     ).view_as(targets)
-    n_tokens = mask.sum().clamp(min=1)
-    loss = (token_loss * mask).sum() / n_tokens
+    loss = masked_mean(token_loss, mask)
     with torch.no_grad():
-        accuracy = ((logits.argmax(-1) == targets) & mask).sum() / n_tokens
+        accuracy = masked_mean((logits.argmax(-1) == targets).float(), mask)
     return loss, {"loss": loss.item(), "token_accuracy": accuracy.item(), "tokens": int(mask.sum())}
 
 
@@ -73,10 +75,12 @@ def train_sft(
     pad_id: int,
     cfg: SftConfig,
     seed: int,
+    accelerator: Accelerator,
     progress: bool = True,
 ) -> list[dict]:
-    """AdamW over shuffled mini-batches; returns one metrics dict per optimizer step."""
-    device = next(model.parameters()).device
+    """AdamW over shuffled mini-batches on ``accelerator``'s device and precision (as GRPO); returns
+    one metrics dict per optimizer step."""
+    model.to(accelerator.device)
     generator = torch.Generator().manual_seed(seed)
     steps_per_epoch = -(-len(examples) // cfg.batch_size)
     total = steps_per_epoch * cfg.epochs
@@ -90,12 +94,13 @@ def train_sft(
         order = torch.randperm(len(examples), generator=generator).tolist()
         for start in range(0, len(order), cfg.batch_size):
             batch = sft_batch([examples[i] for i in order[start : start + cfg.batch_size]], pad_id)
-            batch = SftBatch(*(t.to(device) for t in batch))
-            loss, stats = sft_loss(model, batch)
+            batch = SftBatch(*to_device(accelerator.device, *batch))
+            with accelerator.autocast():
+                loss, stats = sft_loss(model, batch)
             if not torch.isfinite(loss):
                 raise GrpoError(f"sft: loss is {loss.item()} at step {len(history) + 1}; lower sft.lr")
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            accelerator.backward(loss)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
             scheduler.step()
@@ -116,7 +121,7 @@ def run(cfg: Config) -> int:
         torch.manual_seed(cfg.seed)  # LoRA init draws from the global generator
         model = wrap_lora(model, cfg.model.lora)
     started = time.perf_counter()
-    history = train_sft(model, examples, tokenizer.pad_token_id, cfg.sft, cfg.seed)
+    history = train_sft(model, examples, tokenizer.pad_token_id, cfg.sft, cfg.seed, make_accelerator(cfg))
     wall = time.perf_counter() - started
     if cfg.sft.lora:
         model = model.merge_and_unload()

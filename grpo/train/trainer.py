@@ -30,6 +30,7 @@ from grpo.errors import GrpoError
 from grpo.files import write_json
 from grpo.health.metrics import MetricsWriter
 from grpo.health.monitor import Monitor, raise_if_stop
+from grpo.model.device import make_accelerator
 from grpo.model.load import load_sft
 from grpo.model.modeling import save_model, wrap_lora
 from grpo.model.rollout import stop_ids
@@ -148,8 +149,7 @@ def _context(cfg: Config, policy: Policy, accelerator: Accelerator) -> StepConte
 def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> list[dict]:
     """Run (or resume) GRPO; returns the metric history. Raises TrainingStopped on a collapse."""
     require_preflight(cfg)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                              mixed_precision="bf16" if cfg.grpo.bf16 and torch.cuda.is_available() else "no")
+    accelerator = make_accelerator(cfg)
     policy = build_policy(cfg, accelerator.device)
     lineage = make_lineage("grpo", cfg, paths.stage_inputs(cfg, "grpo"))
     start, history = resume(cfg, policy)

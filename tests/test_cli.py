@@ -1,0 +1,77 @@
+"""grpo/cli.py: one command per stage from the stage table, typed options, exit codes and messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from grpo.cli import COMMANDS, build_parser, main, resolve
+from grpo.provenance import stages
+
+NON_STAGE = ("plot-entropy", "diagnose", "fingerprint", "pipeline")
+
+
+@pytest.fixture
+def params(tmp_path) -> Path:
+    path = tmp_path / "params.yaml"
+    path.write_text(f"seed: 1\npaths:\n  data_dir: {tmp_path / 'data'}\n", encoding="utf-8")
+    return path
+
+
+def test_every_stage_has_its_command_from_the_table_and_nothing_else_is_a_stage():
+    for spec in stages.STAGES.values():
+        assert COMMANDS[spec.command].entry == spec.entry
+        assert COMMANDS[spec.command].help == spec.help and spec.help
+    stage_commands = {spec.command for spec in stages.STAGES.values()}
+    assert set(COMMANDS) == stage_commands | set(NON_STAGE)
+
+
+def test_every_entry_resolves_to_a_function():
+    for name, command in COMMANDS.items():
+        assert callable(resolve(command.entry)), name
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["--help"])
+    assert done.value.code == 0
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in COMMANDS)
+
+
+def test_options_reach_the_stage_function_typed(params, monkeypatch):
+    seen = {}
+
+    def fake_run(cfg, max_steps=None):
+        seen.update(cfg=cfg, max_steps=max_steps)
+        return 0
+
+    monkeypatch.setattr("grpo.train.trainer.run", fake_run)
+    assert main(["train", "--params", str(params), "--max-steps", "3", "--set", "grpo.steps=9"]) == 0
+    assert seen["max_steps"] == 3 and seen["cfg"].grpo.steps == 9 and seen["cfg"].seed == 1
+
+
+def test_a_bad_params_value_exits_2_naming_key_value_and_fix(params, capsys):
+    assert main(["prepare", "--params", str(params), "--set", "grpo.group_size=1"]) == 2
+    err = capsys.readouterr().err
+    assert "grpo.group_size" in err and "(got 1)" in err and err.startswith("error: ")
+
+
+def test_a_library_error_exits_1_with_its_message(params, capsys):
+    assert main(["evaluate", "--params", str(params)]) == 1
+    err = capsys.readouterr().err
+    assert "eval.jsonl: no eval split" in err and "grpo prepare" in err
+
+
+def test_a_meaningless_flag_combination_exits_2_before_the_library_runs(params, capsys, monkeypatch):
+    monkeypatch.setattr("grpo.eval.plots.run", lambda *a, **k: pytest.fail("the library ran"))
+    assert main(["plot-entropy", "--params", str(params), "--labels", "x"]) == 2
+    assert "--labels names --entropy-files" in capsys.readouterr().err
+
+
+def test_fingerprint_command_writes_one_file_per_stage(params, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["fingerprint", "--params", str(params)]) == 0
+    assert sorted(p.stem for p in (tmp_path / "fingerprints").glob("*.json")) == sorted(stages.STAGES)
+    assert "fingerprint: sft changed" in capsys.readouterr().out

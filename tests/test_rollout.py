@@ -1,0 +1,110 @@
+"""grpo/model/rollout.py: G completions per prompt as token ids, greedy or sampled, grouped by prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.config import SamplingConfig
+from grpo.core.batching import left_pad
+from grpo.model.chat import end_of_turn_ids, render_prompt
+from grpo.model.rollout import concat_rollouts, generate_rollout, select_groups, stop_ids
+
+SAMPLING = SamplingConfig(max_new_tokens=6)
+MESSAGES = (
+    [{"role": "user", "content": "Who was late?"}],
+    [{"role": "system", "content": "Answer only from the context."},
+     {"role": "user", "content": "Context: Mara Venn founded Elbrook. Question: Who founded Elbrook?"}],
+)
+
+
+@pytest.fixture
+def prompts(tiny_tokenizer) -> list[list[int]]:
+    return [render_prompt(tiny_tokenizer, messages) for messages in MESSAGES]
+
+
+def rollout(model, tokenizer, prompts, group_size=3, seed=0, greedy=False, sampling=SAMPLING):
+    return generate_rollout(model, tokenizer, prompts, group_size, sampling, stop_ids(model, tokenizer), seed,
+                            greedy=greedy)
+
+
+def test_row_i_belongs_to_prompt_i_over_group_size(tiny_model, tiny_tokenizer, prompts):
+    out = rollout(tiny_model, tiny_tokenizer, prompts, group_size=3)
+    n = len(prompts) * 3
+    assert out.prompt_ids.shape[0] == out.completion_ids.shape[0] == n and out.group_size == 3
+    assert len(out.texts) == len(out.raw_texts) == n
+    padded = left_pad(prompts, tiny_tokenizer.pad_token_id)
+    for row in range(n):
+        assert torch.equal(out.prompt_ids[row], padded.input_ids[row // 3])
+        assert torch.equal(out.prompt_mask[row], padded.attention_mask[row // 3])
+
+
+def test_completion_mask_runs_up_to_and_including_the_first_stop(tiny_model, tiny_tokenizer, prompts):
+    out = rollout(tiny_model, tiny_tokenizer, prompts, group_size=4, seed=1)
+    stops = set(stop_ids(tiny_model, tiny_tokenizer))
+    assert out.completion_ids.shape[1] <= SAMPLING.max_new_tokens
+    for ids, mask, length, truncated in zip(out.completion_ids, out.completion_mask, out.lengths, out.truncated,
+                                            strict=True):
+        n = int(length)
+        assert mask[:n].all() and not mask[n:].any() and int(mask.sum()) == n
+        first_stop = next((i for i, t in enumerate(ids.tolist()) if t in stops), None)
+        assert bool(truncated) == (first_stop is None)
+        if first_stop is not None:
+            assert n == first_stop + 1
+
+
+def test_same_seed_same_rollout_and_the_global_generator_is_untouched(tiny_model, tiny_tokenizer, prompts):
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first = rollout(tiny_model, tiny_tokenizer, prompts, seed=7)
+    assert torch.equal(torch.get_rng_state(), state), "sampling moved the global generator"
+    again = rollout(tiny_model, tiny_tokenizer, prompts, seed=7)
+    other = rollout(tiny_model, tiny_tokenizer, prompts, seed=8)
+    assert torch.equal(first.completion_ids, again.completion_ids)
+    assert not torch.equal(first.completion_ids, other.completion_ids)
+
+
+def test_greedy_is_the_argmax_path_whatever_the_seed(tiny_model, tiny_tokenizer, prompts):
+    greedy = rollout(tiny_model, tiny_tokenizer, prompts, group_size=2, seed=1, greedy=True)
+    reseeded = rollout(tiny_model, tiny_tokenizer, prompts, group_size=2, seed=99, greedy=True)
+    assert torch.equal(greedy.completion_ids, reseeded.completion_ids)
+    assert torch.equal(greedy.completion_ids[0], greedy.completion_ids[1])  # one group, one argmax path
+    # The first generated token is the argmax of the model's next-token logits after the prompt.
+    with torch.no_grad():
+        logits = tiny_model(input_ids=torch.tensor([prompts[0]])).logits[0, -1]
+    assert int(greedy.completion_ids[0, 0]) == int(logits.argmax())
+
+
+def test_greedy_keeps_the_rollout_processors(tiny_model, tiny_tokenizer, prompts):
+    """min_new_tokens == max_new_tokens: the EOS suppressor holds every completion open, greedy too."""
+    forced = SamplingConfig(max_new_tokens=5, min_new_tokens=5)
+    out = rollout(tiny_model, tiny_tokenizer, prompts, group_size=1, greedy=True, sampling=forced)
+    assert out.truncated.all() and (out.lengths == 5).all()
+    assert not torch.isin(out.completion_ids, torch.tensor(stop_ids(tiny_model, tiny_tokenizer))).any()
+
+
+def test_select_groups_keeps_whole_groups_in_the_given_order(tiny_model, tiny_tokenizer, prompts):
+    out = rollout(tiny_model, tiny_tokenizer, prompts, group_size=2, seed=3)
+    picked = select_groups(out, [1, 0])
+    assert torch.equal(picked.completion_ids, out.completion_ids[[2, 3, 0, 1]])
+    assert picked.texts == [out.texts[i] for i in (2, 3, 0, 1)] and picked.group_size == 2
+
+
+def test_concat_pads_prompts_left_and_completions_right(tiny_model, tiny_tokenizer, prompts):
+    short = rollout(tiny_model, tiny_tokenizer, prompts[:1], group_size=2, seed=4)
+    long = rollout(tiny_model, tiny_tokenizer, prompts[1:], group_size=2, seed=5)
+    both = concat_rollouts([short, long], tiny_tokenizer.pad_token_id)
+    width = max(short.prompt_ids.shape[1], long.prompt_ids.shape[1])
+    assert both.prompt_ids.shape == (4, width)
+    # The short prompts keep their ids at the right end; the added positions are masked out.
+    assert torch.equal(both.prompt_ids[:2, -short.prompt_ids.shape[1]:], short.prompt_ids)
+    assert not both.prompt_mask[:2, : width - short.prompt_ids.shape[1]].any()
+    assert torch.equal(both.completion_mask.sum(dim=1), torch.cat([short.lengths, long.lengths]))
+
+
+def test_stop_ids_add_the_models_own_generation_eos(tiny_model, tiny_tokenizer):
+    ids = stop_ids(tiny_model, tiny_tokenizer)
+    assert set(end_of_turn_ids(tiny_tokenizer)) <= set(ids)
+    own = tiny_model.generation_config.eos_token_id
+    assert set(own if isinstance(own, list) else [own]) <= set(ids)
+    assert len(ids) == len(set(ids))

@@ -1,0 +1,71 @@
+"""grpo/train/sft.py: SFT examples from the one renderer, the masked loss, and the training loop."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from grpo.config import SftConfig, config_from_dict
+from grpo.core.batching import sft_batch
+from grpo.data.prepare import build_records
+from grpo.errors import GrpoError
+from grpo.train.sft import build_examples, sft_loss, train_sft
+
+
+@pytest.fixture(scope="module")
+def records():
+    cfg = config_from_dict({"data": {"n_train": 16, "n_eval": 4}})
+    return [r.model_dump(mode="json") for r in build_records(cfg)["train"]][:6]
+
+
+def test_examples_too_long_are_an_error_never_cut(records, tiny_tokenizer):
+    examples = build_examples(records, tiny_tokenizer, 512, {})
+    assert len(examples) == len(records) and all(e.ids[-1] == tiny_tokenizer.convert_tokens_to_ids("<|eot_id|>")
+                                                  for e in examples)
+    longest = max(len(e.ids) for e in examples)
+    with pytest.raises(GrpoError, match=rf"tokens > sft.max_length={longest - 1}; raise sft.max_length"):
+        build_examples(records, tiny_tokenizer, longest - 1, {})
+
+
+def test_loss_is_the_mean_cross_entropy_of_the_supervised_tokens(records, tiny_model, tiny_tokenizer):
+    batch = sft_batch(build_examples(records[:3], tiny_tokenizer, 512, {}), tiny_tokenizer.pad_token_id)
+    loss, stats = sft_loss(tiny_model, batch)
+    expected, count = 0.0, 0
+    with torch.no_grad():
+        for row in range(3):
+            keep = batch.attention_mask[row].bool()
+            ids, mask = batch.input_ids[row][keep], batch.loss_mask[row][keep]
+            logp = torch.log_softmax(tiny_model(input_ids=ids[None]).logits[0, :-1].float(), dim=-1)
+            picked = logp.gather(-1, ids[1:, None])[:, 0]
+            expected -= float(picked[mask[1:]].sum())
+            count += int(mask[1:].sum())
+    assert stats["tokens"] == count
+    assert loss.item() == pytest.approx(expected / count, rel=1e-5)
+
+
+def test_loss_of_an_example_is_the_same_alone_and_inside_a_padded_batch(records, tiny_model, tiny_tokenizer):
+    examples = build_examples(records[:3], tiny_tokenizer, 512, {})
+    shortest = min(examples, key=lambda e: len(e.ids))
+    alone, _ = sft_loss(tiny_model, sft_batch([shortest], tiny_tokenizer.pad_token_id))
+    longer = [e for e in examples if len(e.ids) > len(shortest.ids)][0]
+    padded = sft_batch([shortest, longer], tiny_tokenizer.pad_token_id)
+    only_short = padded._replace(loss_mask=padded.loss_mask & torch.tensor([[True], [False]]))
+    inside, _ = sft_loss(tiny_model, only_short)
+    assert inside.item() == pytest.approx(alone.item(), abs=1e-5)
+
+
+def test_training_lowers_the_loss_and_is_reproducible(records, tiny_model, tiny_tokenizer):
+    examples = build_examples(records, tiny_tokenizer, 512, {})
+    cfg = SftConfig(epochs=3, batch_size=4, lr=1e-2, warmup_ratio=0.0)
+    twin = copy.deepcopy(tiny_model)
+    history = train_sft(tiny_model, examples, tiny_tokenizer.pad_token_id, cfg, seed=1,
+                        accelerator=Accelerator(cpu=True), progress=False)
+    assert [h["step"] for h in history] == list(range(1, 3 * 2 + 1))  # 6 examples, batches of 4: 2 a epoch
+    assert history[-1]["loss"] < history[0]["loss"]
+    again = train_sft(twin, examples, tiny_tokenizer.pad_token_id, cfg, seed=1,
+                      accelerator=Accelerator(cpu=True), progress=False)
+    assert [h["loss"] for h in again] == [h["loss"] for h in history]
+    assert all(torch.equal(a, b) for a, b in zip(tiny_model.parameters(), twin.parameters(), strict=True))

@@ -1,0 +1,57 @@
+"""grpo/train/task_mix.py: which prompts a GRPO step trains on (both tasks, the configured ratio)."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo.data.select import split_by_task
+from grpo.errors import GrpoError
+from grpo.train.task_mix import sample_step, task_counts
+
+BY_TASK = {
+    "fairness": [{"id": f"f{i}", "task": "fairness"} for i in range(10)],
+    "hallucination": [{"id": f"h{i}", "task": "hallucination"} for i in range(10)],
+}
+
+
+@pytest.mark.parametrize(
+    ("n_prompts", "fraction", "expected"),
+    [
+        (8, 0.5, {"fairness": 4, "hallucination": 4}),
+        (8, 0.25, {"fairness": 2, "hallucination": 6}),
+        (4, 0.01, {"fairness": 1, "hallucination": 3}),  # strictly between 0 and 1: both tasks present
+        (4, 0.99, {"fairness": 3, "hallucination": 1}),
+        (4, 0.0, {"fairness": 0, "hallucination": 4}),
+        (4, 1.0, {"fairness": 4, "hallucination": 0}),
+        (1, 0.5, {"fairness": 0, "hallucination": 1}),  # one prompt cannot hold both tasks
+    ],
+)
+def test_task_counts(n_prompts, fraction, expected):
+    counts = task_counts(n_prompts, fraction)
+    assert counts == expected and sum(counts.values()) == n_prompts
+
+
+def test_a_step_is_a_pure_function_of_seed_and_step():
+    first = sample_step(BY_TASK, 6, 0.5, seed=3, step=5)
+    assert sample_step(BY_TASK, 6, 0.5, seed=3, step=5) == first  # what a resumed run sees again
+    assert sample_step(BY_TASK, 6, 0.5, seed=3, step=6) != first
+    assert sample_step(BY_TASK, 6, 0.5, seed=4, step=5) != first
+
+
+def test_tasks_are_interleaved():
+    picked = sample_step(BY_TASK, 8, 0.5, seed=1, step=1)
+    assert [r["task"] for r in picked] == ["fairness", "hallucination"] * 4
+    assert all(r in BY_TASK[r["task"]] for r in picked)
+
+
+def test_uneven_ratio_appends_the_rest_of_the_larger_task():
+    picked = sample_step(BY_TASK, 6, 1 / 3, seed=2, step=1)
+    assert [r["task"] for r in picked] == ["fairness", "hallucination", "fairness", "hallucination",
+                                            "hallucination", "hallucination"]
+
+
+def test_a_missing_task_is_an_error_naming_the_task_and_the_fix():
+    only_fairness = split_by_task(BY_TASK["fairness"])
+    with pytest.raises(GrpoError, match=r"no 'hallucination' records.*fairness_fraction"):
+        sample_step(only_fairness, 4, 0.5, seed=0, step=1)
+    assert len(sample_step(only_fairness, 4, 1.0, seed=0, step=1)) == 4  # fraction 1 needs none
