@@ -20,19 +20,19 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from grpo.train import checkpoint as ckpt
+from grpo.checks.preflight import require_preflight
 from grpo.config import Config, config_to_dict
 from grpo.data.jsonl import read_records
 from grpo.errors import GrpoError
-from grpo.provenance.lineage import is_stale, make_lineage, write_lineage
 from grpo.health.metrics import MetricsWriter
-from grpo.model.modeling import save_model, wrap_lora
 from grpo.health.monitor import Monitor, raise_if_stop
-from grpo.checks.preflight import require_preflight
+from grpo.model.modeling import save_model, wrap_lora
 from grpo.model.rollout import stop_ids
+from grpo.provenance.lineage import is_stale, make_lineage, write_lineage
+from grpo.train import checkpoint as ckpt
 from grpo.train.sft import load_sft, sft_dir
 from grpo.train.step import StepContext, grpo_step
-from grpo.train.task_mix import sample_step, split_by_task
+from grpo.train.task_mix import sample_step, shard, split_by_task
 
 
 class TrainingError(GrpoError):
@@ -127,7 +127,7 @@ def _shard(cfg: Config, by_task: dict, step: int, attempt: int, accelerator: Acc
     """This process's prompts of ``step`` (``attempt`` > 0: fresh prompts for dynamic resampling)."""
     seed = cfg.seed + attempt * 7_919_993
     records = sample_step(by_task, cfg.grpo.prompts_per_step, cfg.grpo.fairness_fraction, seed, step)
-    return records[accelerator.process_index :: accelerator.num_processes]
+    return shard(records, accelerator.process_index, accelerator.num_processes)
 
 
 def _context(cfg: Config, policy: Policy, accelerator: Accelerator) -> StepContext:
