@@ -179,9 +179,12 @@ def _task_losses(ctx: StepContext, batch: ScoredBatch, totals: Totals, subset: t
             loss_type=loss_cfg.loss_type, max_completion_length=ctx.cfg.grpo.sampling.max_new_tokens,
         )
         out[task] = TaskLoss(LossTerms(*(term * share for term in terms)))
+        # The statistics are token means over this part: weighted by its share of the task's tokens
+        # over all processes, they add up to the token mean of the global batch however it is split.
+        token_share = float(batch.completion_mask[idx].sum()) / max(totals.tokens[task], 1.0)
         acc = stats_out.setdefault(task, {})
         for key, value in (stats | scored.logits_stats).items():
-            acc[key] = acc.get(key, 0.0) + share * float(value)
+            acc[key] = acc.get(key, 0.0) + token_share * float(value)
     return out
 
 
@@ -240,10 +243,10 @@ def _sum_over_processes(ctx: StepContext, task_stats: dict[str, dict[str, float]
 
 
 def _mean_stats(task_stats: dict[str, dict[str, float]], totals: Totals) -> dict[str, float]:
-    """Row-weighted (global rows) mean of the per-task loss and logits statistics."""
-    total = sum(totals.rows[t] for t in task_stats) or 1.0
+    """Token mean over both tasks (global tokens) of the per-task loss and logits statistics."""
+    total = sum(totals.tokens[t] for t in task_stats) or 1.0
     keys = set().union(*(s.keys() for s in task_stats.values())) if task_stats else set()
-    return {key: sum(s.get(key, 0.0) * totals.rows[t] for t, s in task_stats.items()) / total
+    return {key: sum(s.get(key, 0.0) * totals.tokens[t] for t, s in task_stats.items()) / total
             for key in keys}
 
 
@@ -257,19 +260,19 @@ def grpo_step(ctx: StepContext, records: list[dict], step: int,
     sampled, sample_stats = sample_groups(
         lambda recs, attempt: draw(ctx, recs, seed + attempt * 15_485_863), records, more_records,
         cfg.grpo.dynamic_sampling, cfg.grpo.max_resample, ctx.tokenizer.pad_token_id)
-    _raise_on_nonfinite_rewards(ctx, sampled, step)
+    raise_on_nonfinite_rewards(ctx.accelerator, sampled.rewards, row_tasks(sampled.records, sampled.rollout.group_size),
+                               step)
     update_stats = update(ctx, prepare_batch(ctx, sampled))
     return step_result(ctx, records, sampled, sample_stats, update_stats, time.perf_counter() - started)
 
 
-def _raise_on_nonfinite_rewards(ctx: StepContext, sampled: Draw, step: int) -> None:
-    """NonFiniteError on EVERY process when any process has a NaN/Inf reward: a process that raised
-    alone would leave the others waiting in the next all-reduce."""
-    g = sampled.rollout.group_size
-    bad = sorted({sampled.records[i // g]["task"] for i in torch.nonzero(~torch.isfinite(sampled.rewards))})
+def raise_on_nonfinite_rewards(accelerator: Any, rewards: torch.Tensor, tasks: Sequence[str], step: int) -> None:
+    """NonFiniteError on EVERY process when any process has a NaN/Inf reward (``rewards`` [N], ``tasks``
+    the task of each row): a process that raised alone would leave the others in the next all-reduce."""
+    bad = sorted({tasks[i] for i in torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()})
     anywhere = float(len(bad))
-    if ctx.accelerator.num_processes > 1:
-        anywhere = float(ctx.accelerator.reduce(torch.tensor([anywhere], device=ctx.accelerator.device), "sum"))
+    if accelerator.num_processes > 1:
+        anywhere = float(accelerator.reduce(torch.tensor([anywhere], device=accelerator.device), "sum"))
     if anywhere:
         where = f"for task(s) {bad}" if bad else "on another process"
         raise NonFiniteError(f"grpo: NaN/Inf reward at step {step} {where}; "

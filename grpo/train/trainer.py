@@ -31,7 +31,7 @@ from grpo.model.rollout import stop_ids
 from grpo.provenance.lineage import is_stale, make_lineage, write_lineage
 from grpo.train import checkpoint as ckpt
 from grpo.train.sft import load_sft, sft_dir
-from grpo.train.step import StepContext, grpo_step
+from grpo.train.step import StepContext, StepResult, grpo_step
 from grpo.train.task_mix import sample_step, shard, split_by_task
 
 
@@ -136,6 +136,15 @@ def _context(cfg: Config, policy: Policy, accelerator: Accelerator) -> StepConte
                        scheduler=policy.scheduler, eos_ids=eos_ids, accelerator=accelerator)
 
 
+def watch(monitor: Monitor, step: int, result: StepResult) -> None:
+    """Apply the monitor to one step; ``result`` describes the global batch (the same on every
+    process), so every process decides alike and all stop together, none left in an all-reduce."""
+    findings = monitor.observe(step, result.metrics)  # boundary text checks run on the first steps only
+    findings += monitor.check_boundary(step, result.raw_texts, result.prompt_texts,
+                                       result.header_tokens, result.end_of_turn_tokens)
+    raise_if_stop(findings)
+
+
 def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> list[dict]:
     """Run (or resume) GRPO; returns the metric history. Raises TrainingStopped on a collapse."""
     require_preflight(cfg)
@@ -155,10 +164,7 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
         for step in bar:
             result = grpo_step(context, _shard(cfg, by_task, step, 0, accelerator), step,
                                lambda attempt, step=step: _shard(cfg, by_task, step, attempt, accelerator))
-            findings = monitor.observe(step, result.metrics)  # boundary text checks run on the first steps only
-            findings += monitor.check_boundary(step, result.raw_texts, result.prompt_texts,
-                                               result.header_tokens, result.end_of_turn_tokens)
-            raise_if_stop(findings)  # before saving: a collapsed state never becomes a checkpoint
+            watch(monitor, step, result)  # before saving: a collapsed state never becomes a checkpoint
             history.append({"step": step, **result.metrics})
             writer.log(step, result.metrics)
             bar.set_postfix(reward=f"{result.metrics['reward']:.2f}", entropy=f"{result.metrics['entropy']:.2f}",
