@@ -269,9 +269,10 @@ def multitask_backward(
       ``beta * kl - entropy_coef * entropy`` is added unchanged.
     - ``low_memory``: ``compute_losses((task,))`` per task, each graph freed before the next task.
       With ``reward_only`` too, each task takes two gradients (policy, then KL/entropy) from its graph.
-    - ``reduce_fn`` (e.g. an all-reduce mean) is applied to each task gradient BEFORE combining: the
-      combination is nonlinear, so it must see global gradients. It is then called for every task of
-      ``tasks`` (zeros where this process has no rows) so all processes make the same calls.
+    - ``reduce_fn`` (an all-reduce SUM: each process's losses are scaled by their share of the global
+      batch, so the sum is the one-process gradient) is applied to each task gradient BEFORE combining:
+      the combination is nonlinear, so it must see global gradients. It is then called for every task
+      of ``tasks`` (zeros where this process has no rows) so all processes make the same calls.
     - a task whose (reduced) gradient is exactly zero (no rows anywhere, or nothing to learn) is left
       out of the combination: it would only shrink CAGrad's mean and pin its worst-task bound at 0.
 

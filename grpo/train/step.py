@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import Config
@@ -27,7 +28,7 @@ from grpo.core.multitask import TaskLoss, multitask_backward
 from grpo.data.prompts import example_messages
 from grpo.data.schema import TASKS
 from grpo.errors import GrpoError
-from grpo.health.metrics import completion_stats, task_reward_stats
+from grpo.health.metrics import completion_stats, merge_process_metrics, task_reward_stats
 from grpo.model.chat import render_prompt
 from grpo.model.rollout import generate_rollout
 from grpo.rewards import group_rewards
@@ -75,6 +76,15 @@ class ScoredBatch:
     old_logprobs: torch.Tensor | None  # [N, C]; None: the current (detached) log-probs, ratio == 1
     ref_logprobs: torch.Tensor | None  # [N, C]; None when beta == 0
     rows: dict[str, torch.Tensor]  # task -> row indices [n_task], only tasks with rows
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Rows and completion tokens of each task over ALL processes: the denominators of each task's
+    loss, so the processes' losses (and gradients) summed are the one-process ones of the global batch."""
+
+    rows: dict[str, float]
+    tokens: dict[str, float]
 
 
 def header_tokens(tokenizer, eos_ids: Sequence[int]) -> list[str]:
@@ -131,23 +141,34 @@ def prepare_batch(ctx: StepContext, sampled: Draw) -> ScoredBatch:
                        sampled.advantages.to(device), old, ref, {t: r for t, r in rows.items() if len(r)})
 
 
-def _micro_rows(batch: ScoredBatch, task: str, micro: int, n_micro: int, loss_type: str) -> tuple[torch.Tensor, float]:
-    """Rows of ``task`` in micro-batch ``micro`` and their share of the task's loss (rows, or tokens
-    for token_mean), so the summed micro-batch gradients equal the whole batch's."""
-    rows = batch.rows[task]
-    part = torch.tensor_split(rows, n_micro)[micro]
+def global_totals(ctx: StepContext, batch: ScoredBatch) -> Totals:
+    """Each task's rows and completion tokens, summed over the processes (one small all-reduce)."""
+    local = torch.tensor([[float(len(batch.rows[t])), float(batch.completion_mask[batch.rows[t]].sum())]
+                          if t in batch.rows else [0.0, 0.0] for t in TASKS], dtype=torch.float64)  # [K, 2]
+    if ctx.accelerator.num_processes > 1:
+        local = ctx.accelerator.reduce(local.to(ctx.accelerator.device), "sum").cpu()
+    return Totals({t: float(local[i, 0]) for i, t in enumerate(TASKS)},
+                  {t: float(local[i, 1]) for i, t in enumerate(TASKS)})
+
+
+def _micro_rows(batch: ScoredBatch, totals: Totals, task: str, micro: int, n_micro: int,
+                loss_type: str) -> tuple[torch.Tensor, float]:
+    """Rows of ``task`` in micro-batch ``micro`` and their share of the task's loss over the GLOBAL
+    batch (rows, or tokens for token_mean), so the gradients summed over micro-batches and processes
+    equal the one-process gradient of the whole batch, however the rows are spread."""
+    part = torch.tensor_split(batch.rows[task], n_micro)[micro]
     if loss_type == "token_mean":
-        share = float(batch.completion_mask[part].sum()) / max(float(batch.completion_mask[rows].sum()), 1.0)
+        share = float(batch.completion_mask[part].sum()) / max(totals.tokens[task], 1.0)
     else:
-        share = len(part) / len(rows)
+        share = len(part) / totals.rows[task]
     return part, share
 
 
-def _task_losses(ctx: StepContext, batch: ScoredBatch, subset: tuple[str, ...], micro: int,
+def _task_losses(ctx: StepContext, batch: ScoredBatch, totals: Totals, subset: tuple[str, ...], micro: int,
                  stats_out: dict[str, dict[str, float]]) -> dict[str, TaskLoss]:
     """One forward over micro-batch ``micro`` of the rows of ``subset``; each task's terms from its rows."""
     loss_cfg, n_micro = ctx.cfg.grpo.loss, ctx.cfg.grpo.grad_accum
-    parts = {t: _micro_rows(batch, t, micro, n_micro, loss_cfg.loss_type) for t in subset if t in batch.rows}
+    parts = {t: _micro_rows(batch, totals, t, micro, n_micro, loss_cfg.loss_type) for t in subset if t in batch.rows}
     parts = {t: p for t, p in parts.items() if len(p[0])}
     if not parts:
         return {}
@@ -169,9 +190,12 @@ def _task_losses(ctx: StepContext, batch: ScoredBatch, subset: tuple[str, ...], 
             loss_type=loss_cfg.loss_type, max_completion_length=ctx.cfg.grpo.sampling.max_new_tokens,
         )
         out[task] = TaskLoss(LossTerms(*(term * share for term in terms)))
+        # The statistics are token means over this part: weighted by its share of the task's tokens
+        # over all processes, they add up to the token mean of the global batch however it is split.
+        token_share = float(batch.completion_mask[idx].sum()) / max(totals.tokens[task], 1.0)
         acc = stats_out.setdefault(task, {})
         for key, value in (stats | scored.logits_stats).items():
-            acc[key] = acc.get(key, 0.0) + share * float(value)
+            acc[key] = acc.get(key, 0.0) + token_share * float(value)
     return out
 
 
@@ -179,25 +203,29 @@ def update(ctx: StepContext, batch: ScoredBatch) -> dict[str, Any]:
     """``num_iterations`` clipped optimizer steps on the combined per-task gradients."""
     mt, loss_cfg = ctx.cfg.grpo.multitask, ctx.cfg.grpo.loss
     params = [p for p in ctx.model.parameters() if p.requires_grad]
-    reduce_fn = (lambda g: ctx.accelerator.reduce(g, "mean")) if ctx.accelerator.num_processes > 1 else None
+    totals = global_totals(ctx, batch)
+    # Each process's losses are already scaled by their share of the global batch: the SUM over
+    # processes of its per-task gradients is the one-process gradient.
+    reduce_fn = (lambda g: ctx.accelerator.reduce(g, "sum")) if ctx.accelerator.num_processes > 1 else None
     metrics: dict[str, Any] = {}
     for _ in range(ctx.cfg.grpo.num_iterations):
         task_stats: dict[str, dict[str, float]] = {}
         ctx.optimizer.zero_grad(set_to_none=True)
         mt_stats = multitask_backward(
-            params, lambda subset, micro, out=task_stats: _task_losses(ctx, batch, subset, micro, out),
+            params, lambda subset, micro, out=task_stats: _task_losses(ctx, batch, totals, subset, micro, out),
             TASKS,  # every process passes every task: the per-task all-reduce calls must match
             mode=mt.mode, c=mt.cagrad_c, rescale=mt.cagrad_rescale, reward_only=mt.reward_only,
             low_memory=mt.low_memory, beta=loss_cfg.beta, entropy_coef=loss_cfg.entropy_coef,
             reduce_fn=reduce_fn, micro_batches=ctx.cfg.grpo.grad_accum,
         )
+        task_stats, mt_stats = _sum_over_processes(ctx, task_stats, mt_stats)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, ctx.cfg.grpo.max_grad_norm))
         if not math.isfinite(grad_norm):
             ctx.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(f"grpo: gradient norm is {grad_norm}; nothing was updated")
         if grad_norm > 0:  # a zero gradient makes no step: Adam's momentum must not drift in a deadlock
             ctx.optimizer.step()
-        metrics = {**_mean_stats(task_stats, batch), **mt_stats, "grad_norm": grad_norm}
+        metrics = {**_mean_stats(task_stats, totals), **mt_stats, "grad_norm": grad_norm}
     with warnings.catch_warnings():  # the step may have been skipped on purpose (zero gradient)
         warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
         ctx.scheduler.step()
@@ -206,18 +234,37 @@ def update(ctx: StepContext, batch: ScoredBatch) -> dict[str, Any]:
     return metrics
 
 
-def _mean_stats(task_stats: dict[str, dict[str, float]], batch: ScoredBatch) -> dict[str, float]:
-    """Row-weighted mean of the per-task loss and logits statistics."""
-    total = sum(len(batch.rows[t]) for t in task_stats) or 1
+def _sum_over_processes(ctx: StepContext, task_stats: dict[str, dict[str, float]],
+                        mt_stats: dict[str, Any]) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    """Per-task statistics and ``loss/<task>`` summed over processes: each process's values are
+    already weighted by its share of the global batch (``_micro_rows``), so the sum is the global one."""
+    if ctx.accelerator.num_processes == 1:
+        return task_stats, mt_stats
+    losses = {k: v for k, v in mt_stats.items() if k.startswith("loss/")}
+    summed_stats: dict[str, dict[str, float]] = {}
+    summed_losses: dict[str, float] = {}
+    for stats, loss in gather_object([(task_stats, losses)]):
+        for task, values in stats.items():
+            acc = summed_stats.setdefault(task, {})
+            for key, value in values.items():
+                acc[key] = acc.get(key, 0.0) + value
+        for key, value in loss.items():
+            summed_losses[key] = summed_losses.get(key, 0.0) + value
+    return summed_stats, {k: v for k, v in mt_stats.items() if not k.startswith("loss/")} | summed_losses
+
+
+def _mean_stats(task_stats: dict[str, dict[str, float]], totals: Totals) -> dict[str, float]:
+    """Token mean over both tasks (global tokens) of the per-task loss and logits statistics."""
+    total = sum(totals.tokens[t] for t in task_stats) or 1.0
     keys = set().union(*(s.keys() for s in task_stats.values())) if task_stats else set()
-    return {key: sum(s.get(key, 0.0) * len(batch.rows[t]) for t, s in task_stats.items()) / total
+    return {key: sum(s.get(key, 0.0) * totals.tokens[t] for t, s in task_stats.items()) / total
             for key in keys}
 
 
 def grpo_step(ctx: StepContext, records: list[dict], step: int,
               more_records: Callable[[int], list[dict]]) -> StepResult:
     """Everything one step does; ``records`` are this process's prompts, ``more_records(attempt)``
-    fresh ones for dynamic resampling."""
+    fresh ones for dynamic resampling. The result describes the global batch (all processes)."""
     started = time.perf_counter()
     cfg = ctx.cfg
     def seeded_draw(recs: list[dict], attempt: int) -> Draw:
@@ -226,14 +273,29 @@ def grpo_step(ctx: StepContext, records: list[dict], step: int,
 
     sampled, sample_stats = sample_groups(seeded_draw, records, more_records,
         cfg.grpo.dynamic_sampling, cfg.grpo.max_resample, ctx.tokenizer.pad_token_id)
-    rewards, rollout = sampled.rewards, sampled.rollout
-    if not torch.isfinite(rewards).all():
-        tasks = row_tasks(sampled.records, rollout.group_size)
-        bad = [tasks[i] for i in torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()]
-        raise NonFiniteError(f"grpo: NaN/Inf reward at step {step} for task(s) {sorted(set(bad))}; "
-                             "check that task's reward function and rewards.weights")
+    raise_on_nonfinite_rewards(ctx.accelerator, sampled.rewards, row_tasks(sampled.records, sampled.rollout.group_size),
+                               step)
     update_stats = update(ctx, prepare_batch(ctx, sampled))
-    elapsed = time.perf_counter() - started
+    return step_result(ctx, records, sampled, sample_stats, update_stats, time.perf_counter() - started)
+
+
+def raise_on_nonfinite_rewards(accelerator: Accelerator, rewards: torch.Tensor, tasks: Sequence[str], step: int) -> None:
+    """NonFiniteError on EVERY process when any process has a NaN/Inf reward (``rewards`` [N], ``tasks``
+    the task of each row): a process that raised alone would leave the others in the next all-reduce."""
+    bad = sorted({tasks[i] for i in torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()})
+    anywhere = float(len(bad))
+    if accelerator.num_processes > 1:
+        anywhere = float(accelerator.reduce(torch.tensor([anywhere], device=accelerator.device), "sum"))
+    if anywhere:
+        where = f"for task(s) {bad}" if bad else "on another process"
+        raise NonFiniteError(f"grpo: NaN/Inf reward at step {step} {where}; "
+                             "check that task's reward function and rewards.weights")
+
+
+def step_result(ctx: StepContext, records: Sequence[dict], sampled: Draw, sample_stats: dict[str, float],
+                update_stats: dict[str, Any], elapsed: float) -> StepResult:
+    """The step's metrics and completions; ``records`` are the prompts of the first draw."""
+    rollout, g = sampled.rollout, sampled.rollout.group_size
     metrics = {
         **sample_stats,  # reward statistics of the first draw: filtering must not hide a deadlock
         **completion_stats(rollout.lengths, rollout.truncated),
@@ -244,6 +306,20 @@ def grpo_step(ctx: StepContext, records: list[dict], step: int,
         "tokens_per_s": float(rollout.lengths.sum()) / max(elapsed, 1e-9),
     }
     user_texts = [example_messages(r)[-1]["content"] for r in sampled.records]
-    return StepResult(metrics, rollout.raw_texts, per_row(user_texts, rollout.group_size),
-                      header_tokens(ctx.tokenizer, ctx.eos_ids),
-                      ctx.tokenizer.convert_ids_to_tokens(ctx.eos_ids))
+    result = StepResult(metrics, rollout.raw_texts, per_row(user_texts, g),
+                        header_tokens(ctx.tokenizer, ctx.eos_ids), ctx.tokenizer.convert_ids_to_tokens(ctx.eos_ids))
+    counts = {"groups": float(len(records)), "rows": float(len(rollout.raw_texts)),
+              **{f"rows/{t}": float(g * sum(r["task"] == t for r in records)) for t in TASKS}}
+    return global_result(ctx.accelerator, result, counts)
+
+
+def global_result(accelerator: Accelerator, local: StepResult, counts: dict[str, float]) -> StepResult:
+    """``local`` merged over all processes (metrics of the global batch, every completion), the same
+    on every process, so the monitor decides the same everywhere and every process stops together.
+    ``counts``: this process's ``groups``, ``rows`` and ``rows/<task>`` (see ``merge_process_metrics``)."""
+    if accelerator.num_processes == 1:
+        return local
+    parts = gather_object([(local.metrics, counts, local.raw_texts, local.prompt_texts)])
+    return StepResult(merge_process_metrics([p[0] for p in parts], [p[1] for p in parts]),
+                      [text for p in parts for text in p[2]], [text for p in parts for text in p[3]],
+                      local.header_tokens, local.end_of_turn_tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from grpo.data.schema import TASKS
 from grpo.data.select import interleave
@@ -23,7 +24,7 @@ def sample_step(
 ) -> list[dict]:
     """The prompts of ``step``: a pure function of (seed, step), so a resumed run sees the same ones.
 
-    Tasks are interleaved (f, h, f, h, ...) so any strided shard across processes holds both.
+    Tasks are interleaved (f, h, f, h, ...); ``shard_indices`` splits them across processes.
     """
     rng = random.Random(derive_seed(seed, ("step", step)))
     picked: dict[str, list[dict]] = {}
@@ -36,3 +37,33 @@ def sample_step(
             )
         picked[task] = [pool[rng.randrange(len(pool))] for _ in range(count)]
     return interleave([picked[task] for task in TASKS])
+
+
+def shard_indices(tasks: Sequence[str], process_index: int, num_processes: int) -> list[int]:
+    """Positions (in order) of the prompts process ``process_index`` trains on; ``tasks`` is the task of
+    each prompt of the global batch.
+
+    Each task's prompts are dealt round-robin and the deal goes on from one task to the next, so every
+    process holds its share of each task and of the whole batch, within one prompt. A plain stride
+    would not: ``[f, h, f, h, f, h, f, h]`` on 2 processes gives ``[f, f, f, f]`` and ``[h, h, h, h]``.
+    """
+    if not 0 <= process_index < num_processes:
+        raise GrpoError(f"shard_indices: process {process_index} of {num_processes} does not exist")
+    if num_processes > len(tasks):
+        raise GrpoError(
+            f"grpo: {len(tasks)} prompts per step cannot feed {num_processes} processes; set "
+            f"grpo.prompts_per_step >= {num_processes} in params.yaml or start fewer processes"
+        )
+    mine, dealt = [], 0
+    for task in dict.fromkeys(tasks):  # tasks in order of first appearance
+        for position, this in enumerate(tasks):
+            if this == task:
+                if dealt % num_processes == process_index:
+                    mine.append(position)
+                dealt += 1
+    return sorted(mine)
+
+
+def shard(records: Sequence[dict], process_index: int, num_processes: int) -> list[dict]:
+    """The records of ``shard_indices``: this process's share of the global batch."""
+    return [records[i] for i in shard_indices([r["task"] for r in records], process_index, num_processes)]

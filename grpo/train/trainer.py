@@ -38,8 +38,8 @@ from grpo.provenance.gate import require_preflight
 from grpo.provenance.lineage import is_stale, make_lineage, write_lineage
 from grpo.seeding import derive_seed
 from grpo.train import checkpoint as ckpt
-from grpo.train.step import StepContext, grpo_step
-from grpo.train.task_mix import sample_step
+from grpo.train.step import StepContext, StepResult, grpo_step
+from grpo.train.task_mix import sample_step, shard
 
 
 class TrainingError(GrpoError):
@@ -136,7 +136,7 @@ def _shard(cfg: Config, by_task: dict, step: int, attempt: int, accelerator: Acc
     """This process's prompts of ``step`` (``attempt`` > 0: fresh prompts for dynamic resampling)."""
     seed = derive_seed(cfg.seed, ("attempt", attempt))
     records = sample_step(by_task, cfg.grpo.prompts_per_step, cfg.grpo.fairness_fraction, seed, step)
-    return records[accelerator.process_index :: accelerator.num_processes]
+    return shard(records, accelerator.process_index, accelerator.num_processes)
 
 
 def _context(cfg: Config, policy: Policy, accelerator: Accelerator) -> StepContext:
@@ -144,6 +144,15 @@ def _context(cfg: Config, policy: Policy, accelerator: Accelerator) -> StepConte
     return StepContext(cfg=cfg, model=policy.model, tokenizer=policy.tokenizer, optimizer=policy.optimizer,
                        scheduler=policy.scheduler, eos_ids=eos_ids, accelerator=accelerator,
                        reference=policy.reference)
+
+
+def watch(monitor: Monitor, step: int, result: StepResult) -> None:
+    """Apply the monitor to one step; ``result`` describes the global batch (the same on every
+    process), so every process decides alike and all stop together, none left in an all-reduce."""
+    findings = monitor.observe(step, result.metrics)  # boundary text checks run on the first steps only
+    findings += monitor.check_boundary(step, result.raw_texts, result.prompt_texts,
+                                       result.header_tokens, result.end_of_turn_tokens)
+    raise_if_stop(findings)
 
 
 def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> list[dict]:
@@ -164,10 +173,7 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
         for step in bar:
             result = grpo_step(context, _shard(cfg, by_task, step, 0, accelerator), step,
                                lambda attempt, step=step: _shard(cfg, by_task, step, attempt, accelerator))
-            findings = monitor.observe(step, result.metrics)  # boundary text checks run on the first steps only
-            findings += monitor.check_boundary(step, result.raw_texts, result.prompt_texts,
-                                               result.header_tokens, result.end_of_turn_tokens)
-            raise_if_stop(findings)  # before saving: a collapsed state never becomes a checkpoint
+            watch(monitor, step, result)  # before saving: a collapsed state never becomes a checkpoint
             history.append({"step": step, **result.metrics})
             writer.log(step, result.metrics)
             bar.set_postfix(reward=f"{result.metrics['reward']:.2f}", entropy=f"{result.metrics['entropy']:.2f}",

@@ -1,0 +1,159 @@
+"""Run under ``torchrun --nproc_per_node N -m tests.distributed_run <scenario> <out_dir>`` by
+tests/test_distributed.py: the real step code on the tiny model, on 1 or 2 CPU processes (gloo).
+
+``equal``: for every configuration of ``CONFIGS``, three steps on fixed global batches; each process
+trains on its ``shard_indices`` share through ``prepare_batch``, ``update`` and ``step_result``; the
+main process writes the weights and the step metrics to ``out_dir/<name>.*``. The completions of the
+global batches are sampled once, in every process, from the initial policy with one seed, so the
+1- and 2-process runs train on the same global data (generation itself is batched per process in a
+real run, so its samples depend on the split). The advantages are fixed random numbers, so every
+group carries a policy gradient.
+
+``monitor``: process 1 alone has a completion holding a chat header; ``global_result`` makes both
+processes see it, so both stop (``trainer.watch``); a process that stopped alone would leave the
+other waiting in the all-reduce below.
+``nan``: process 1 alone has a NaN reward; every process must raise.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from safetensors.torch import save_file
+
+from grpo.config import TinyModelConfig, config_from_dict
+from grpo.data.prepare import build_records
+from grpo.data.select import split_by_task
+from grpo.health.monitor import Monitor, TrainingStopped
+from grpo.model.modeling import build_tiny_model, build_tiny_tokenizer, wrap_lora
+from grpo.model.rollout import stop_ids
+from grpo.train.step import (
+    NonFiniteError,
+    StepContext,
+    StepResult,
+    draw,
+    global_result,
+    prepare_batch,
+    raise_on_nonfinite_rewards,
+    step_result,
+    update,
+)
+from grpo.train.task_mix import sample_step, shard_indices
+from grpo.train.trainer import watch
+from tests.conftest import TINY_TEXTS
+
+STEPS = 3
+CONFIGS = {  # name -> (prompts per step, fairness_fraction, grpo overrides)
+    "sum": (6, 0.5, {"multitask": {"mode": "sum"}}),
+    "pcgrad": (6, 0.5, {"multitask": {"mode": "pcgrad"}}),
+    "cagrad": (6, 0.5, {"multitask": {"mode": "cagrad"}}),
+    "cagrad_reward_only": (6, 0.5, {"multitask": {"mode": "cagrad", "reward_only": True}}),
+    "cagrad_low_memory": (6, 0.5, {"multitask": {"mode": "cagrad", "low_memory": True}}),
+    "pcgrad_reward_only_low_memory": (6, 0.5, {"multitask": {"mode": "pcgrad", "reward_only": True,
+                                                             "low_memory": True}}),
+    "cagrad_grad_accum_2": (6, 0.5, {"multitask": {"mode": "cagrad"}, "grad_accum": 2}),
+    "cagrad_fraction_0.625": (8, 0.625, {"multitask": {"mode": "cagrad"}}),
+    "sum_token_mean_fraction_0.625_accum_2": (8, 0.625, {"multitask": {"mode": "sum"}, "grad_accum": 2,
+                                                         "loss": {"loss_type": "token_mean"}}),
+}
+
+
+def make_context(accelerator: Accelerator, tokenizer, base, grpo: dict) -> StepContext:
+    """The tiny policy with a LoRA adapter drawn from one seed; SGD, so a wrong gradient SCALE shows in
+    the weights (Adam would hide it), and no clipping for the same reason."""
+    loss = {"beta": 0.04, "entropy_coef": 0.01} | grpo.get("loss", {})
+    cfg = config_from_dict({
+        "grpo": {"group_size": 4, "max_grad_norm": 1e6, "sampling": {"max_new_tokens": 6}, **grpo, "loss": loss},
+        "model": {"lora": {"r": 2, "alpha": 4}},
+    })
+    torch.manual_seed(0)
+    model = wrap_lora(copy.deepcopy(base), cfg.model.lora)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    return StepContext(cfg, model, tokenizer, optimizer, scheduler, stop_ids(model, tokenizer), accelerator)
+
+
+def global_draws(ctx: StepContext, by_task: dict, n_prompts: int, fraction: float) -> list:
+    """The global batch of each step: prompts, completions from the initial policy, fixed advantages."""
+    draws = []
+    for step in range(1, STEPS + 1):
+        records = sample_step(by_task, n_prompts, fraction, seed=5, step=step)
+        sampled = draw(ctx, records, seed=100 + step)
+        advantages = torch.randn(len(sampled.rewards), generator=torch.Generator().manual_seed(step))
+        draws.append(type(sampled)(sampled.rollout, sampled.records, sampled.rewards, advantages, sampled.stats))
+    return draws
+
+
+def run_equal(out: Path) -> None:
+    accelerator = Accelerator(cpu=True)
+    tokenizer = build_tiny_tokenizer(TINY_TEXTS * 4, vocab_size=400)
+    sizes = TinyModelConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    base = build_tiny_model(tokenizer, sizes, seed=0).eval()
+    data = config_from_dict({"data": {"n_train": 32, "n_eval": 4}})
+    by_task = split_by_task([r.model_dump(mode="json") for r in build_records(data)["train"]])
+    cache: dict[tuple[int, float], list] = {}
+    for name, (n_prompts, fraction, grpo) in CONFIGS.items():
+        ctx = make_context(accelerator, tokenizer, base, grpo)
+        if (n_prompts, fraction) not in cache:
+            cache[n_prompts, fraction] = global_draws(ctx, by_task, n_prompts, fraction)
+        history = []
+        for step, whole in enumerate(cache[n_prompts, fraction], 1):
+            mine = shard_indices([r["task"] for r in whole.records], accelerator.process_index,
+                                 accelerator.num_processes)
+            local = whole.select(mine)
+            stats = update(ctx, prepare_batch(ctx, local))
+            result = step_result(ctx, local.records, local, local.stats, stats, elapsed=1.0)
+            history.append({"step": step, **result.metrics, "n_completions": len(result.raw_texts)})
+        if accelerator.is_main_process:
+            weights = {k: v.detach().contiguous() for k, v in ctx.model.named_parameters() if v.requires_grad}
+            save_file(weights, str(out / f"{name}.safetensors"))
+            (out / f"{name}.json").write_text(json.dumps(history))
+        accelerator.wait_for_everyone()
+
+
+def run_monitor() -> None:
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+    header = "<|start_header_id|>"  # boundary_header stops when over 25% of completions hold one
+    completion = f"Paris{header}assistant" if rank == 1 else "Paris"
+    local = StepResult({"completions/mean_length": 5.0}, [completion], [f"question {rank}"], [header], [])
+    try:
+        watch(Monitor(config_from_dict({}).monitor), 1, global_result(accelerator, local, {"groups": 1.0, "rows": 1.0}))
+    except TrainingStopped as stop:
+        print(f"rank {rank} STOPPED: {str(stop).splitlines()[1]}", flush=True)
+        return
+    accelerator.reduce(torch.ones(3), "sum")  # the next step's gradient all-reduce
+    print(f"rank {rank} CONTINUED", flush=True)
+
+
+def run_nan() -> None:
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+
+    rewards = torch.tensor([1.0, float("nan") if rank == 1 else 0.0])
+    try:
+        raise_on_nonfinite_rewards(accelerator, rewards, ["fairness", "fairness"], step=1)
+    except NonFiniteError as error:
+        print(f"rank {rank} RAISED: {error}", flush=True)
+        return
+    accelerator.reduce(torch.ones(3), "sum")  # the update's all-reduce
+    print(f"rank {rank} CONTINUED", flush=True)
+
+
+if __name__ == "__main__":
+    scenario = sys.argv[1]
+    if scenario == "equal":
+        run_equal(Path(sys.argv[2]))
+    elif scenario == "monitor":
+        run_monitor()
+    elif scenario == "nan":
+        run_nan()
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}: equal, monitor or nan")

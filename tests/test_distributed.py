@@ -1,0 +1,89 @@
+"""Several processes train like one, end to end: the sharding (grpo/train/task_mix.py), the step's global
+totals and all-reduce (grpo/train/step.py), the merged metrics (grpo/health/metrics.py), stopping together.
+
+The end-to-end tests start ``tests/distributed_run.py`` under torchrun (gloo on CPU), the same way
+``tests/test_trainer.py`` starts the trainer on two processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.distributed_run import CONFIGS
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+pytestmark = pytest.mark.slow
+PER_PROCESS = ("step_time", "tokens_per_s")  # wall-clock figures: not a property of the batch
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``tests/distributed_run.py`` on ``nproc`` processes; on timeout the whole process group is
+    killed (torchrun's workers too) and TimeoutExpired raised."""
+    process = subprocess.Popen(
+        [TORCHRUN, "--standalone", "--nproc_per_node", str(nproc), "-m", "tests.distributed_run", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise subprocess.TimeoutExpired(process.args, timeout, stdout, stderr) from None
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, Path]:
+    """Every configuration trained on 1 and on 2 processes on the same global batches."""
+    out = {}
+    for nproc in (1, 2):
+        out[nproc] = tmp_path_factory.mktemp(f"nproc{nproc}")
+        done = torchrun(nproc, "equal", str(out[nproc]))
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_two_processes_train_like_one(runs, name):
+    """After 3 SGD steps the weights moved and equal the one-process weights to fp32 tolerance, and
+    the logged metrics (rewards, lengths, losses, entropy, KL, gradient norms) are the global batch's."""
+    one, two = (load_file(str(runs[n] / f"{name}.safetensors")) for n in (1, 2))
+    assert one.keys() == two.keys()
+    assert any(t.abs().max() > 1e-3 for k, t in one.items() if "lora_B" in k), "training did not move"
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+    logs = [json.loads((runs[n] / f"{name}.json").read_text()) for n in (1, 2)]
+    for step_one, step_two in zip(*logs, strict=True):
+        assert step_one.keys() == step_two.keys()
+        for key in step_one.keys() - set(PER_PROCESS):
+            torch.testing.assert_close(torch.tensor(step_two[key], dtype=torch.float64),
+                                       torch.tensor(step_one[key], dtype=torch.float64),
+                                       rtol=1e-4, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
+# --------------------------------------------------------------------------- stopping together
+
+
+@pytest.mark.parametrize(("scenario", "word"), [("monitor", "STOPPED"), ("nan", "RAISED")])
+def test_a_stop_on_one_process_stops_every_process(scenario, word):
+    """Process 1 alone has a completion with a chat header (or a NaN reward); both processes stop,
+    neither waits for the other in an all-reduce (the timeout turns such a hang into a failure)."""
+    try:
+        done = torchrun(2, scenario, timeout=180)
+    except subprocess.TimeoutExpired as hang:
+        pytest.fail(f"the processes hung: one stopped while the other waited in an all-reduce\n{hang.stdout}")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert f"rank 0 {word}" in output and f"rank 1 {word}" in output, output[-3000:]
+    assert "CONTINUED" not in output
