@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.core.batching import join_prompt_completion, left_pad
+from grpo.core.batching import left_pad
 from grpo.model.chat import example_messages, render_prompt
 from grpo.config import Config, SamplingConfig
 from grpo.data.jsonl import read_records
@@ -43,11 +43,11 @@ from grpo.eval.metrics import (
     self_bleu,
 )
 from grpo.provenance.lineage import check_lineage
-from grpo.core.logprobs import score_completions
 from grpo.health.metrics import METRICS_FILE, entropy_history_path
 from grpo.model.modeling import load_model, load_tokenizer
 from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy
 from grpo.rewards import fairness_outcome, hallucination_outcome, weighted_reward
+from grpo.model.scoring import rollout_inputs, score_inputs
 from grpo.model.rollout import Rollout, generate_rollout, generation_config, rollout_from_sequences, stop_ids
 from grpo.model.sampling import build_logits_processors
 from grpo.train.sft import load_sft, sft_dir, sft_inputs
@@ -153,22 +153,18 @@ def generate_greedy(
     sequences = model.generate(input_ids=prompt.input_ids.to(device), attention_mask=prompt.attention_mask.to(device),
                                generation_config=config, logits_processor=processors)
     model.train(was_training)
-    return rollout_from_sequences(tokenizer, prompt, sequences, eos_ids, suppressor, group_size=1)
+    return rollout_from_sequences(tokenizer, prompt, sequences, eos_ids, suppressor, 1, sampling)
 
 
 @torch.no_grad()
-def entropy_sum(model: PreTrainedModel, rollout: Rollout, temperature: float) -> tuple[float, int]:
+def entropy_sum(model: PreTrainedModel, rollout: Rollout) -> tuple[float, int]:
     """``(sum of token entropies, number of tokens)`` over the completion masks of ``rollout``.
 
-    Scored on the very generated ids (I3) under ``softmax(z / temperature)`` (I10).
+    Scored on the very generated ids (I3) at the temperature the rollout was sampled at (I10).
     """
-    joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
-                                    rollout.completion_mask)
-    device = next(model.parameters()).device
-    scored = score_completions(model, joined.input_ids.to(device), joined.attention_mask.to(device),
-                               rollout.completion_ids.shape[1], temperature)
-    mask = rollout.completion_mask.to(device)
-    return float(torch.where(mask, scored.entropy, 0.0).sum()), int(mask.sum())
+    inputs = rollout_inputs(rollout, next(model.parameters()).device)
+    entropy = score_inputs(model, inputs).entropy
+    return float(torch.where(inputs.completion_mask, entropy, 0.0).sum()), int(inputs.completion_mask.sum())
 
 
 # --------------------------------------------------------------------------- metrics
@@ -267,7 +263,7 @@ def evaluate_model(
         greedy.add(generate_greedy(model, tokenizer, batch, sampling, eos_ids))
         # Seeded by batch index, not by model: every model draws from the same random stream.
         rollout = generate_rollout(model, tokenizer, batch, group, sampling, eos_ids, seed=cfg.seed + index)
-        sampled.add(rollout, entropy_sum(model, rollout, sampling.temperature))
+        sampled.add(rollout, entropy_sum(model, rollout))
     repeated = [r for r in records for _ in range(group)]
     return {
         "greedy": task_metrics(greedy.texts, records, cfg) | greedy.length_stats(),
