@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from grpo.train.dynamic_sampling import Draw, sample_groups
 from grpo.model.rollout import Rollout
+from grpo.train.dynamic_sampling import Draw, sample_groups
 
 G = 2
 

@@ -28,9 +28,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from grpo.core.batching import left_pad
-from grpo.model.chat import example_messages, render_prompt
 from grpo.config import Config, SamplingConfig
+from grpo.core.batching import left_pad
 from grpo.data.jsonl import read_records
 from grpo.errors import GrpoError
 from grpo.eval.metrics import (
@@ -42,14 +41,15 @@ from grpo.eval.metrics import (
     mean,
     self_bleu,
 )
-from grpo.provenance.lineage import check_lineage
-from grpo.health.metrics import METRICS_FILE, entropy_history_path
-from grpo.model.modeling import load_model, load_tokenizer
 from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy
-from grpo.rewards import fairness_outcome, hallucination_outcome, weighted_reward
-from grpo.model.scoring import rollout_inputs, score_inputs
+from grpo.health.metrics import METRICS_FILE, entropy_history_path
+from grpo.model.chat import example_messages, render_prompt
+from grpo.model.modeling import load_model, load_tokenizer
 from grpo.model.rollout import Rollout, generate_rollout, generation_config, rollout_from_sequences, stop_ids
 from grpo.model.sampling import build_logits_processors
+from grpo.model.scoring import rollout_inputs, score_inputs
+from grpo.provenance.lineage import check_lineage
+from grpo.rewards import fairness_outcome, hallucination_outcome, weighted_reward
 from grpo.train.sft import load_sft, sft_dir, sft_inputs
 from grpo.train.task_mix import split_by_task
 from grpo.train.trainer import grpo_dir, grpo_inputs, run_dir
