@@ -132,3 +132,26 @@ def test_i9_build_policy_puts_the_adapter_on_the_sft_weights(tmp_path, tiny_mode
     with torch.no_grad():
         assert torch.equal(reference, sft(input_ids=ids).logits)
         assert not torch.allclose(reference, tiny_model(input_ids=ids).logits)
+
+
+# --------------------------------------------------------------------------- I10 in part: what is sampled but not scored
+
+
+def test_i10_rollout_lists_the_processors_that_shape_sampling_but_not_scoring():
+    from grpo.checks.invariants import check_sampling_processors
+    from grpo.model.rollout import sampling_processors
+
+    plain = config_from_dict({"grpo": {"sampling": {"min_new_tokens": 0}}})
+    shaped = config_from_dict({"grpo": {"sampling": {"top_p": 0.9, "top_k": 20, "presence_penalty": 0.5}}})
+    assert sampling_processors(plain.grpo.sampling) == ()
+    assert sampling_processors(CFG.grpo.sampling) == ("min_new_tokens=1",)  # the default suppresses EOS at step 0
+    assert sampling_processors(shaped.grpo.sampling) == (
+        "top_p=0.9", "top_k=20", "min_new_tokens=1", "presence_penalty=0.5")
+
+    class Configured:  # the check reads the config only
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+    assert check_sampling_processors(Configured(plain)).status == "pass"
+    warned = check_sampling_processors(Configured(shaped))
+    assert warned.status == "warn" and warned.passed and "top_p=0.9" in warned.detail

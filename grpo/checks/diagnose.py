@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 from tqdm.auto import tqdm
 
-from grpo.checks.probes import Check, Status, entropy_step, mean_entropy, reference_kl
+from grpo.checks.probes import ENTROPY_TOL, Check, Status, entropy_step, mean_entropy, reference_kl
 from grpo.config import Config
 from grpo.core.advantages import group_advantages
 from grpo.core.losses import policy_loss_terms, total_loss
@@ -45,8 +45,6 @@ from grpo.train.trainer import grpo_inputs
 
 CHECKPOINT_NAME = re.compile(r"checkpoint-\d{8,}")
 """Folder name ``grpo.train.checkpoint.checkpoint_path`` gives a checkpoint."""
-ENTROPY_TOL = 1e-6
-"""Entropy changes within this many nats are fp32 noise, not a direction."""
 Kind = Literal["model", "adapter", "checkpoint"]
 
 

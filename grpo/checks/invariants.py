@@ -12,24 +12,22 @@ Each check reports the number it compared (``value``) and the ``bound``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from grpo.checks.probes import Check, bounded, entropy_step, reference_kl
+from grpo.checks.probes import ENTROPY_TOL, Check, bounded, entropy_step, reference_kl
 from grpo.checks.subject import Subject, perturbed_adapter, step_batch
 from grpo.core.advantages import group_advantages
 from grpo.core.batching import left_pad, position_ids_from_mask
 from grpo.core.logprobs import score_completions
 from grpo.core.losses import clipped_surrogate, k3_kl
-from grpo.model.rollout import rollout_from_sequences, sampling_processors
+from grpo.model.rollout import Rollout, rollout_from_sequences, sampling_processors
 from grpo.model.sampling import EosSuppressor, build_logits_processors
 from grpo.model.scoring import RolloutInputs, score_inputs
+from grpo.train.dynamic_sampling import Draw
 from grpo.train.sft import build_examples
-from grpo.train.step import ScoredBatch, header_tokens
-
-ENTROPY_TOL = 1e-6
-"""Entropy changes within this many nats are fp32 noise, not a direction."""
+from grpo.train.step import ScoredBatch, header_tokens, prepare_batch
 
 
 def check_render_parity(s: Subject) -> Check:
@@ -65,10 +63,17 @@ def _plain_token(s: Subject) -> int:
     return next(t for t in s.prompts[-1] if t not in special)
 
 
-def check_rollout_cut_and_mask(s: Subject) -> Check:
-    """I4, I5: the rollout's ``rollout_from_sequences`` on generate()-shaped rows of prompts of very
-    different widths: the completions come back exactly (cut at the absolute prompt width), and the
-    mask runs up to the first stop token even where a stop token equals pad in mid-row."""
+class HandRollout(NamedTuple):
+    rollout: Rollout  # what rollout_from_sequences made of the rows
+    rows: list[list[int]]  # [N, C] the completions put after the prompts
+    want: list[list[int]]  # [N, C] their right masks
+    prompts: list[list[int]]  # [N] the prompt of every row
+
+
+def _hand_rollout(s: Subject) -> HandRollout:
+    """``rollout_from_sequences`` on generate()-shaped rows: left-padded prompts of very different
+    widths, then completions with a stop token equal to pad in mid-row (and a sampled pad token
+    mid-row when pad is not a stop id)."""
     pad, eos, word = s.tokenizer.pad_token_id, s.eos_ids[0], _plain_token(s)
     rows = [[word, word, eos, pad, pad, pad], [word, eos, eos, eos, pad, pad], [word] * 6]
     want = [[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1] * 6]
@@ -77,18 +82,40 @@ def check_rollout_cut_and_mask(s: Subject) -> Check:
         want.append([1, 1, 1, 1, 0, 0])
     prompts = [s.prompts[i % len(s.prompts)] for i in range(len(rows))]
     prompt = left_pad(prompts, pad)
-    completions = torch.tensor(rows)
-    sequences = torch.cat([prompt.input_ids, completions], dim=1)
+    sequences = torch.cat([prompt.input_ids, torch.tensor(rows)], dim=1)
     width = prompt.input_ids.shape[1]
     rollout = rollout_from_sequences(s.tokenizer, prompt, sequences, s.eos_ids, EosSuppressor(width, s.eos_ids, 0),
                                      1, s.cfg.grpo.sampling)
+    return HandRollout(rollout, rows, want, prompts)
+
+
+def check_rollout_cut_and_mask(s: Subject) -> Check:
+    """I4, I5: the rollout's ``rollout_from_sequences`` on ``_hand_rollout``'s rows: the completions
+    come back exactly (cut at the absolute prompt width), and the mask runs up to the first stop
+    token even where a stop token equals pad in mid-row."""
+    hand = _hand_rollout(s)
+    rollout, rows = hand.rollout, hand.rows
     wrong_ids = [i for i in range(len(rows)) if rollout.completion_ids[i].tolist() != rows[i]]
-    wrong_mask = [i for i in range(len(rows)) if rollout.completion_mask[i].int().tolist() != want[i]]
-    detail = (f"{len(rows)} rows, prompt widths {[len(p) for p in prompts]}, pad {'==' if pad in s.eos_ids else '!='} "
+    wrong_mask = [i for i in range(len(rows)) if rollout.completion_mask[i].int().tolist() != hand.want[i]]
+    pad_is_stop = s.tokenizer.pad_token_id in s.eos_ids
+    detail = (f"{len(rows)} rows, prompt widths {[len(p) for p in hand.prompts]}, pad {'==' if pad_is_stop else '!='} "
               f"a stop id; rows cut wrong: {wrong_ids}; rows masked wrong: {wrong_mask}")
     return bounded("rollout_cut_and_mask", "I4, I5", len(wrong_ids) + len(wrong_mask), 0, detail,
                    "cut completions at the padded prompt width (not a per-row count) and mask up to the first "
                    "stop token by position (never `ids != pad`)")
+
+
+def _batch_ids_problem(s: Subject) -> list[str]:
+    """I3 on ids that do not survive a decode/encode round trip (a stop token, pads): the step's
+    ``prepare_batch`` must hold exactly the prompt ids and then the rollout's ids."""
+    hand = _hand_rollout(s).rollout
+    n = len(hand.texts)
+    records = [s.records[i % len(s.records)] for i in range(n)]
+    batch = prepare_batch(s.ctx, Draw(hand, records, torch.zeros(n), torch.zeros(n), {}))
+    joined = torch.cat([hand.prompt_ids, hand.completion_ids], dim=1)
+    if torch.equal(batch.inputs.input_ids.cpu(), joined):
+        return []
+    return ["prepare_batch's ids are not the prompt ids then the rollout's ids (I3: never re-tokenise)"]
 
 
 def _prompt_leaks(s: Subject, batch: ScoredBatch, rollout: Any) -> list[str]:
@@ -115,7 +142,7 @@ def check_left_padded_extraction(s: Subject) -> Check:
     header, and each row scores the same alone as left-padded in the batch."""
     batch, sampled = step_batch(s, s.cfg.seed, group_size=1)
     rollout = sampled.rollout
-    problems = _prompt_leaks(s, batch, rollout)
+    problems = _prompt_leaks(s, batch, rollout) + _batch_ids_problem(s)
     headers = set(s.tokenizer.convert_tokens_to_ids(header_tokens(s.tokenizer, s.eos_ids)))
     device = batch.inputs.input_ids.device
     with torch.no_grad():

@@ -21,6 +21,8 @@ from grpo.core.multitask import TaskLoss, multitask_backward
 from grpo.model.scoring import RolloutInputs, score_inputs
 
 Status = Literal["pass", "warn", "fail", "skip"]
+ENTROPY_TOL = 1e-6
+"""Entropy changes within this many nats are fp32 noise, not a direction."""
 
 
 @dataclass(frozen=True)
