@@ -76,7 +76,7 @@ def stage_inputs(cfg: Config, stage: str) -> dict[str, Path]:
         # The embedded tokenizer is trained on the training split; a resolved real model reads nothing.
         "base": {"train": train} if cfg.model.name_or_path is None else {},
         "sft": {"base": model_dir(cfg, "base"), "train": train},
-        "preflight": {"sft": model_dir(cfg, "sft")},
+        "preflight": {"base": model_dir(cfg, "base"), "sft": model_dir(cfg, "sft")},
         "grpo": {"sft": model_dir(cfg, "sft"), "train": train},
     }
     if stage not in inputs:

@@ -18,7 +18,7 @@ def fake_rollout(n_groups: int, completion_width: int) -> Rollout:
         completion_mask=torch.ones(n, completion_width, dtype=torch.bool),
         texts=[f"t{i}" for i in range(n)], raw_texts=[f"t{i}" for i in range(n)],
         lengths=torch.full((n,), completion_width), truncated=torch.zeros(n, dtype=torch.bool),
-        eos_suppressed_frac=0.0, group_size=G,
+        eos_suppressed_frac=0.0, group_size=G, temperature=1.0, processors=(),
     )
 
 

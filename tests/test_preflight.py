@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -12,6 +13,7 @@ from grpo.checks.preflight import CHECKS, make_subject, report_path, run_checks_
 from grpo.config import config_from_dict, load_config
 from grpo.data.prepare import build_records
 from grpo.model.chat import ChatError
+from grpo.model.modeling import wrap_lora
 from grpo.provenance.gate import PreflightError, require_preflight
 from tests.tiny_project import prepared_project
 
@@ -39,6 +41,13 @@ def random_model_for(tokenizer) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+def subject_for(cfg, model, tokenizer, records):
+    """The checks' subject around ``model`` wrapped as the GRPO policy, with a copy as the fresh SFT."""
+    sft = copy.deepcopy(model)
+    torch.manual_seed(cfg.seed)
+    return make_subject(cfg, wrap_lora(model, cfg.model.lora), tokenizer, records, sft)
+
+
 def test_every_check_passes_on_every_tokenizer(any_tokenizer, records):
     """Tiny, Llama-3.2 (pad == eot), Qwen2.5 (pad != eos, default system prompt), Phi-3 (<|end|> != eos)."""
     cfg = CFG
@@ -46,12 +55,13 @@ def test_every_check_passes_on_every_tokenizer(any_tokenizer, records):
         cfg = config_from_dict({**cfg.model_dump(mode="json"),
                                 "model": {**cfg.model.model_dump(mode="json"),
                                           "chat_template_kwargs": {"date_string": "26 Jul 2024"}}})
-    subject = make_subject(cfg, random_model_for(any_tokenizer), any_tokenizer, records)
+    subject = subject_for(cfg, random_model_for(any_tokenizer), any_tokenizer, records)
     assert len(subject.prompts[0]) < len(subject.prompts[1]), "the batch must actually be left-padded"
     checks = run_checks_on(subject)
     assert [c.name for c in checks] == [f.__name__.removeprefix("check_") for f in CHECKS]
-    failed = {c.name: (c.detail, c.numbers) for c in checks if not c.passed}
+    failed = {c.name: (c.detail, c.value) for c in checks if not c.passed}
     assert failed == {}
+    assert all(c.bound is not None for c in checks), "every check reports the bound it compared with"
 
 
 def test_template_drift_fails_render_parity(tiny_tokenizer, records):
@@ -64,7 +74,7 @@ def test_template_drift_fails_render_parity(tiny_tokenizer, records):
         "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}", "{{ '<|start_header_id|>assistant:\n' }}")
     assert tokenizer.chat_template != tiny_tokenizer.chat_template
     with pytest.raises(ChatError, match="drift"):
-        run_checks_on(make_subject(CFG, random_model_for(tokenizer), tokenizer, records))
+        run_checks_on(subject_for(CFG, random_model_for(tokenizer), tokenizer, records))
 
 
 def test_train_refuses_without_a_passing_preflight_for_the_current_lineage(tmp_path):

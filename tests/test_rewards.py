@@ -17,7 +17,7 @@ from grpo.rewards import (
     weighted_reward,
 )
 from grpo.rewards.fairness import FairnessError
-from grpo.rewards.hallucination import HallucinationError
+from grpo.rewards.hallucination import REWARD_ABSTAIN_UNANSWERABLE, REWARD_HALLUCINATED, HallucinationError
 from grpo.rewards.text import exact_match, f1_score, is_abstention, normalize_answer
 
 CHOICES = ["the grandfather", "the grandson", "Can't be determined"]
@@ -84,6 +84,26 @@ def test_is_abstention_accepts_declining_replies(text):
 @pytest.mark.parametrize("text", ["Mara Venn", "Mara Venn.<|eot_id|>", "", "An unknown sailor", "1821"])
 def test_is_abstention_rejects_answers_and_empty_replies(text):
     assert not is_abstention(text)
+
+
+@pytest.mark.parametrize("text", ["Paris. I don't know.", "I don't know. Paris.", "Paris!\nThe context does not say.",
+                                  "Answer: Paris. Not enough information.", "It was 1.5 km. Unknown."])
+def test_is_abstention_an_answer_plus_a_hedge_is_an_answer(text):
+    assert not is_abstention(text)
+
+
+@pytest.mark.parametrize("text", ["I don't know. The context does not say.", "Unknown. No answer!",
+                                  "I don't know; the context doesn't mention it."])
+def test_is_abstention_every_sentence_declining_is_an_abstention(text):
+    assert is_abstention(text)
+
+
+def test_hedged_answer_on_unanswerable_question_is_a_hallucination():
+    record = {"id": "h1", "task": "hallucination", "answerable": False, "answer": "", "aliases": []}
+    outcome = hallucination_outcome("Paris. I don't know.", record)
+    assert (outcome.abstained, outcome.hallucinated) == (False, True)
+    assert hallucination_reward("Paris. I don't know.", record) == REWARD_HALLUCINATED
+    assert hallucination_reward("I don't know.", record) == REWARD_ABSTAIN_UNANSWERABLE
 
 
 # --------------------------------------------------------------------------- parse_choice

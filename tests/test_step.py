@@ -108,9 +108,44 @@ def test_i9_reference_is_the_sft_policy_with_the_adapter_disabled(tiny_model, ti
     batch = prepare_batch(ctx, draw(ctx, records, seed=2))
     width = batch.completion_mask.shape[1]
     with torch.no_grad():
-        expected = score_completions(sft, batch.input_ids, batch.attention_mask, width, 1.0).logprobs
-        policy = score_completions(ctx.model, batch.input_ids, batch.attention_mask, width, 1.0).logprobs
+        inputs = batch.inputs
+        expected = score_completions(sft, inputs.input_ids, inputs.attention_mask, width, 1.0).logprobs
+        policy = score_completions(ctx.model, inputs.input_ids, inputs.attention_mask, width, 1.0).logprobs
     mask = batch.completion_mask
     torch.testing.assert_close(batch.ref_logprobs[mask], expected[mask], rtol=0, atol=1e-5)
     assert (policy[mask] - expected[mask]).abs().max() > 1e-3, "the adapter did not change the policy"
     assert sum(p.numel() for p in ctx.model.parameters()) < 2 * sum(p.numel() for p in sft.parameters())
+
+
+def test_i10_scoring_takes_the_temperature_the_rollout_sampled_at(tiny_model, tiny_tokenizer, records):
+    """The rollout records its temperature; the stored old and reference log-probs use it even when
+    the config is changed afterwards (no scorer reads grpo.sampling.temperature)."""
+    from grpo.core.logprobs import score_completions
+
+    ctx = make_context(tiny_model, tiny_tokenizer, num_iterations=2, loss={"beta": 0.1},
+                       sampling={"max_new_tokens": 5, "temperature": 0.7, "top_k": 5})
+    sampled = draw(ctx, records, seed=4)
+    assert sampled.rollout.temperature == 0.7 and sampled.rollout.processors == ("top_k=5", "min_new_tokens=1")
+    grpo = ctx.cfg.grpo  # a later change of the config must not reach the scoring of this rollout
+    sampling = grpo.sampling.model_copy(update={"temperature": 1.0})
+    ctx.cfg = ctx.cfg.model_copy(update={"grpo": grpo.model_copy(update={"sampling": sampling})})
+    batch = prepare_batch(ctx, sampled)
+    inputs, mask = batch.inputs, batch.completion_mask
+    assert inputs.temperature == 0.7
+    with torch.no_grad():
+        at_07 = score_completions(ctx.model, inputs.input_ids, inputs.attention_mask, mask.shape[1], 0.7).logprobs
+    torch.testing.assert_close(batch.old_logprobs[mask], at_07[mask], rtol=0, atol=1e-6)
+
+
+def test_num_iterations_old_and_new_logprobs_are_the_same_distribution(tiny_model, tiny_tokenizer, records):
+    """With num_iterations > 1 the stored old log-probs come from the same scoring path, temperature
+    and precision as the update's: before the first optimizer step the ratio is exactly 1."""
+    from grpo.train.step import _task_losses
+
+    ctx = make_context(tiny_model, tiny_tokenizer, num_iterations=2, sampling={"max_new_tokens": 5, "temperature": 0.6})
+    batch = prepare_batch(ctx, draw(ctx, records, seed=6))
+    stats: dict = {}
+    _task_losses(ctx, batch, tuple(batch.rows), 0, stats)
+    for task, task_stats in stats.items():
+        assert task_stats["ratio/mean"] == pytest.approx(1.0, abs=1e-6), task
+        assert task_stats["clip_ratio/region_mean"] == 0.0, task

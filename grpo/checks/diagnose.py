@@ -14,7 +14,7 @@ is exactly what one wants to diagnose after a fix), and it never writes a model.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import math
 import re
 from collections.abc import Callable
@@ -26,49 +26,31 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo import paths
+from grpo.checks.probes import ENTROPY_TOL, Check, Status, entropy_step, mean_entropy, reference_kl
 from grpo.config import Config
 from grpo.core.advantages import group_advantages
-from grpo.core.batching import join_prompt_completion
-from grpo.core.logprobs import Scored, score_completions
-from grpo.core.losses import LossTerms, k3_kl, masked_mean, policy_loss_terms, total_loss
+from grpo.core.losses import policy_loss_terms, total_loss
 from grpo.data.prompts import example_messages
 from grpo.data.select import balanced_records, eval_records
 from grpo.errors import GrpoError
 from grpo.files import write_json
 from grpo.model.chat import render_prompt
-from grpo.model.device import make_accelerator, model_device, to_device
+from grpo.model.device import make_accelerator
 from grpo.model.modeling import POINTER_FILE, load_model, load_tokenizer, wrap_lora
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
+from grpo.model.scoring import RolloutInputs, rollout_inputs, score_inputs
 from grpo.provenance.lineage import is_stale
 from grpo.rewards import group_rewards
 from grpo.train import checkpoint as ckpt
+from grpo.train.step import row_tasks
 
 CHECKPOINT_NAME = re.compile(r"checkpoint-\d{8,}")
 """Folder name ``grpo.train.checkpoint.checkpoint_path`` gives a checkpoint."""
-ENTROPY_TOL = 1e-6
-"""Entropy changes within this many nats are fp32 noise, not a direction."""
-Status = Literal["pass", "warn", "fail", "skip"]
 Kind = Literal["model", "adapter", "checkpoint"]
 
 
 class DiagnoseError(GrpoError):
     """The diagnosis target cannot be recognised or loaded; the message names the path and the fix."""
-
-
-@dataclass(frozen=True)
-class Check:
-    """One diagnosis line."""
-
-    name: str
-    """Short name of the check."""
-    status: Status
-    """pass | warn | fail | skip."""
-    value: Any
-    """The number (or numbers) the status is decided on."""
-    detail: str
-    """What was measured, in words."""
-    hint: str = ""
-    """What to try when the check does not pass."""
 
 
 @dataclass
@@ -91,9 +73,20 @@ class Probe:
 
     records: list[dict]  # [n_prompts]
     rollout: Rollout  # N = n_prompts * G rows
-    input_ids: torch.Tensor  # [N, P + C] on the model's device
-    attention_mask: torch.Tensor  # [N, P + C]
-    completion_mask: torch.Tensor  # [N, C] bool
+    inputs: RolloutInputs  # [N, P + C] ids and masks on the model's device, the rollout's temperature
+
+    @property
+    def input_ids(self) -> torch.Tensor:  # [N, P + C]
+        return self.inputs.input_ids
+
+    @property
+    def completion_mask(self) -> torch.Tensor:  # [N, C] bool
+        return self.inputs.completion_mask
+
+    def rows(self) -> dict[str, torch.Tensor]:
+        """Task -> row indices of the probe (row ``i`` answers ``records[i // G]``)."""
+        tasks = row_tasks(self.records, self.rollout.group_size)
+        return {t: torch.tensor([i for i, x in enumerate(tasks) if x == t]) for t in dict.fromkeys(tasks)}
 
 
 # --------------------------------------------------------------------------- loading
@@ -143,7 +136,8 @@ def load_target(cfg: Config, path: str | Path) -> Target:
         stale = _stale(path, "sft", cfg, paths.stage_inputs(cfg, "sft")) if is_sft else []
         target = Target(model, tokenizer, kind, path, fresh_adapter=True, stale=stale)
     else:
-        stale = _stale(paths.model_dir(cfg, "sft"), "sft", cfg, paths.stage_inputs(cfg, "sft")) + _stale(path, "grpo", cfg, paths.stage_inputs(cfg, "grpo"))
+        stale = (_stale(paths.model_dir(cfg, "sft"), "sft", cfg, paths.stage_inputs(cfg, "sft"))
+                 + _stale(path, "grpo", cfg, paths.stage_inputs(cfg, "grpo")))
         base = load_model(paths.model_dir(cfg, "sft"), cfg.model)
         if kind == "adapter":
             from peft import PeftModel
@@ -170,24 +164,12 @@ def make_probe(cfg: Config, target: Target) -> Probe:
     eos_ids = stop_ids(target.model, tok, cfg.model.extra_stop_tokens)  # the trainer's stop ids
     rollout = generate_rollout(target.model, tok, prompts, cfg.grpo.group_size, cfg.grpo.sampling, eos_ids,
                                seed=cfg.seed)
-    joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
-                                    rollout.completion_mask)
-    return Probe(records, rollout, *to_device(model_device(target.model), joined.input_ids,
-                                              joined.attention_mask, rollout.completion_mask))
+    return Probe(records, rollout, rollout_inputs(rollout, next(target.model.parameters()).device))
 
 
-def _score(model: torch.nn.Module, probe: Probe, temperature: float, adapter: bool = True) -> Scored:
-    """Scores of the probe's completions; ``adapter=False``: the reference (I9)."""
-    context = contextlib.nullcontext() if adapter else model.disable_adapter()
-    with context:
-        return score_completions(model, probe.input_ids, probe.attention_mask,
-                                 probe.completion_mask.shape[1], temperature)
-
-
-@torch.no_grad()
-def mean_entropy(model: torch.nn.Module, probe: Probe, temperature: float, adapter: bool = True) -> float:
-    """Token-mean entropy (nats) of ``softmax(z / temperature)`` over the probe's completion tokens."""
-    return float(masked_mean(_score(model, probe, temperature, adapter).entropy, probe.completion_mask))
+def _at(probe: Probe, temperature: float) -> RolloutInputs:
+    """The probe's inputs scored at another temperature (the temperature check only)."""
+    return dataclasses.replace(probe.inputs, temperature=temperature)
 
 
 def probe_rewards(cfg: Config, probe: Probe) -> torch.Tensor:
@@ -214,12 +196,12 @@ def check_target_lineage(target: Target) -> Check:
     return Check("lineage", "pass", 0, "built by the current code, params and inputs")
 
 
-def check_collapse(cfg: Config, policy: float, reference: float) -> Check:
+def check_collapse(cfg: Config, policy: float, reference: float, temperature: float) -> Check:
     """Policy entropy against an absolute floor and against the reference (adapter off)."""
     d = cfg.eval.diagnose
     ratio = policy / reference if reference > 0 else 1.0
     detail = (f"policy {policy:.4f} nats/token vs reference (adapter off) {reference:.4f}, ratio {ratio:.3f}, "
-              f"at T={cfg.grpo.sampling.temperature}")
+              f"at T={temperature}")
     hint = ("entropy collapse: raise grpo.loss.entropy_coef (> 0) or grpo.loss.beta, lower grpo.lr, or go back "
             "to an earlier checkpoint (`grpo plot-entropy` shows when it fell)")
     if policy < d.entropy_floor or ratio < d.entropy_ratio_fail:
@@ -254,7 +236,7 @@ def check_advantages(advantages: torch.Tensor) -> Check:
 
 def check_lora_gradients(cfg: Config, target: Target, probe: Probe, advantages: torch.Tensor) -> Check:
     """One backward of the GRPO loss reaches the LoRA weights with a finite, non-zero gradient."""
-    model, loss_cfg, temperature = target.model, cfg.grpo.loss, cfg.grpo.sampling.temperature
+    model, loss_cfg = target.model, cfg.grpo.loss
     lora = [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n]
     if not lora:
         return Check("lora_gradients", "fail", 0.0, "no trainable LoRA parameter",
@@ -263,8 +245,8 @@ def check_lora_gradients(cfg: Config, target: Target, probe: Probe, advantages: 
     # All-zero real advantages would zero the policy gradient: probe the wiring with +-1 instead.
     adv = (torch.arange(len(advantages)) % 2 * -2.0 + 1.0) if probing else advantages
     with torch.no_grad():
-        ref = _score(model, probe, temperature, adapter=False).logprobs if loss_cfg.beta > 0 else None
-    scored = _score(model, probe, temperature)
+        ref = score_inputs(model, probe.inputs, adapter=False).logprobs if loss_cfg.beta > 0 else None
+    scored = score_inputs(model, probe.inputs)
     terms, _ = policy_loss_terms(
         scored.logprobs, scored.logprobs.detach(), ref, adv.to(scored.logprobs.device), probe.completion_mask,
         scored.entropy, epsilon_low=loss_cfg.epsilon_low, epsilon_high=loss_cfg.epsilon_high,
@@ -288,7 +270,7 @@ def check_lora_gradients(cfg: Config, target: Target, probe: Probe, advantages: 
 def check_temperature(cfg: Config, target: Target, probe: Probe) -> Check:
     """Entropy of softmax(z / T) must increase with T on the same ids (scoring honours T, I10)."""
     temps = sorted(cfg.eval.diagnose.temperatures)
-    values = [mean_entropy(target.model, probe, t) for t in temps]
+    values = [mean_entropy(target.model, _at(probe, t)) for t in temps]
     detail = ", ".join(f"T={t}: {v:.4f}" for t, v in zip(temps, values, strict=True))
     steps = [b - a for a, b in zip(values, values[1:], strict=False)]
     if any(step < -ENTROPY_TOL for step in steps):
@@ -303,10 +285,8 @@ def check_temperature(cfg: Config, target: Target, probe: Probe) -> Check:
 @torch.no_grad()
 def check_kl_init(cfg: Config, target: Target, probe: Probe) -> Check:
     """k3 KL between adapter on and off on the same ids: 0 for a fresh adapter, reported otherwise."""
-    temperature, d = cfg.grpo.sampling.temperature, cfg.eval.diagnose
-    policy = _score(target.model, probe, temperature).logprobs
-    reference = _score(target.model, probe, temperature, adapter=False).logprobs
-    kl = float(masked_mean(k3_kl(policy, reference, probe.completion_mask), probe.completion_mask))
+    d = cfg.eval.diagnose
+    kl = reference_kl(target.model, probe.inputs)
     detail = f"mean per-token k3 KL to the reference {kl:.3g}"
     if target.fresh_adapter:
         if kl > d.kl_init_tol:
@@ -322,31 +302,18 @@ def check_kl_init(cfg: Config, target: Target, probe: Probe) -> Check:
 
 
 def check_entropy_step(cfg: Config, target: Target, probe: Probe) -> Check:
-    """One SGD step on ``-coef * entropy`` alone (through ``total_loss``, I7) must raise entropy.
+    """One step on ``-coef * entropy`` alone, combined in the configured multitask mode as the GRPO
+    step combines it (``probes.entropy_step``, I7), must raise entropy.
 
-    Works on a copy of the trainable weights: they are restored afterwards. The step has norm
-    ``eval.diagnose.entropy_step_size`` whatever the gradient's scale.
+    The trainable weights are restored afterwards. The step has norm ``eval.diagnose.entropy_step_size``
+    whatever the gradient's scale.
     """
-    d, temperature, model = cfg.eval.diagnose, cfg.grpo.sampling.temperature, target.model
-    params = [p for p in model.parameters() if p.requires_grad]
-    saved = [p.detach().clone() for p in params]
-    try:
-        model.zero_grad(set_to_none=True)
-        entropy = masked_mean(_score(model, probe, temperature).entropy, probe.completion_mask)
-        zero = torch.zeros_like(entropy)
-        total_loss(LossTerms(zero, zero, entropy), beta=0.0, entropy_coef=d.entropy_step_coef).backward()
-        norm = _grad_norm(params)
-        if not math.isfinite(norm) or norm == 0.0:
-            return Check("entropy_step", "warn", norm, f"entropy gradient norm {norm}: nothing to step on",
-                         "the distribution is saturated (one-hot logits): see entropy_collapse")
-        torch.optim.SGD(params, lr=d.entropy_step_size / norm).step()
-        after = mean_entropy(model, probe, temperature)
-    finally:
-        with torch.no_grad():
-            for param, value in zip(params, saved, strict=True):
-                param.copy_(value)
-        model.zero_grad(set_to_none=True)
-    before = float(entropy.detach())
+    d = cfg.eval.diagnose
+    before, after, norm = entropy_step(target.model, probe.inputs, probe.rows(), cfg.grpo.multitask,
+                                       d.entropy_step_coef, d.entropy_step_size)
+    if not math.isfinite(norm) or norm == 0.0:
+        return Check("entropy_step", "warn", norm, f"entropy gradient norm {norm}: nothing to step on",
+                     "the distribution is saturated (one-hot logits): see entropy_collapse")
     detail = f"entropy {before:.5f} -> {after:.5f} after one step with entropy_coef={d.entropy_step_coef}"
     if abs(after - before) <= ENTROPY_TOL:
         return Check("entropy_step", "warn", after - before, detail,
@@ -369,11 +336,10 @@ def diagnose(cfg: Config, path: str | Path, progress: bool = True) -> tuple[Targ
     probe = make_probe(cfg, target)
     rewards = probe_rewards(cfg, probe)
     advantages, stats = group_advantages(rewards, cfg.grpo.group_size, cfg.grpo.loss.scale_rewards)
-    temperature = cfg.grpo.sampling.temperature
     steps: list[Callable[[], Check]] = [
         lambda: check_target_lineage(target),
-        lambda: check_collapse(cfg, mean_entropy(target.model, probe, temperature),
-                               mean_entropy(target.model, probe, temperature, adapter=False)),
+        lambda: check_collapse(cfg, mean_entropy(target.model, probe.inputs),
+                               mean_entropy(target.model, probe.inputs, adapter=False), probe.inputs.temperature),
         lambda: check_reward_degeneracy(cfg, stats, len(probe.records)),
         lambda: check_advantages(advantages),
         lambda: check_lora_gradients(cfg, target, probe, advantages),

@@ -53,8 +53,10 @@ def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tens
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
     """Entropy of softmax(logits) over the last axis, in fp32, ``chunk_size`` positions at a time.
 
-    logits: [..., V] -> [...] fp32. ``H = logsumexp(z) - sum(softmax(z) * z)`` is stable for any
-    logit scale (no log of a zero probability). Differentiable.
+    logits: [..., V] -> [...] fp32. ``H = -sum(softmax(z) * log_softmax(z))``: ``log_softmax``
+    subtracts the max logit first, so the result keeps fp32 precision at any logit scale (the form
+    ``logsumexp(z) - sum(p * z)`` cancels two large numbers and loses digits once logits are ~60).
+    A zero probability contributes 0 (its log-probability is finite). Differentiable.
     """
     if chunk_size < 1:
         raise ScoringError(f"entropy_from_logits: chunk_size must be >= 1 (got {chunk_size}); use e.g. 128")
@@ -62,8 +64,8 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SI
     chunks = []
     for start in range(0, flat.shape[0], chunk_size):
         z = flat[start : start + chunk_size].float()  # [n, V]
-        probs = torch.softmax(z, dim=-1)
-        chunks.append(torch.logsumexp(z, dim=-1) - (probs * z).sum(dim=-1))
+        log_probs = torch.log_softmax(z, dim=-1)
+        chunks.append(-(log_probs.exp() * log_probs).sum(dim=-1))
     entropy = torch.cat(chunks) if chunks else flat.new_zeros(0, dtype=torch.float32)
     return entropy.reshape(logits.shape[:-1])
 

@@ -30,8 +30,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo import paths
 from grpo.config import Config
 from grpo.core.advantages import per_row
-from grpo.core.batching import join_prompt_completion
-from grpo.core.logprobs import score_completions
 from grpo.data.prompts import example_messages
 from grpo.data.select import eval_records
 from grpo.errors import GrpoError
@@ -47,9 +45,10 @@ from grpo.eval.metrics import (
 from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy
 from grpo.files import write_atomically
 from grpo.model.chat import render_prompt
-from grpo.model.device import make_accelerator, model_device, to_device
+from grpo.model.device import make_accelerator, model_device
 from grpo.model.load import check_grpo, check_sft, load_base, load_grpo, load_sft
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
+from grpo.model.scoring import rollout_inputs, score_inputs
 from grpo.rewards import fairness_outcome, hallucination_outcome, weighted_reward
 
 MODELS = ("base", "sft", "grpo")
@@ -85,17 +84,14 @@ def available_models(cfg: Config) -> tuple[list[str], dict[str, str]]:
 
 
 @torch.no_grad()
-def entropy_sum(model: PreTrainedModel, rollout: Rollout, temperature: float) -> tuple[float, int]:
+def entropy_sum(model: PreTrainedModel, rollout: Rollout) -> tuple[float, int]:
     """``(sum of token entropies, number of tokens)`` over the completion masks of ``rollout``.
 
-    Scored on the very generated ids (I3) under ``softmax(z / temperature)`` (I10).
+    Scored on the very generated ids (I3) at the temperature the rollout was sampled at (I10).
     """
-    joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
-                                    rollout.completion_mask)
-    input_ids, attention_mask, mask = to_device(model_device(model), joined.input_ids, joined.attention_mask,
-                                                rollout.completion_mask)
-    scored = score_completions(model, input_ids, attention_mask, rollout.completion_ids.shape[1], temperature)
-    return float(torch.where(mask, scored.entropy, 0.0).sum()), int(mask.sum())
+    inputs = rollout_inputs(rollout, model_device(model))
+    entropy = score_inputs(model, inputs).entropy
+    return float(torch.where(inputs.completion_mask, entropy, 0.0).sum()), int(inputs.completion_mask.sum())
 
 
 # --------------------------------------------------------------------------- metrics
@@ -194,7 +190,7 @@ def evaluate_model(
         greedy.add(generate_rollout(model, tokenizer, batch, 1, sampling, eos_ids, cfg.seed, greedy=True))
         # Seeded by batch index, not by model: every model draws from the same random stream.
         rollout = generate_rollout(model, tokenizer, batch, group, sampling, eos_ids, seed=cfg.seed + index)
-        sampled.add(rollout, entropy_sum(model, rollout, sampling.temperature))
+        sampled.add(rollout, entropy_sum(model, rollout))
     repeated = per_row(records, group)
     return {
         "greedy": task_metrics(greedy.texts, records, cfg) | greedy.length_stats(),

@@ -295,7 +295,13 @@ class MetricsWriter:
             self._file.close()
             self._file = None
         if self._run is not None:
+            import wandb
+
             self._run.finish()
+            # finish() returns before the W&B service has flushed and closed the run's .wandb file
+            # (it only informs the service); teardown waits for the service to exit, so the run
+            # files are complete when close() returns (DVC and the tests read them right after).
+            wandb.teardown()
             self._run = None
 
     def __enter__(self) -> MetricsWriter:

@@ -16,8 +16,13 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from grpo.config import SamplingConfig
 from grpo.core.advantages import group_rows, per_row
 from grpo.core.batching import PaddedBatch, completion_ids_from_generated, completion_mask, left_pad
+from grpo.errors import GrpoError
 from grpo.model.chat import end_of_turn_ids
 from grpo.model.sampling import EosSuppressor, build_logits_processors
+
+
+class RolloutError(GrpoError, ValueError):
+    """Rollouts that cannot be combined; the message names the values and the fix."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,8 @@ class Rollout:
     truncated: torch.Tensor  # [N] bool, no stop token within max_new_tokens
     eos_suppressed_frac: float  # share of suppressed steps where a stop token was the argmax
     group_size: int
+    temperature: float  # the temperature the completions were sampled at: scoring divides by it (I10)
+    processors: tuple[str, ...]  # what else shaped sampling but is not scored (``sampling_processors``)
 
 
 def stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, extra_tokens: Sequence[str] = ()) -> list[int]:
@@ -45,6 +52,23 @@ def stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, extra_t
         if idx not in ids:
             ids.append(idx)
     return ids
+
+
+def sampling_processors(sampling: SamplingConfig) -> tuple[str, ...]:
+    """The parts of the sampling distribution the scorer does not reproduce (I10 holds only in part).
+
+    Scoring computes ``log softmax(z / T)``; top-p, top-k, EOS suppression and the penalties change
+    which tokens are drawn but not that scored distribution, so the ratio and KL then describe a
+    policy slightly different from the one that acted. Empty when sampling is plain ``softmax(z / T)``.
+    """
+    active = {
+        f"top_p={sampling.top_p}": sampling.top_p < 1.0,
+        f"top_k={sampling.top_k}": sampling.top_k > 0,
+        f"min_new_tokens={sampling.min_new_tokens}": sampling.min_new_tokens > 0,
+        f"presence_penalty={sampling.presence_penalty}": sampling.presence_penalty != 0,
+        f"frequency_penalty={sampling.frequency_penalty}": sampling.frequency_penalty != 0,
+    }
+    return tuple(name for name, on in active.items() if on)
 
 
 def generation_config(
@@ -99,7 +123,7 @@ def generate_rollout(
             logits_processor=processors,
         )
     model.train(was_training)
-    return rollout_from_sequences(tokenizer, prompt, sequences, eos_ids, suppressor, group_size)
+    return rollout_from_sequences(tokenizer, prompt, sequences, eos_ids, suppressor, group_size, sampling)
 
 
 def rollout_from_sequences(
@@ -109,6 +133,7 @@ def rollout_from_sequences(
     eos_ids: Sequence[int],
     suppressor: EosSuppressor,
     group_size: int,
+    sampling: SamplingConfig,  # what sampled ``sequences``: recorded on the rollout for scoring (I10)
 ) -> Rollout:
     """Cut the completions at the absolute prompt width (I4), mask them by position (I5), decode them."""
     completion_ids = completion_ids_from_generated(sequences.cpu(), prompt.input_ids.shape[1])
@@ -125,6 +150,8 @@ def rollout_from_sequences(
         truncated=masks.truncated,
         eos_suppressed_frac=suppressor.suppressed_frac(),
         group_size=group_size,
+        temperature=sampling.temperature,
+        processors=sampling_processors(sampling),
     )
 
 
@@ -139,6 +166,7 @@ def select_groups(rollout: Rollout, groups: Sequence[int]) -> Rollout:
         texts=[rollout.texts[r] for r in rows], raw_texts=[rollout.raw_texts[r] for r in rows],
         lengths=rollout.lengths[index], truncated=rollout.truncated[index],
         eos_suppressed_frac=rollout.eos_suppressed_frac, group_size=g,
+        temperature=rollout.temperature, processors=rollout.processors,
     )
 
 
@@ -151,6 +179,12 @@ def _pad_to(tensor: torch.Tensor, width: int, value: int, left: bool) -> torch.T
 def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
     """Stack rollouts of different widths: prompts stay left-padded, completions right-padded, and
     the masks (not the pad id) say which positions are real, so pad == eos stays harmless (I5)."""
+    distributions = {(r.temperature, r.processors) for r in rollouts}
+    if len(distributions) > 1:
+        raise RolloutError(
+            f"concat_rollouts: rollouts sampled from different distributions {sorted(distributions)} cannot "
+            "share one scoring temperature; sample every part with the same grpo.sampling"
+        )
     p = max(r.prompt_ids.shape[1] for r in rollouts)
     c = max(r.completion_ids.shape[1] for r in rollouts)
     cat = torch.cat
@@ -167,4 +201,6 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
         eos_suppressed_frac=sum(r.eos_suppressed_frac * w for r, w in zip(rollouts, weights, strict=True))
         / max(sum(weights), 1),
         group_size=rollouts[0].group_size,
+        temperature=rollouts[0].temperature,
+        processors=rollouts[0].processors,
     )

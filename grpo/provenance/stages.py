@@ -11,7 +11,7 @@ cannot be rerun by DVC for one set of keys and guarded by lineage for another.
 | validate | grpo validate | grpo.data.validate | prepare |
 | base | grpo base | grpo.model.base | prepare, validate |
 | sft | grpo sft | grpo.train.sft | prepare, validate, base |
-| preflight | grpo preflight | grpo.checks.preflight | prepare, validate, sft |
+| preflight | grpo preflight | grpo.checks.preflight | prepare, validate, base, sft |
 | grpo | grpo train | grpo.train.trainer | prepare, validate, sft, preflight |
 | evaluate | grpo evaluate | grpo.eval.evaluate | prepare, validate, base, sft, grpo |
 """
@@ -90,9 +90,9 @@ STAGES: dict[str, StageSpec] = {
             "preflight",
             ("grpo.checks.preflight",),
             # Only what the checks use: a new step count or learning rate needs no new pre-flight.
-            ("seed", "model", "grpo.group_size", "grpo.sampling", "grpo.loss.scale_rewards", "grpo.multitask",
-             "paths"),
-            ("prepare", "validate", "sft"),
+            ("seed", "model", "sft.max_length", "grpo.group_size", "grpo.sampling", "grpo.loss.scale_rewards",
+             "grpo.multitask", "paths"),
+            ("prepare", "validate", "base", "sft"),
             "check invariants I1-I12 on the configured model",
         ),
         StageSpec(

@@ -17,8 +17,10 @@ _SPECIAL = re.compile(r"<\|[^<>|]{1,40}\|>|</s>|<eos>|<end_of_turn>|<start_of_tu
 # The first of these ends the answer: text after it was never meant as part of the reply.
 _END = re.compile(r"<\|(?:eot_id|im_end|end|endoftext|end_of_text)\|>|</s>|<eos>|<end_of_turn>")
 _ANSWER_PREFIX = re.compile(r"^\s*answer\s*[:\-]\s*", re.IGNORECASE)
+# Sentence ends: . ! ? ; followed by a space or the end (so "1.5" stays one number), or a line break.
+_SENTENCE_END = re.compile(r"[.!?;]+(?:\s+|$)|\n+")
 
-# Normalised phrases that mark an abstention wherever they occur in the reply.
+# Normalised phrases that mark a sentence as declining to answer.
 ABSTENTION_PHRASES = (
     "i dont know", "i do not know", "i dont have enough information", "i cannot answer",
     "i cant answer", "cannot be determined", "can not be determined", "cant be determined",
@@ -65,16 +67,21 @@ def f1_score(prediction: str, truth: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def _declines(sentence: str) -> bool:
+    """One SQuAD-normalised sentence says it cannot answer."""
+    padded = f" {sentence} "
+    return sentence in ABSTENTION_REPLIES or any(f" {phrase} " in padded for phrase in ABSTENTION_PHRASES)
+
+
 def is_abstention(text: str) -> bool:
     """Whether a reply declines to answer ("I don't know.", "The context does not say.", "Unknown").
 
-    Matching is on the SQuAD-normalised reply, so case, trailing punctuation, articles and a present
-    or absent end-of-turn token do not matter. An empty reply is not an abstention: it says nothing.
+    Every sentence of the reply must decline: an answer plus a hedge ("Paris. I don't know.") is an
+    answer, and on an unanswerable question a hallucination. Matching is on each SQuAD-normalised
+    sentence, so case, punctuation, articles and a present or absent end-of-turn token do not
+    matter. An empty reply is not an abstention: it says nothing.
     """
-    reply = normalize_answer(strip_answer_prefix(clean_completion(text)))
-    if not reply:
-        return False
-    if reply in ABSTENTION_REPLIES:
-        return True
-    padded = f" {reply} "
-    return any(f" {phrase} " in padded for phrase in ABSTENTION_PHRASES)
+    reply = strip_answer_prefix(clean_completion(text))
+    sentences = [normalize_answer(part) for part in _SENTENCE_END.split(reply)]
+    sentences = [sentence for sentence in sentences if sentence]
+    return bool(sentences) and all(_declines(sentence) for sentence in sentences)

@@ -21,8 +21,6 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import Config
 from grpo.core.advantages import group_advantages, per_row
-from grpo.core.batching import join_prompt_completion
-from grpo.core.logprobs import score_completions
 from grpo.core.losses import LossTerms, policy_loss_terms
 from grpo.core.multitask import TaskLoss, multitask_backward
 from grpo.data.prompts import example_messages
@@ -31,6 +29,7 @@ from grpo.errors import GrpoError
 from grpo.health.metrics import completion_stats, merge_process_metrics, task_reward_stats
 from grpo.model.chat import render_prompt
 from grpo.model.rollout import generate_rollout
+from grpo.model.scoring import RolloutInputs, rollout_inputs, score_inputs
 from grpo.rewards import group_rewards
 from grpo.seeding import derive_seed
 from grpo.train.dynamic_sampling import Draw, sample_groups
@@ -69,13 +68,15 @@ class StepResult:
 class ScoredBatch:
     """A rollout joined into model inputs, with the stored log-probs the loss compares against."""
 
-    input_ids: torch.Tensor  # [N, P+C]
-    attention_mask: torch.Tensor  # [N, P+C]
-    completion_mask: torch.Tensor  # [N, C] bool
+    inputs: RolloutInputs  # ids [N, P+C], masks, and the temperature the rollout sampled at (I10)
     advantages: torch.Tensor  # [N]
     old_logprobs: torch.Tensor | None  # [N, C]; None: the current (detached) log-probs, ratio == 1
     ref_logprobs: torch.Tensor | None  # [N, C]; None when beta == 0
     rows: dict[str, torch.Tensor]  # task -> row indices [n_task], only tasks with rows
+
+    @property
+    def completion_mask(self) -> torch.Tensor:  # [N, C] bool
+        return self.inputs.completion_mask
 
 
 @dataclass(frozen=True)
@@ -114,31 +115,25 @@ def draw(ctx: StepContext, records: list[dict], seed: int) -> Draw:
     return Draw(rollout, list(records), rewards, advantages, stats | task_reward_stats(rewards, tasks))
 
 
-def _score(ctx: StepContext, input_ids, attention_mask, width: int, adapter: bool) -> torch.Tensor:
-    temperature = ctx.cfg.grpo.sampling.temperature
+def _stored_logprobs(ctx: StepContext, inputs: RolloutInputs, adapter: bool) -> torch.Tensor:
+    """Log-probs kept fixed through the update: the old policy's, or the reference's (adapter off, I9)."""
     with torch.no_grad(), ctx.accelerator.autocast():
-        if adapter:
-            return score_completions(ctx.model, input_ids, attention_mask, width, temperature).logprobs.float()
-        if ctx.reference is not None:  # I9 under full fine-tuning: the frozen SFT weights
-            return score_completions(ctx.reference, input_ids, attention_mask, width, temperature).logprobs.float()
-        with ctx.model.disable_adapter():  # I9: the reference is the SFT policy itself
-            return score_completions(ctx.model, input_ids, attention_mask, width, temperature).logprobs.float()
+        if not adapter and ctx.reference is not None:  # I9 under full fine-tuning: the frozen SFT weights
+            return score_inputs(ctx.reference, inputs).logprobs.float()
+        return score_inputs(ctx.model, inputs, adapter=adapter).logprobs.float()
 
 
 def prepare_batch(ctx: StepContext, sampled: Draw) -> ScoredBatch:
-    """Join prompt and completion ids (I3) and compute the stored old and reference log-probs."""
+    """Join prompt and generated ids (I3) and compute the stored old and reference log-probs, all
+    under the temperature the rollout recorded (I10): the same distribution the update scores."""
     rollout, device = sampled.rollout, ctx.accelerator.device
-    joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
-                                    rollout.completion_mask)
-    input_ids, attention_mask = joined.input_ids.to(device), joined.attention_mask.to(device)
-    width = rollout.completion_ids.shape[1]
-    old = _score(ctx, input_ids, attention_mask, width, adapter=True) if ctx.cfg.grpo.num_iterations > 1 else None
-    ref = _score(ctx, input_ids, attention_mask, width, adapter=False) if ctx.cfg.grpo.loss.beta > 0 else None
+    inputs = rollout_inputs(rollout, device)
+    old = _stored_logprobs(ctx, inputs, adapter=True) if ctx.cfg.grpo.num_iterations > 1 else None
+    ref = _stored_logprobs(ctx, inputs, adapter=False) if ctx.cfg.grpo.loss.beta > 0 else None
     tasks = row_tasks(sampled.records, rollout.group_size)
     rows = {t: torch.tensor([i for i, x in enumerate(tasks) if x == t], dtype=torch.long, device=device)
             for t in TASKS}
-    return ScoredBatch(input_ids, attention_mask, rollout.completion_mask.to(device),
-                       sampled.advantages.to(device), old, ref, {t: r for t, r in rows.items() if len(r)})
+    return ScoredBatch(inputs, sampled.advantages.to(device), old, ref, {t: r for t, r in rows.items() if len(r)})
 
 
 def global_totals(ctx: StepContext, batch: ScoredBatch) -> Totals:
@@ -173,10 +168,8 @@ def _task_losses(ctx: StepContext, batch: ScoredBatch, totals: Totals, subset: t
     if not parts:
         return {}
     rows = torch.cat([p[0] for p in parts.values()])
-    width = batch.completion_mask.shape[1]
     with ctx.accelerator.autocast():
-        scored = score_completions(ctx.model, batch.input_ids[rows], batch.attention_mask[rows], width,
-                                   ctx.cfg.grpo.sampling.temperature)
+        scored = score_inputs(ctx.model, batch.inputs.rows(rows))
     out, offset = {}, 0
     for task, (idx, share) in parts.items():
         here = slice(offset, offset + len(idx))

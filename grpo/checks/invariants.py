@@ -1,0 +1,344 @@
+"""The pre-flight checks of invariants I1-I12, each driving a stage's own function.
+
+The stage functions come in through ``Subject`` (the SFT stage's ``build_examples``, the rollout's
+``rollout_from_sequences``, the step's ``draw`` and ``prepare_batch``, the scorer ``score_inputs``,
+the loss's ``clipped_surrogate`` and ``k3_kl``, ``multitask_backward``, ``group_advantages``), with
+probes built so no check can pass vacuously: prompts of very different widths (a wrong cut lands in
+real prompt text), a stop token equal to pad in mid-row, an adapter perturbed away from B = 0 before
+the ratio/KL/reference checks, a temperature other than 1, rewards whose fp32 group mean is inexact.
+Each check reports the number it compared (``value``) and the ``bound``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from grpo.checks.probes import ENTROPY_TOL, Check, bounded, entropy_step, reference_kl
+from grpo.checks.subject import Subject, perturbed_adapter, step_batch
+from grpo.core.advantages import group_advantages
+from grpo.core.batching import left_pad, position_ids_from_mask
+from grpo.core.logprobs import score_completions
+from grpo.core.losses import clipped_surrogate, k3_kl
+from grpo.model.rollout import Rollout, rollout_from_sequences, sampling_processors
+from grpo.model.sampling import EosSuppressor, build_logits_processors
+from grpo.model.scoring import RolloutInputs, score_inputs
+from grpo.train.dynamic_sampling import Draw
+from grpo.train.sft import build_examples
+from grpo.train.step import ScoredBatch, header_tokens, prepare_batch
+
+
+def check_render_parity(s: Subject) -> Check:
+    """I1, I2: the SFT stage's examples (``sft.build_examples``) start with exactly the prompt ids the
+    GRPO step samples from, carry no loss on them, and end their supervised ids with a stop token."""
+    examples = build_examples(s.records, s.tokenizer, s.cfg.sft.max_length, s.cfg.model.chat_template_kwargs)
+    problems = []
+    for record, prompt, example in zip(s.records, s.prompts, examples, strict=True):
+        supervised = [i for i, keep in zip(example.ids, example.loss_mask, strict=True) if keep]
+        if example.ids[: len(prompt)] != prompt:
+            problems.append(f"{record['id']}: the SFT prompt ids differ from the RL prompt ids (I1)")
+        if not supervised or supervised[-1] not in s.eos_ids:
+            problems.append(f"{record['id']}: the supervised ids do not end with a stop token (I2)")
+        if any(example.loss_mask[: len(prompt)]):
+            problems.append(f"{record['id']}: prompt tokens carry loss")
+    return bounded("render_parity", "I1, I2", len(problems), 0,
+                   f"{len(s.records)} records through sft.build_examples; " + "; ".join(problems),
+                   "the SFT example builder must render through chat.render_sft (the one renderer)")
+
+
+def check_eos_ids(s: Subject) -> Check:
+    """Stop ids include eos and the template's end-of-turn token (Phi-3: <|end|> is not eos)."""
+    names = s.tokenizer.convert_ids_to_tokens(s.eos_ids)
+    missing = int(not s.eos_ids or s.tokenizer.eos_token_id not in s.eos_ids)
+    return bounded("eos_ids", "I2, I5", missing, 0,
+                   f"stop ids {s.eos_ids} = {names}, pad id {s.tokenizer.pad_token_id}",
+                   "rollout.stop_ids must include the tokenizer's eos")
+
+
+def _plain_token(s: Subject) -> int:
+    """A token of the prompt that is neither special, pad nor a stop id."""
+    special = set(s.tokenizer.all_special_ids) | set(s.eos_ids) | {s.tokenizer.pad_token_id}
+    return next(t for t in s.prompts[-1] if t not in special)
+
+
+class HandRollout(NamedTuple):
+    rollout: Rollout  # what rollout_from_sequences made of the rows
+    rows: list[list[int]]  # [N, C] the completions put after the prompts
+    want: list[list[int]]  # [N, C] their right masks
+    prompts: list[list[int]]  # [N] the prompt of every row
+
+
+def _hand_rollout(s: Subject) -> HandRollout:
+    """``rollout_from_sequences`` on generate()-shaped rows: left-padded prompts of very different
+    widths, then completions with a stop token equal to pad in mid-row (and a sampled pad token
+    mid-row when pad is not a stop id)."""
+    pad, eos, word = s.tokenizer.pad_token_id, s.eos_ids[0], _plain_token(s)
+    rows = [[word, word, eos, pad, pad, pad], [word, eos, eos, eos, pad, pad], [word] * 6]
+    want = [[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1] * 6]
+    if pad not in s.eos_ids:  # a sampled pad token mid-row is an ordinary token: the mask goes on
+        rows.append([word, pad, word, eos, pad, pad])
+        want.append([1, 1, 1, 1, 0, 0])
+    prompts = [s.prompts[i % len(s.prompts)] for i in range(len(rows))]
+    prompt = left_pad(prompts, pad)
+    sequences = torch.cat([prompt.input_ids, torch.tensor(rows)], dim=1)
+    width = prompt.input_ids.shape[1]
+    rollout = rollout_from_sequences(s.tokenizer, prompt, sequences, s.eos_ids, EosSuppressor(width, s.eos_ids, 0),
+                                     1, s.cfg.grpo.sampling)
+    return HandRollout(rollout, rows, want, prompts)
+
+
+def check_rollout_cut_and_mask(s: Subject) -> Check:
+    """I4, I5: the rollout's ``rollout_from_sequences`` on ``_hand_rollout``'s rows: the completions
+    come back exactly (cut at the absolute prompt width), and the mask runs up to the first stop
+    token even where a stop token equals pad in mid-row."""
+    hand = _hand_rollout(s)
+    rollout, rows = hand.rollout, hand.rows
+    wrong_ids = [i for i in range(len(rows)) if rollout.completion_ids[i].tolist() != rows[i]]
+    wrong_mask = [i for i in range(len(rows)) if rollout.completion_mask[i].int().tolist() != hand.want[i]]
+    pad_is_stop = s.tokenizer.pad_token_id in s.eos_ids
+    detail = (f"{len(rows)} rows, prompt widths {[len(p) for p in hand.prompts]}, pad {'==' if pad_is_stop else '!='} "
+              f"a stop id; rows cut wrong: {wrong_ids}; rows masked wrong: {wrong_mask}")
+    return bounded("rollout_cut_and_mask", "I4, I5", len(wrong_ids) + len(wrong_mask), 0, detail,
+                   "cut completions at the padded prompt width (not a per-row count) and mask up to the first "
+                   "stop token by position (never `ids != pad`)")
+
+
+def _batch_ids_problem(s: Subject) -> list[str]:
+    """I3 on ids that do not survive a decode/encode round trip (a stop token, pads): the step's
+    ``prepare_batch`` must hold exactly the prompt ids and then the rollout's ids."""
+    hand = _hand_rollout(s).rollout
+    n = len(hand.texts)
+    records = [s.records[i % len(s.records)] for i in range(n)]
+    batch = prepare_batch(s.ctx, Draw(hand, records, torch.zeros(n), torch.zeros(n), {}))
+    joined = torch.cat([hand.prompt_ids, hand.completion_ids], dim=1)
+    if torch.equal(batch.inputs.input_ids.cpu(), joined):
+        return []
+    return ["prepare_batch's ids are not the prompt ids then the rollout's ids (I3: never re-tokenise)"]
+
+
+def _prompt_leaks(s: Subject, batch: ScoredBatch, rollout: Any) -> list[str]:
+    """I3, I4: the step's joined ids are the prompt ids then the generated ids, and no completion
+    starts with the tail of its own prompt (what a per-row cut of a left-padded row returns)."""
+    problems = []
+    width, g = rollout.prompt_ids.shape[1], rollout.group_size
+    ids = batch.inputs.input_ids.cpu()
+    if not torch.equal(ids[:, width:], rollout.completion_ids):
+        problems.append("prepare_batch's completion ids are not the generated ids (I3)")
+    for row in range(len(rollout.texts)):
+        prompt = s.prompts[row // g]
+        if ids[row, width - len(prompt) : width].tolist() != prompt:
+            problems.append(f"row {row}: the prompt ids are not the rendered prompt")
+        k = min(width - len(prompt), int(rollout.lengths[row]))
+        if k >= 2 and rollout.completion_ids[row, :k].tolist() == prompt[-k:]:
+            problems.append(f"row {row}: the completion starts with the last {k} prompt tokens (I4)")
+    return problems
+
+
+def check_left_padded_extraction(s: Subject) -> Check:
+    """I3, I4, I11: the step's ``draw`` and ``prepare_batch`` on prompts of very different widths: the
+    batch holds the generated ids after the prompt ids, no completion holds prompt text or a chat
+    header, and each row scores the same alone as left-padded in the batch."""
+    batch, sampled = step_batch(s, s.cfg.seed, group_size=1)
+    rollout = sampled.rollout
+    problems = _prompt_leaks(s, batch, rollout) + _batch_ids_problem(s)
+    headers = set(s.tokenizer.convert_tokens_to_ids(header_tokens(s.tokenizer, s.eos_ids)))
+    device = batch.inputs.input_ids.device
+    with torch.no_grad():
+        batched = score_inputs(s.policy, batch.inputs).logprobs.cpu()
+    worst = 0.0
+    for row, prompt in enumerate(s.prompts):
+        n = int(rollout.lengths[row])
+        completion = rollout.completion_ids[row, :n]
+        alone = torch.tensor([prompt + completion.tolist()], device=device)
+        with torch.no_grad():
+            scored = score_completions(s.policy, alone, torch.ones_like(alone), n, rollout.temperature).logprobs
+        worst = max(worst, float((scored[0].cpu() - batched[row, :n]).abs().max()))
+        if headers & set(completion.tolist()):
+            problems.append(f"row {row}: a chat-header token in the completion")
+    detail = f"max |logp alone - logp batched| over prompt widths {[len(p) for p in s.prompts]}"
+    check = bounded("left_padded_extraction", "I3, I4, I11", worst, s.tolerance(), detail,
+                    "score with position ids from the attention mask and the generated ids (I3, I11)")
+    if problems:
+        return Check(check.name, "fail", worst, detail + "; " + "; ".join(problems),
+                     "join the generated ids to the prompt ids; cut at the padded prompt width", check.invariant,
+                     check.bound)
+    return check
+
+
+def check_penalty_scope(s: Subject) -> Check:
+    """I6: the rollout's processors (``build_logits_processors``, penalties and EOS suppression on)
+    leave every non-stop logit alone at step 0, whatever the prompt repeats."""
+    prompt = s.prompts[-1]
+    sampling = s.cfg.grpo.sampling.model_copy(update={"presence_penalty": 1.0, "frequency_penalty": 1.0,
+                                                      "min_new_tokens": max(1, s.cfg.grpo.sampling.min_new_tokens)})
+    processors, _ = build_logits_processors(len(prompt), s.eos_ids, sampling)
+    scores = torch.zeros(1, len(s.tokenizer))
+    out = processors(torch.tensor([prompt]), scores.clone())
+    others = torch.ones(scores.shape[-1], dtype=torch.bool)
+    others[s.eos_ids] = False
+    change = float((out[0, others] - scores[0, others]).abs().max())
+    suppressed = bool(torch.isinf(out[0, s.eos_ids]).all())
+    check = bounded("penalty_scope", "I6", change, 0.0,
+                    f"max change of a non-stop logit after a {len(prompt)}-token prompt, no completion yet",
+                    "penalties and EOS suppression must count completion tokens only (slice off the prompt)")
+    if not suppressed:
+        return Check(check.name, "fail", change, check.detail + "; EOS was not suppressed at step 0",
+                     "EosSuppressor must count completion tokens only", check.invariant, check.bound)
+    return check
+
+
+def _fresh_gap(s: Subject, model: torch.nn.Module, inputs: RolloutInputs, ref: torch.Tensor) -> float:
+    """Max |ref - log-probs of ``model``| over the completion tokens, scored as the step scores."""
+    model.to(inputs.input_ids.device).eval()
+    with torch.no_grad(), s.ctx.accelerator.autocast():
+        other = score_inputs(model, inputs).logprobs.float()
+    return float((ref - other).abs()[inputs.completion_mask].max())
+
+
+def _per_token_leak(old: torch.Tensor) -> tuple[float, float]:
+    """Shift one token's log-prob by 0.1 (every position counted): ``(largest change of any OTHER
+    token's ratio or KL, error of that token's ratio)``. A sequence-level ratio or KL spreads the
+    shift over the whole row (I8)."""
+    mask = torch.ones_like(old, dtype=torch.bool)
+    new = old.clone()
+    new[0, -1] += 0.1
+    tokens = clipped_surrogate(new, old, torch.ones(len(old), device=old.device), mask, 0.2, 0.2)
+    kl = k3_kl(new, old, mask)
+    others = mask.clone()
+    others[0, -1] = False
+    leak = max(float((tokens.ratio - 1).abs()[others].max()), float(kl.abs()[others].max()))
+    return leak, abs(float(tokens.ratio[0, -1]) - float(torch.exp(torch.tensor(0.1))))
+
+
+def check_ratio_kl_reference(s: Subject) -> Check:
+    """I8, I9 with a perturbed adapter (at B = 0 these would hold whatever the code did): the step's
+    reference log-probs equal a fresh load of the SFT weights exactly and differ from the base's, the
+    policy's KL to them is > 0, and the ratio and KL are per token."""
+    with perturbed_adapter(s.policy, s.cfg.seed):
+        batch, _ = step_batch(s, s.cfg.seed + 1, num_iterations=2, loss={"beta": max(s.cfg.grpo.loss.beta, 0.04)})
+        kl = reference_kl(s.policy, batch.inputs)
+    sft_gap = _fresh_gap(s, s.sft, batch.inputs, batch.ref_logprobs)
+    base_gap = _fresh_gap(s, s.base, batch.inputs, batch.ref_logprobs) if s.base is not None else None
+    leak, own = _per_token_leak(batch.old_logprobs)
+    numbers = {"ref_vs_fresh_sft": sft_gap, "ref_vs_base": base_gap, "kl_perturbed": kl,
+               "other_tokens_ratio_kl_change": leak, "own_ratio_error": own}
+    failures = [name for name, bad in (
+        ("the reference is not the SFT weights (I9)", sft_gap > 0.0),
+        ("the reference equals the pre-SFT base (I9)", base_gap is not None and base_gap == 0.0),
+        ("KL to the reference is 0 with a perturbed adapter (I9)", not kl > 0.0),
+        ("a one-token change moved other tokens' ratio or KL (I8)", leak > 1e-6),
+        ("the changed token's ratio is not exp(0.1) (I8)", own > 1e-5),
+    ) if bad]
+    detail = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in numbers.items())
+    bound = {"ref_vs_fresh_sft": 0.0, "ref_vs_base": "> 0", "kl_perturbed": "> 0",
+             "other_tokens_ratio_kl_change": 1e-6, "own_ratio_error": 1e-5}
+    return Check("ratio_kl_reference", "fail" if failures else "pass", numbers,
+                 detail + ("; " + "; ".join(failures) if failures else ""),
+                 "the reference is the SFT policy with the adapter disabled; ratio and KL per token" if failures else "",
+                 "I8, I9", bound)
+
+
+def _manual(s: Subject, inputs: RolloutInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy of ``softmax(z / T)`` written out from a plain forward: [N, C] each."""
+    width = inputs.completion_mask.shape[1]
+    with torch.no_grad():
+        logits = s.policy(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                          position_ids=position_ids_from_mask(inputs.attention_mask)).logits
+    logp = torch.log_softmax(logits[:, -width - 1 : -1].double() / inputs.temperature, dim=-1)
+    chosen = logp.gather(-1, inputs.input_ids[:, -width:].unsqueeze(-1)).squeeze(-1)
+    return chosen, -(logp.exp() * logp).sum(-1)
+
+
+def check_temperature(s: Subject) -> Check:
+    """I10 at the configured temperature and at one != 1 (a missing division shows): the rollout
+    records the temperature it sampled at, and the step's stored log-probs and the scorer's entropy
+    are those of ``softmax(z / T)`` (perturbed adapter, so the policy is not the SFT model)."""
+    temperatures = sorted({s.cfg.grpo.sampling.temperature, 0.5 if s.cfg.grpo.sampling.temperature == 1 else 1.0})
+    gaps, wrong_record = {}, []
+    with perturbed_adapter(s.policy, s.cfg.seed):
+        for t in temperatures:
+            batch, sampled = step_batch(s, s.cfg.seed + 2, num_iterations=2, sampling={"temperature": t})
+            if sampled.rollout.temperature != t or batch.inputs.temperature != t:
+                wrong_record.append(t)
+            with torch.no_grad():
+                entropy = score_inputs(s.policy, batch.inputs).entropy
+            logp, manual_entropy = _manual(s, batch.inputs)
+            mask = batch.completion_mask
+            gaps[f"T={t}"] = max(float((batch.old_logprobs.double() - logp).abs()[mask].max()),
+                                 float((entropy.double() - manual_entropy).abs()[mask].max()))
+    worst = max(gaps.values())
+    detail = f"max |scored - manual| of log-probs and entropy: {gaps}"
+    check = bounded("temperature", "I10", worst, s.tolerance(), detail,
+                    "divide the logits by the rollout's temperature before log-softmax AND entropy")
+    if wrong_record:
+        return Check(check.name, "fail", worst, detail + f"; the rollout did not record T={wrong_record}",
+                     "the rollout must record the temperature it sampled at", check.invariant, check.bound)
+    return check
+
+
+def check_entropy_sign(s: Subject) -> Check:
+    """I7: one step on the entropy bonus alone, combined by ``multitask_backward`` in the configured
+    mode (``reward_only``, ``low_memory`` included), raises entropy (``probes.entropy_step``)."""
+    batch, _ = step_batch(s, s.cfg.seed + 3)
+    mt = s.cfg.grpo.multitask
+    before, after, norm = entropy_step(s.policy, batch.inputs, batch.rows, mt, entropy_coef=1.0, step_size=0.05)
+    detail = (f"entropy {before:.6f} -> {after:.6f} in mode {mt.mode} (reward_only={mt.reward_only}, "
+              f"low_memory={mt.low_memory}), gradient norm {norm:.3g}")
+    status = "pass" if after - before > ENTROPY_TOL else "fail"
+    return Check("entropy_sign", status, after - before, detail,
+                 "" if status == "pass" else "a positive entropy_coef must raise entropy: its sign is flipped (I7)",
+                 "I7", f"> {ENTROPY_TOL}")
+
+
+def _inexact_value(group: int) -> float | None:
+    """A reward whose fp32 mean over ``group`` equal copies differs from itself (float noise to mask)."""
+    for value in (0.1, 0.2, 0.7, *(k / 100 for k in range(1, 100))):
+        same = torch.full((1, group), value)
+        if bool((same - same.mean(-1, keepdim=True)).any()):
+            return value
+    return None
+
+
+def check_zero_variance_groups(s: Subject) -> Check:
+    """I12: ``group_advantages`` with the configured scaling gives exactly 0 to groups of equal rewards
+    whose fp32 mean is inexact (0.1/0.2/0.7-like), and counts them; a mixed group keeps its signal."""
+    group = s.cfg.grpo.group_size
+    sizes = [g for g in dict.fromkeys((group, 3)) if _inexact_value(g) is not None]
+    worst, counted, mixed = 0.0, True, True
+    used = {}
+    for g in sizes:
+        value = _inexact_value(g)
+        used[g] = value
+        rewards = torch.tensor([value] * g + [(0.1, 0.2, 0.7)[i % 3] for i in range(g)])
+        advantages, stats = group_advantages(rewards, g, s.cfg.grpo.loss.scale_rewards)
+        worst = max(worst, float(advantages[:g].abs().max()))
+        counted &= stats["frac_reward_zero_std"] == 0.5
+        mixed &= bool(advantages[g:].abs().max() > 0) and bool(torch.isfinite(advantages).all())
+    detail = f"max |advantage| of equal-reward groups (group size: reward {used}, scale {s.cfg.grpo.loss.scale_rewards})"
+    check = bounded("zero_variance_groups", "I12", worst, 0.0, detail,
+                    "mask equal-reward groups to advantage exactly 0; never divide float noise by a tiny epsilon")
+    if not (counted and mixed):
+        return Check(check.name, "fail", worst, detail + "; frac_reward_zero_std or the mixed group is wrong",
+                     check.hint or "count equal-reward groups in frac_reward_zero_std", check.invariant, check.bound)
+    return check
+
+
+def check_sampling_processors(s: Subject) -> Check:
+    """I10 in part: what else shapes sampling but not the scored distribution (a warning, not a stop)."""
+    active = sampling_processors(s.cfg.grpo.sampling)
+    if not active:
+        return Check("sampling_processors", "pass", [], "sampling is plain softmax(z / T): what is scored", "",
+                     "I10", [])
+    return Check("sampling_processors", "warn", list(active),
+                 f"{', '.join(active)} change the sampling distribution but not the scored one: the ratio and KL "
+                 "describe softmax(z / T) while the tokens came from the processed distribution",
+                 "set top_p: 1.0, top_k: 0, min_new_tokens: 0 and the penalties to 0 for exact I10", "I10", [])
+
+
+CHECKS: tuple[Callable[[Subject], Check], ...] = (
+    check_render_parity, check_eos_ids, check_rollout_cut_and_mask, check_left_padded_extraction,
+    check_penalty_scope, check_ratio_kl_reference, check_temperature, check_entropy_sign,
+    check_zero_variance_groups, check_sampling_processors,
+)

@@ -1,0 +1,121 @@
+"""What the pre-flight gate and the diagnosis share: the ``Check`` they report, and their probes.
+
+A check says ``pass``, ``warn``, ``fail`` or ``skip``, the number it decided on (``value``) and the
+bound it compared that number with, so a report can be read without the code. The probes run the
+stage code itself: ``reference_kl`` scores with ``grpo.model.scoring.score_inputs`` adapter on and
+off, as the step does (I9); ``entropy_step`` takes one step on the entropy bonus alone through
+``multitask_backward`` in the configured mode, as the step does (I7).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+
+from grpo.config import MultitaskConfig
+from grpo.core.losses import LossTerms, k3_kl, masked_mean, policy_loss_terms
+from grpo.core.multitask import TaskLoss, multitask_backward
+from grpo.model.scoring import RolloutInputs, score_inputs
+
+Status = Literal["pass", "warn", "fail", "skip"]
+ENTROPY_TOL = 1e-6
+"""Entropy changes within this many nats are fp32 noise, not a direction."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the pre-flight report or of the diagnosis."""
+
+    name: str
+    """Short name of the check."""
+    status: Status
+    """pass | warn | fail | skip; only ``fail`` stops the gate."""
+    value: Any
+    """The number (or numbers) the status is decided on."""
+    detail: str
+    """What was measured, in words."""
+    hint: str = ""
+    """What to try when the check does not pass."""
+    invariant: str = ""
+    """The DESIGN.md invariants the check guards (I1-I12)."""
+    bound: Any = None
+    """What ``value`` was compared with (a tolerance, a threshold, an expected value)."""
+
+    @property
+    def passed(self) -> bool:
+        return self.status != "fail"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"passed": self.passed}
+
+
+def bounded(name: str, invariant: str, value: float, bound: float, detail: str, hint: str) -> Check:
+    """``pass`` when ``value <= bound`` (a NaN fails), else ``fail`` with ``hint``."""
+    ok = value <= bound  # False for NaN
+    return Check(name, "pass" if ok else "fail", value, detail, "" if ok else hint, invariant, bound)
+
+
+@torch.no_grad()
+def reference_kl(model: torch.nn.Module, inputs: RolloutInputs) -> float:
+    """Token-mean k3 KL between the policy (adapter on) and the reference (adapter off, I9)."""
+    policy = score_inputs(model, inputs).logprobs
+    reference = score_inputs(model, inputs, adapter=False).logprobs
+    mask = inputs.completion_mask
+    return float(masked_mean(k3_kl(policy, reference, mask), mask))
+
+
+@torch.no_grad()
+def mean_entropy(model: torch.nn.Module, inputs: RolloutInputs, adapter: bool = True) -> float:
+    """Token-mean entropy (nats) of the scored distribution over the completion tokens."""
+    return float(masked_mean(score_inputs(model, inputs, adapter).entropy, inputs.completion_mask))
+
+
+def _entropy_losses(model, inputs: RolloutInputs, rows: dict[str, torch.Tensor]):
+    """Per-task loss terms with zero advantages: only the entropy term has a gradient."""
+    def losses(subset: tuple[str, ...], micro: int = 0) -> dict[str, TaskLoss]:
+        out = {}
+        for task in subset:
+            part = inputs.rows(rows[task])
+            scored = score_inputs(model, part)
+            terms, _ = policy_loss_terms(
+                scored.logprobs, scored.logprobs.detach(), None, torch.zeros(len(rows[task]), device=scored.logprobs.device),
+                part.completion_mask, scored.entropy, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo",
+                max_completion_length=part.completion_mask.shape[1])
+            out[task] = TaskLoss(LossTerms(*terms))
+        return out
+    return losses
+
+
+def entropy_step(model: torch.nn.Module, inputs: RolloutInputs, rows: dict[str, torch.Tensor],
+                 multitask: MultitaskConfig, entropy_coef: float, step_size: float) -> tuple[float, float, float]:
+    """One gradient step of norm ``step_size`` on ``-entropy_coef * entropy`` alone, combined by
+    ``multitask_backward`` in the configured mode -> ``(before, after, gradient norm)``.
+
+    ``rows``: task -> row indices of ``inputs``. The trainable weights are restored afterwards. With a
+    positive coefficient the entropy must rise (I7); a zero gradient returns ``after == before``.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in params]
+    before = mean_entropy(model, inputs)
+    try:
+        model.zero_grad(set_to_none=True)
+        multitask_backward(params, _entropy_losses(model, inputs, rows), tuple(rows), mode=multitask.mode,
+                           c=multitask.cagrad_c, rescale=multitask.cagrad_rescale, reward_only=multitask.reward_only,
+                           low_memory=multitask.low_memory, beta=0.0, entropy_coef=entropy_coef)
+        norm = math.sqrt(sum(float(p.grad.float().pow(2).sum()) for p in params if p.grad is not None))
+        if not math.isfinite(norm) or norm == 0.0:
+            return before, before, norm
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p -= step_size / norm * p.grad
+        after = mean_entropy(model, inputs)
+    finally:
+        with torch.no_grad():
+            for param, value in zip(params, saved, strict=True):
+                param.copy_(value)
+        model.zero_grad(set_to_none=True)
+    return before, after, norm

@@ -1,0 +1,121 @@
+"""What the pre-flight checks run on: the GRPO step's own context around the configured policy.
+
+The checks call the stage functions through it (``draw``, ``prepare_batch``, the rollout and the
+scorer), so what they prove is proven on the code the stages run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from grpo.config import Config
+from grpo.data.prompts import example_messages
+from grpo.model.chat import render_prompt
+from grpo.model.rollout import stop_ids
+from grpo.train.step import ScoredBatch, StepContext, draw, prepare_batch
+
+
+@dataclass
+class Subject:
+    """What the checks run on: the GRPO step's context around the policy, and the models to compare with."""
+
+    ctx: StepContext  # the configured policy (LoRA on the SFT weights), as the trainer builds it
+    records: list[dict]  # one per task, prompt widths as different as possible, shortest first
+    sft: torch.nn.Module  # a fresh load of the SFT weights: the reference must equal it (I9)
+    base: torch.nn.Module | None  # the pre-SFT base: the reference must differ from it (None: not compared)
+
+    @property
+    def cfg(self) -> Config:
+        return self.ctx.cfg
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self.ctx.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.ctx.tokenizer
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return self.ctx.eos_ids
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        kwargs = self.cfg.model.chat_template_kwargs
+        return [render_prompt(self.tokenizer, example_messages(r), **kwargs) for r in self.records]
+
+    def tolerance(self) -> float:
+        """Log-prob agreement expected of two scorings of the same ids (fp32 vs low precision)."""
+        return 1e-4 if next(self.policy.parameters()).dtype == torch.float32 else 5e-2
+
+
+def with_grpo(ctx: StepContext, **grpo: Any) -> StepContext:
+    """``ctx`` with some ``grpo`` params replaced (``sampling`` as a dict of its fields)."""
+    sampling = ctx.cfg.grpo.sampling.model_copy(update=grpo.pop("sampling", {}))
+    loss = ctx.cfg.grpo.loss.model_copy(update=grpo.pop("loss", {}))
+    cfg = ctx.cfg.model_copy(update={"grpo": ctx.cfg.grpo.model_copy(update={**grpo, "sampling": sampling,
+                                                                              "loss": loss})})
+    return StepContext(cfg, ctx.model, ctx.tokenizer, ctx.optimizer, ctx.scheduler, ctx.eos_ids, ctx.accelerator)
+
+
+@contextlib.contextmanager
+def perturbed_adapter(model: torch.nn.Module, seed: int, scale: float = 0.05):
+    """The LoRA B matrices set to seeded noise (a fresh adapter has B = 0: ratio 1 and KL 0 would hold
+    whatever the code did); restored on exit."""
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    saved = [p.detach().clone() for p in lora_b]
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora_b:
+            p.copy_(torch.randn(p.shape, generator=generator) * scale)
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for p, value in zip(lora_b, saved, strict=True):
+                p.copy_(value)
+
+
+def step_batch(s: Subject, seed: int, **grpo: Any) -> tuple[ScoredBatch, Any]:
+    """One ``draw`` and ``prepare_batch`` of the GRPO step over the subject's records."""
+    ctx = with_grpo(s.ctx, **grpo)
+    sampled = draw(ctx, s.records, seed)
+    return prepare_batch(ctx, sampled), sampled
+
+
+def _records(cfg: Config, tokenizer, records: list[dict]) -> list[dict]:
+    """One record per task, chosen so the two prompt widths differ as much as possible, shortest first
+    (the shorter one is the row left padding shifts, where a wrong cut lands in prompt text)."""
+    kwargs = cfg.model.chat_template_kwargs
+
+    def rendered(task: str) -> list[tuple[int, dict]]:
+        return [(len(render_prompt(tokenizer, example_messages(r), **kwargs)), r)
+                for r in [r for r in records if r["task"] == task][:5]]
+
+    pools = [pool for pool in (rendered("fairness"), rendered("hallucination")) if pool]
+    if len(pools) == 2:
+        chosen = list(max(((a, b) for a in pools[0] for b in pools[1]), key=lambda pair: abs(pair[0][0] - pair[1][0])))
+    else:
+        chosen = sorted(pools[0], key=lambda item: item[0])[:: max(1, len(pools[0]) - 1)][:2]
+    chosen.sort(key=lambda item: item[0])
+    return [r for _, r in chosen]
+
+
+def make_subject(cfg: Config, policy: torch.nn.Module, tokenizer, records: list[dict], sft: torch.nn.Module,
+                 base: torch.nn.Module | None = None) -> Subject:
+    """The step's context around ``policy`` (the LoRA-wrapped SFT model, as ``trainer.build_policy``
+    makes it); ``sft`` is a separately loaded copy of its weights, ``base`` the pre-SFT model."""
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    policy = policy.to(accelerator.device)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.0)  # the checks never step through it
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    eos_ids = stop_ids(policy, tokenizer, cfg.model.extra_stop_tokens)
+    ctx = StepContext(cfg, policy, tokenizer, optimizer, scheduler, eos_ids, accelerator)
+    return Subject(ctx, _records(cfg, tokenizer, records), sft, base)

@@ -1,0 +1,52 @@
+"""Scoring a rollout: the one path from sampled ids to log-probs, for the step, the gate and the diagnosis.
+
+``rollout_inputs`` joins the generated ids to their prompts (I3: never re-tokenised) and carries the
+temperature the rollout recorded; ``score_inputs`` scores them under that temperature (I10) with the
+policy's adapter on, or off for the reference (I9: the SFT weights themselves, not the base model).
+Nothing here reads ``grpo.sampling.temperature``: a scorer cannot disagree with the sampler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from grpo.core.batching import join_prompt_completion
+from grpo.core.logprobs import Scored, score_completions
+from grpo.model.rollout import Rollout
+
+
+@dataclass(frozen=True)
+class RolloutInputs:
+    """A rollout joined into model inputs, with the distribution it was sampled from."""
+
+    input_ids: torch.Tensor  # [N, P + C] left-padded prompt ids, then the generated ids
+    attention_mask: torch.Tensor  # [N, P + C] 1 = real token
+    completion_mask: torch.Tensor  # [N, C] bool, up to and including the first stop token
+    temperature: float  # the rollout's sampling temperature
+
+    def rows(self, index: torch.Tensor) -> RolloutInputs:
+        """The rows ``index`` [n] of every tensor."""
+        return RolloutInputs(self.input_ids[index], self.attention_mask[index], self.completion_mask[index],
+                             self.temperature)
+
+
+def rollout_inputs(rollout: Rollout, device: torch.device | str = "cpu") -> RolloutInputs:
+    """Join the rollout's prompt and generated ids (I3, I11) on ``device``."""
+    joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                    rollout.completion_mask)
+    return RolloutInputs(joined.input_ids.to(device), joined.attention_mask.to(device),
+                         rollout.completion_mask.to(device), rollout.temperature)
+
+
+def score_inputs(model: torch.nn.Module, inputs: RolloutInputs, adapter: bool = True) -> Scored:
+    """Log-probs and entropy of the completions under ``softmax(z / inputs.temperature)``.
+
+    ``adapter=False`` scores the reference (I9): the same peft model with its LoRA adapter disabled.
+    """
+    context = contextlib.nullcontext() if adapter else model.disable_adapter()
+    with context:
+        return score_completions(model, inputs.input_ids, inputs.attention_mask, inputs.completion_mask.shape[1],
+                                 inputs.temperature)

@@ -1,0 +1,83 @@
+"""Mutation testing: every bug class of DESIGN.md placed in the stage code fails the tests AND the gate.
+
+One project copy gets data, a base and an SFT model (tiny params, ``reward_only`` so the I7 mutation's
+gradient mode is the configured one). Each mutation of ``tests/mutations.py`` is applied to a clone of
+it; one subprocess in the clone (its own code first on the path) rebuilds the SFT model when the
+patch is in the SFT stage, runs ``grpo preflight`` and then the named tests. Both must fail, and the
+pre-flight report must name the check the README's invariant table says kills the mutation.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.dvc_stage import stage_env
+from tests.mutations import MUTATIONS, Mutation
+from tests.project_copy import ROOT, copy_project
+
+pytestmark = pytest.mark.slow
+
+PARAMS = {"grpo": {"multitask": {"mode": "cagrad", "reward_only": True}}}
+
+DRIVER = """
+import json, sys
+import pytest
+from grpo.cli import main
+retrain, tests = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+out = {"sft": main(["sft"]) if retrain else 0}
+out["preflight"] = main(["preflight"])
+out["tests"] = int(pytest.main(["-q", "-x", "-p", "no:cacheprovider", *tests]))
+print("MUTANT " + json.dumps(out))
+"""
+
+
+def run_in(project: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *args], cwd=project, env=stage_env(project), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    """The project copy with data, base and SFT model built by its own (unmutated) code, tests included."""
+    project = copy_project(tmp_path_factory.mktemp("mutations") / "project", PARAMS)
+    shutil.copytree(ROOT / "tests", project / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    stages = "from grpo.cli import main; import sys; sys.exit(max(main([s]) for s in ('prepare', 'base', 'sft')))"
+    proc = run_in(project, "-c", stages)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return project
+
+
+def mutate(project: Path, mutation: Mutation) -> None:
+    path = project / mutation.path
+    text = path.read_text(encoding="utf-8")
+    assert text.count(mutation.old) == 1, f"{mutation.name}: the patched line is gone from {mutation.path}"
+    path.write_text(text.replace(mutation.old, mutation.new), encoding="utf-8")
+
+
+def test_every_patched_line_is_still_in_the_code():
+    """The table tracks the code: a refactor that moves a patched line must update the mutation."""
+    for mutation in MUTATIONS:
+        assert (ROOT / mutation.path).read_text(encoding="utf-8").count(mutation.old) == 1, mutation.name
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
+def test_mutation_fails_the_tests_and_the_preflight(built, tmp_path, mutation):
+    project = shutil.copytree(built, tmp_path / "mutant", symlinks=True)
+    mutate(project, mutation)
+    proc = run_in(project, "-c", DRIVER, json.dumps(mutation.retrain_sft), json.dumps(list(mutation.tests)))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("MUTANT ")]
+    assert lines, f"{mutation.name}: the driver did not finish:\n{proc.stdout[-6000:]}"
+    result = json.loads(lines[-1].removeprefix("MUTANT "))
+    assert result["sft"] == 0, f"{mutation.name}: the SFT rebuild failed:\n{proc.stdout[-4000:]}"
+    assert result["tests"] == 1, f"{mutation.name} survived the tests {mutation.tests}:\n{proc.stdout[-4000:]}"
+    assert result["preflight"] != 0, f"{mutation.name} survived grpo preflight:\n{proc.stdout[-4000:]}"
+    report = json.loads((project / "reports" / "preflight.json").read_text())
+    failed = {c["name"] for c in report["checks"] if not c["passed"]}
+    assert mutation.check in failed, f"{mutation.name}: {mutation.check} passed (failed: {sorted(failed)})"
