@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from grpo.config import ConfigError, load_config
 from grpo.errors import GrpoError
+from grpo.offline import allow_network, offline_by_default
 
 
 def _no_args(parser: argparse.ArgumentParser) -> None:
@@ -79,11 +80,14 @@ def _resolve(target: str) -> Callable:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    offline_by_default()  # before any Hugging Face import; `dvc repro` runs these commands too
     try:
         cfg = load_config(args.params, args.overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if cfg.model.allow_download:
+        allow_network()
     run = _resolve(COMMANDS[args.command][0])
     try:
         code = run(cfg, args)

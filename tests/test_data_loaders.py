@@ -10,7 +10,8 @@ import pytest
 from grpo.config import config_from_dict
 from grpo.data import prepare
 from grpo.data.errors import DataSourceError
-from grpo.data.loaders import _names_group, load_bbq, load_halueval, load_squad2
+from grpo.data.bbq import _names_group
+from grpo.data.loaders import load_bbq, load_halueval, load_squad2
 from grpo.data.schema import ABSTENTION
 from grpo.data.validate import validate_files
 
@@ -49,6 +50,8 @@ def test_fixture_round_trips_into_records_that_pass_the_suite(tmp_path, data, so
         ("F-Black", ["Black"], True),
         ("lowSES", ["low SES"], True),
         ("highSES", ["low SES"], False),
+        ("trans_F", ["transgender women", "trans"], True),
+        ("nonTrans_F", ["transgender women", "trans"], False),
     ],
 )
 def test_bbq_group_matching(group, stereotyped, expected):
@@ -58,7 +61,7 @@ def test_bbq_group_matching(group, stereotyped, expected):
 def test_bbq_indices_skips_and_template_split():
     loaded = load_bbq(FIXTURES / "bbq", eval_share=0.25, seed=0)
     items = loaded.pools["train"] + loaded.pools["eval"]
-    assert len(items) == 16 and sum(loaded.skipped.values()) == 1
+    assert len(items) == 92 and sum(loaded.skipped.values()) == 4
     grandfather = next(i for i in items if i["template_id"] == "bbq.Age.1" and i["context_condition"] == "disambig"
                        and i["question_polarity"] == "neg")
     assert grandfather["unknown_idx"] == 2 and grandfather["target_idx"] == 0  # "old" is the grandfather

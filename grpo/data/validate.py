@@ -10,6 +10,7 @@ the data and every other output are left as they are.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -23,7 +24,7 @@ from great_expectations.data_context.types.base import ProgressBarsConfig
 from grpo.config import Config
 from grpo.data.checks import build_frame
 from grpo.data.errors import DataValidationError
-from grpo.data.jsonl import RawRow, ReadProblem, read_rows, write_files_atomically
+from grpo.data.jsonl import SOURCES_FILE, RawRow, ReadProblem, read_rows, write_files_atomically
 from grpo.data.report import (
     ValidationReport,
     failure_message,
@@ -34,6 +35,7 @@ from grpo.data.report import (
 )
 from grpo.data.schema import SPLITS
 from grpo.data.suite import build_expectations
+from grpo.locks import writes
 
 DOCS_SITE = "grpo_data_docs"
 
@@ -95,6 +97,13 @@ def _replace_dir(staged: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _sources(data_dir: Path) -> dict[str, Any] | None:
+    """``sources.json`` written by ``grpo prepare`` (absent for data made by older code)."""
+    path = data_dir / SOURCES_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+@writes(lambda cfg: cfg.paths.reports_dir)
 def run(cfg: Config, args: Any = None) -> int:
     """Validate ``paths.data_dir``; write the reports; raise DataValidationError on any failed rule."""
     data_dir, reports = Path(cfg.paths.data_dir), Path(cfg.paths.reports_dir)
@@ -104,7 +113,7 @@ def run(cfg: Config, args: Any = None) -> int:
     try:
         report = validate_files(paths, cfg, docs_dir=staged)
         write_files_atomically({reports / "validation.json": to_json(report),
-                                reports / "validation.md": to_markdown(report)})
+                                reports / "validation.md": to_markdown(report, _sources(data_dir))})
         if staged is not None:
             _replace_dir(staged, reports / "data_docs")
     finally:

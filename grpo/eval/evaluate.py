@@ -53,6 +53,7 @@ from grpo.model.sampling import build_logits_processors
 from grpo.train.sft import load_sft, sft_dir, sft_inputs
 from grpo.train.task_mix import split_by_task
 from grpo.train.trainer import grpo_dir, grpo_inputs, run_dir
+from grpo.locks import writes
 
 MODELS = ("base", "sft", "grpo")
 LABELS = {"base": "base", "sft": "SFT", "grpo": "GRPO"}
@@ -347,6 +348,7 @@ def evaluate(
     return results, skipped
 
 
+@writes(lambda cfg: cfg.paths.metrics_dir)
 def run(cfg: Config, args=None) -> int:
     """``grpo evaluate``: write eval.json, eval.md and (when a run exists) entropy.png."""
     records = eval_records(cfg)

@@ -9,6 +9,7 @@ from pathlib import Path
 from grpo.config import Config
 from grpo.provenance.lineage import make_lineage, write_lineage
 from grpo.model.modeling import build_tiny, load_model, load_tokenizer, write_pointer
+from grpo.locks import writes
 
 TEXT_FIELDS = ("context", "question", "answer")
 
@@ -33,6 +34,7 @@ def base_inputs(cfg: Config) -> dict[str, Path]:
     return {"train": Path(cfg.paths.data_dir) / "train.jsonl"} if cfg.model.name_or_path is None else {}
 
 
+@writes(base_dir)
 def run(cfg: Config, args=None) -> int:
     out = base_dir(cfg)
     if cfg.model.name_or_path is None:

@@ -24,6 +24,7 @@ from grpo.data.jsonl import read_records
 from grpo.errors import GrpoError
 from grpo.provenance.lineage import check_lineage, make_lineage, write_lineage
 from grpo.model.modeling import load_model, load_tokenizer, save_model, wrap_lora
+from grpo.locks import writes
 
 
 def build_examples(
@@ -120,6 +121,7 @@ def load_sft(cfg: Config) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     return load_model(sft_dir(cfg), cfg.model), load_tokenizer(sft_dir(cfg), cfg.model)
 
 
+@writes(sft_dir)
 def run(cfg: Config, args=None) -> int:
     base = Path(cfg.paths.models_dir) / "base"
     tokenizer = load_tokenizer(base, cfg.model)

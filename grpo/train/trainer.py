@@ -33,6 +33,7 @@ from grpo.model.rollout import stop_ids
 from grpo.train.sft import load_sft, sft_dir
 from grpo.train.step import StepContext, grpo_step
 from grpo.train.task_mix import sample_step, split_by_task
+from grpo.locks import writes
 
 
 class TrainingError(GrpoError):
@@ -176,6 +177,7 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
     return history
 
 
+@writes(run_dir, grpo_dir)
 def run(cfg: Config, args=None) -> int:
     started = time.perf_counter()
     history = train(cfg, max_steps=getattr(args, "max_steps", None))
