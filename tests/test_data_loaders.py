@@ -24,8 +24,9 @@ FIXTURES = Path(__file__).parent / "fixtures"
         ({"fairness_source": "bbq", "fairness_path": str(FIXTURES / "bbq")}, "bbq"),
         ({"hallucination_source": "halueval", "hallucination_path": str(FIXTURES / "halueval_qa.json")}, "halueval"),
         ({"hallucination_source": "squad2", "hallucination_path": str(FIXTURES / "squad2.json")}, "squad2"),
+        ({"hallucination_source": "squad2", "hallucination_path": str(FIXTURES / "squad2_dev")}, "squad2"),
     ],
-    ids=["bbq", "halueval", "squad2"],
+    ids=["bbq", "halueval", "squad2", "squad2-dev-excerpt"],
 )
 def test_fixture_round_trips_into_records_that_pass_the_suite(tmp_path, data, source):
     cfg = config_from_dict({"paths": {"data_dir": str(tmp_path / "data")},
@@ -76,8 +77,8 @@ def test_halueval_keeps_spans_and_borrows_knowledge_for_unanswerables():
     items = loaded.pools["train"] + loaded.pools["eval"]
     answerable = [i for i in items if i["answerable"]]
     unanswerable = [i for i in items if not i["answerable"]]
-    assert len(answerable) == 11  # the yes/no item's answer is no span of its knowledge
-    assert not any(i["question"].startswith("Is the Ostrin Cup") for i in answerable)
+    assert len(answerable) == 9  # three right answers are no span of their knowledge
+    assert not any(i["question"].startswith("Musician and satirist Allie Goertz") for i in answerable)
     raw = {json.loads(line)["question"]: json.loads(line) for line in (FIXTURES / "halueval_qa.json").open()}
     for item in unanswerable:
         assert item["answer"] == ABSTENTION

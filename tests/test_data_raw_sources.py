@@ -18,6 +18,7 @@ from grpo.data.schema import ABSTENTION
 BBQ = Path(__file__).parent / "fixtures" / "bbq"
 SQUAD = Path(__file__).parent / "fixtures" / "squad2.json"
 HALUEVAL = Path(__file__).parent / "fixtures" / "halueval_qa.json"
+SQUAD_DEV = Path(__file__).parent / "fixtures" / "squad2_dev" / "dev-v2.0-excerpt.json"
 
 # category -> (items loaded, rows skipped, {question_index: the stereotyped option's text}); the targets
 # were read off the published templates (templates/new_templates - <category>.csv: Known_stereotyped_*).
@@ -105,6 +106,19 @@ def test_squad_without_plausible_answers_keeps_unanswerables_with_an_article_dis
         if item["answerable"]:
             answers[item["category"]].add(item["answer"])
     assert all(i["answer"] == ABSTENTION and i["distractor"] in answers[i["category"]] for i in impossible)
+
+
+def test_squad2_dev_rows_load_with_plausible_and_article_distractors():
+    loaded = load_squad2(SQUAD_DEV, eval_share=0.5, seed=0)
+    items = {i["question"]: i for pool in loaded.pools.values() for i in pool}
+    assert len(items) == 18 and sum(i["answerable"] for i in items.values()) == 10 and not loaded.skipped
+    assert items["Who gave their name to Normandy in the 1000's and 1100's"]["distractor"] == "Normans"
+    # No plausible_answers in the source: the distractor is another question's answer in the same article.
+    principality = items["What principality did William the conquerer found?"]
+    assert principality["answer"] == ABSTENTION and principality["distractor"] == "France"
+    when = items["When were the Normans in Normandy?"]
+    assert when["answer"] == "10th and 11th centuries" and when["aliases"] == ["in the 10th and 11th centuries"]
+    assert {i["category"] for i in loaded.pools["train"]}.isdisjoint(i["category"] for i in loaded.pools["eval"])
 
 
 def test_squad_unanswerable_without_any_distractor_is_skipped_with_its_reason(tmp_path):
