@@ -1,8 +1,9 @@
 """One writer per output folder: an exclusive lock held for a stage's whole run.
 
 Every stage that writes takes ``folder_lock`` on its output folders (run folder, model folder, data
-folder), with DVC or without. The lock is an OS file lock (``flock``) on ``.<folder name>.grpo.lock``
-next to the folder (outside it, so DVC-tracked outputs stay byte-identical): it
+folder), with DVC or without. The lock is an OS file lock (``flock``) on a file named after the
+folder's absolute path under ``<tmp>/grpo-locks/`` (outside the project, so outputs and DVC hashes
+stay byte-identical and a stage writes nothing when it is refused): it
 is released when the process ends, however it ends (``kill -9`` included), so a crash never leaves
 a stale lock. The file names the holder's PID, command and start time for the error of the second
 writer.
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -27,8 +30,9 @@ _HELD: set[Path] = set()
 
 
 def lock_path(folder: Path) -> Path:
-    """Where the lock of ``folder`` lives: ``<parent>/.<name>.grpo.lock``."""
-    return folder.parent / f".{folder.name}.grpo.lock"
+    """Where the lock of ``folder`` lives: ``<tmp>/grpo-locks/<hash of its absolute path>.lock``."""
+    digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:20]
+    return Path(tempfile.gettempdir()) / "grpo-locks" / f"{folder.name}-{digest}.lock"
 
 
 class FolderLockedError(GrpoError):
@@ -55,7 +59,7 @@ def _one_lock(folder: Path) -> Iterator[None]:
             ) from None
         handle.seek(0)
         handle.truncate()
-        handle.write(f"PID {os.getpid()} (`{' '.join(sys.argv)}`, since "
+        handle.write(f"PID {os.getpid()} (`{' '.join(sys.argv)}`, in {os.getcwd()}, since "
                      f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n")
         handle.flush()
         _HELD.add(folder)
