@@ -9,8 +9,8 @@ import pytest
 
 from grpo.config import config_from_dict
 from grpo.data import prepare
-from grpo.data.errors import DataSourceError
 from grpo.data.bbq import _names_group
+from grpo.data.errors import DataSourceError
 from grpo.data.loaders import load_bbq, load_halueval, load_squad2
 from grpo.data.schema import ABSTENTION
 from grpo.data.validate import validate_files
