@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from grpo.config import ConfigError, load_config
 from grpo.errors import GrpoError
+from grpo.offline import allow_network, offline_by_default
 from grpo.provenance import stages
 
 COMMON = ("command", "params", "overrides")
@@ -119,6 +120,7 @@ def resolve(entry: str) -> Callable[..., int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    offline_by_default()  # before any Hugging Face import; `dvc repro` runs these commands too
     command = COMMANDS[args.command]
     options = {key: value for key, value in vars(args).items() if key not in COMMON}
     try:
@@ -128,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if cfg.model.allow_download:
+        allow_network()
     try:
         code = resolve(command.entry)(cfg, **options)
     except (GrpoError, ConfigError) as exc:

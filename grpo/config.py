@@ -11,7 +11,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from grpo.offline import model_source_problem
 
 DEFAULT_PARAMS = Path("params.yaml")
 
@@ -93,6 +103,11 @@ class DataConfig(Section):
                     f"needs {task}_path when {task}_source is {source!r}: set data.{task}_path to the "
                     f"local file or folder of the {source} dataset, or data.{task}_source to synthetic"
                 )
+            if source == "synthetic" and path:
+                raise ValueError(
+                    f"data.{task}_path is set ({path!r}) but data.{task}_source is 'synthetic', which reads "
+                    f"no file: set data.{task}_source to the dataset's format or data.{task}_path to null"
+                )
         return self
 
 
@@ -145,6 +160,8 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
+    allow_download: bool = False
+    """Let Hugging Face fetch a hub id that is not in the local cache; off: nothing goes online."""
     name_or_path: str | None = None
     """A local model folder or hub id (already in the local cache); null builds the embedded tiny model."""
     trust_remote_code: bool = False
@@ -164,16 +181,11 @@ class ModelConfig(Section):
 
     @field_validator("name_or_path")
     @classmethod
-    def _local_path_exists(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        looks_local = value.startswith(("/", "./", "../", "~")) or Path(value).exists()
-        if looks_local and not Path(value).expanduser().is_dir():
-            raise ValueError(
-                f"model folder {value!r} does not exist: give an existing local folder with "
-                "config.json and tokenizer files, a hub id already in the local cache, or null "
-                "for the embedded tiny model"
-            )
+    def _loadable_offline(cls, value: str | None, info: ValidationInfo) -> str | None:
+        allow = bool(info.data.get("allow_download", False))  # declared above, so validated first
+        problem = None if value is None else model_source_problem(value, allow)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
 

@@ -91,10 +91,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "ratio_kl_reference",
     ),
     Mutation(
-        "reference_is_the_base", "I9", "grpo/train/trainer.py",
+        "reference_is_the_base", "I9", "grpo/train/policy.py",
         "    model, tokenizer = load_sft(cfg)\n",
-        "    from grpo.model.modeling import load_model\n"
-        "    model, tokenizer = load_model(Path(cfg.paths.models_dir) / 'base', cfg.model), load_sft(cfg)[1]\n",
+        "    from grpo.model.load import load_base\n"
+        "    model, tokenizer = load_base(cfg)[0], load_sft(cfg)[1]\n",
         ("tests/test_stage_invariants.py::test_i9_build_policy_puts_the_adapter_on_the_sft_weights",),
         "ratio_kl_reference",
     ),

@@ -9,8 +9,9 @@ import pytest
 
 from grpo.config import config_from_dict
 from grpo.data import prepare
+from grpo.data.bbq import _names_group
 from grpo.data.errors import DataSourceError
-from grpo.data.loaders import _names_group, load_bbq, load_halueval, load_squad2
+from grpo.data.loaders import load_bbq, load_halueval, load_squad2
 from grpo.data.schema import ABSTENTION
 from grpo.data.validate import validate_files
 
@@ -23,8 +24,9 @@ FIXTURES = Path(__file__).parent / "fixtures"
         ({"fairness_source": "bbq", "fairness_path": str(FIXTURES / "bbq")}, "bbq"),
         ({"hallucination_source": "halueval", "hallucination_path": str(FIXTURES / "halueval_qa.json")}, "halueval"),
         ({"hallucination_source": "squad2", "hallucination_path": str(FIXTURES / "squad2.json")}, "squad2"),
+        ({"hallucination_source": "squad2", "hallucination_path": str(FIXTURES / "squad2_dev")}, "squad2"),
     ],
-    ids=["bbq", "halueval", "squad2"],
+    ids=["bbq", "halueval", "squad2", "squad2-dev-excerpt"],
 )
 def test_fixture_round_trips_into_records_that_pass_the_suite(tmp_path, data, source):
     cfg = config_from_dict({"paths": {"data_dir": str(tmp_path / "data")},
@@ -49,6 +51,8 @@ def test_fixture_round_trips_into_records_that_pass_the_suite(tmp_path, data, so
         ("F-Black", ["Black"], True),
         ("lowSES", ["low SES"], True),
         ("highSES", ["low SES"], False),
+        ("trans_F", ["transgender women", "trans"], True),
+        ("nonTrans_F", ["transgender women", "trans"], False),
     ],
 )
 def test_bbq_group_matching(group, stereotyped, expected):
@@ -58,7 +62,7 @@ def test_bbq_group_matching(group, stereotyped, expected):
 def test_bbq_indices_skips_and_template_split():
     loaded = load_bbq(FIXTURES / "bbq", eval_share=0.25, seed=0)
     items = loaded.pools["train"] + loaded.pools["eval"]
-    assert len(items) == 16 and sum(loaded.skipped.values()) == 1
+    assert len(items) == 92 and sum(loaded.skipped.values()) == 4
     grandfather = next(i for i in items if i["template_id"] == "bbq.Age.1" and i["context_condition"] == "disambig"
                        and i["question_polarity"] == "neg")
     assert grandfather["unknown_idx"] == 2 and grandfather["target_idx"] == 0  # "old" is the grandfather
@@ -73,8 +77,8 @@ def test_halueval_keeps_spans_and_borrows_knowledge_for_unanswerables():
     items = loaded.pools["train"] + loaded.pools["eval"]
     answerable = [i for i in items if i["answerable"]]
     unanswerable = [i for i in items if not i["answerable"]]
-    assert len(answerable) == 11  # the yes/no item's answer is no span of its knowledge
-    assert not any(i["question"].startswith("Is the Ostrin Cup") for i in answerable)
+    assert len(answerable) == 9  # three right answers are no span of their knowledge
+    assert not any(i["question"].startswith("Musician and satirist Allie Goertz") for i in answerable)
     raw = {json.loads(line)["question"]: json.loads(line) for line in (FIXTURES / "halueval_qa.json").open()}
     for item in unanswerable:
         assert item["answer"] == ABSTENTION

@@ -80,7 +80,7 @@ def test_a_failing_prepare_leaves_earlier_outputs_untouched(tmp_path):
     with pytest.raises(DataSourceError, match="missing.json"):
         prepare.run(bad)
     assert digests(tmp_path) == before
-    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["eval.jsonl", "train.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["eval.jsonl", "sources.json", "train.jsonl"]
 
 
 def test_a_source_too_small_for_the_sizes_says_how_to_fix(tmp_path):
@@ -89,6 +89,7 @@ def test_a_source_too_small_for_the_sizes_says_how_to_fix(tmp_path):
     with pytest.raises(DataSourceError) as err:
         prepare.run(cfg)
     assert "bbq" in str(err.value) and "lower data.n_train" in str(err.value)
+    assert "raw items skipped:" in str(err.value)  # the rows the loader dropped, by file, category and reason
 
 
 def test_cli_prepare_then_validate(tmp_path, capsys):

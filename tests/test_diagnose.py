@@ -208,3 +208,21 @@ def test_target_kind_and_unknown_folder(project, tmp_path):
         target_kind(tmp_path)
     with pytest.raises(DiagnoseError, match="no such folder"):
         load_target(project, tmp_path / "missing")
+
+
+def test_a_stale_target_names_every_code_and_params_change(project, tmp_path):
+    from grpo.checks.diagnose import Target, _stale
+    from grpo.provenance.lineage import make_lineage, write_lineage
+
+    old = project.model_copy(update={"seed": project.seed + 1})
+    lineage = make_lineage("grpo", old, {})
+    changed = sorted(lineage["modules"])[:5]
+    lineage["modules"].update({module: "0" * 64 for module in changed})  # built by older code
+    folder = tmp_path / "checkpoint-old"
+    folder.mkdir()
+    write_lineage(folder, lineage)
+    check = check_target_lineage(Target(None, None, "checkpoint", folder, False, _stale(folder, "grpo", project, {})))
+    assert check.status == "warn" and check.detail.startswith(f"{folder} is stale")
+    for module in changed:  # all of them, not the first few
+        assert f"{module} changed since {folder} was built" in check.detail
+    assert f"params seed: {old.seed} -> {project.seed}" in check.detail

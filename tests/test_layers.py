@@ -5,7 +5,7 @@ layering cannot decay silently. Bottom-up:
 
 | rank | layer | modules |
 | ---: | --- | --- |
-| 0 | root | ``grpo.errors``, ``grpo.config``, ``grpo.paths``, ``grpo.files``, ``grpo.seeding`` |
+| 0 | root | ``grpo.errors``, ``grpo.config``, ``grpo.paths``, ``grpo.files``, ``grpo.seeding``, ``grpo.locks``, ``grpo.offline`` |
 | 1 | provenance | ``grpo.provenance.*`` (reads code as text; names entry functions as strings) |
 | 2 | core | ``grpo.core.*`` (torch and ``grpo.errors`` only) |
 | 3 | model | ``grpo.model.*`` |
@@ -26,7 +26,8 @@ import pytest
 
 GRPO = Path(__file__).resolve().parents[1] / "grpo"
 
-ROOT_MODULES = ("grpo.errors", "grpo.config", "grpo.paths", "grpo.files", "grpo.seeding")
+ROOT_MODULES = ("grpo.errors", "grpo.config", "grpo.paths", "grpo.files", "grpo.seeding", "grpo.locks",
+                "grpo.offline")
 LAYERS: dict[str, int] = {
     **dict.fromkeys(ROOT_MODULES, 0),
     "grpo.provenance": 1,
@@ -46,7 +47,9 @@ ROOT_MAY_IMPORT = {
     "grpo.errors": (),
     "grpo.files": (),
     "grpo.seeding": (),
-    "grpo.config": ("grpo.errors",),
+    "grpo.offline": (),
+    "grpo.locks": ("grpo.errors",),
+    "grpo.config": ("grpo.errors", "grpo.offline"),
     "grpo.paths": ("grpo.config",),
 }
 CORE_THIRD_PARTY = {"torch"}

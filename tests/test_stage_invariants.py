@@ -2,7 +2,7 @@
 
 ``sft.build_examples`` (the SFT stage's example builder), ``rollout.rollout_from_sequences`` (the
 rollout's cut and mask), ``step.prepare_batch`` (the step's batch preparation) and
-``trainer.build_policy`` (where the reference comes from). Each is fed inputs built to expose its
+``train.policy.build_policy`` (where the reference comes from). Each is fed inputs built to expose its
 bug class: prompts of very different widths, a stop token equal to pad in mid-row.
 """
 
@@ -24,9 +24,9 @@ from grpo.model.modeling import save_model
 from grpo.model.rollout import rollout_from_sequences
 from grpo.model.sampling import EosSuppressor
 from grpo.provenance.lineage import make_lineage, write_lineage
+from grpo.train.policy import build_policy
 from grpo.train.sft import build_examples
 from grpo.train.step import draw, prepare_batch
-from grpo.train.trainer import build_policy
 from tests.test_step import make_context
 
 CFG = config_from_dict({"grpo": {"group_size": 2, "sampling": {"max_new_tokens": 5}}})
@@ -111,7 +111,7 @@ def test_i3_prepare_batch_scores_the_generated_ids(tiny_model, tiny_tokenizer, r
     assert torch.equal(batch.completion_mask.cpu(), rollout.completion_mask)
 
 
-# --------------------------------------------------------------------------- I9: trainer.build_policy
+# --------------------------------------------------------------------------- I9: train.policy.build_policy
 
 
 def test_i9_build_policy_puts_the_adapter_on_the_sft_weights(tmp_path, tiny_model, tiny_tokenizer, records):

@@ -114,13 +114,13 @@ def _fresh_lora(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
         return wrap_lora(model, cfg.model.lora)
 
 
-def _stale(path: Path, stage: str, cfg: Config, inputs: dict[str, Path], max_lines: int = 4) -> list[str]:
-    """Why ``path`` is stale, on one line (at most ``max_lines`` of the reasons); [] when it is not."""
+def _stale(path: Path, stage: str, cfg: Config, inputs: dict[str, Path]) -> list[str]:
+    """Every code, params and input change that makes ``path`` stale, as the lineage error names them."""
     reason = is_stale(path, stage, cfg, inputs)
     if not reason:
         return []
-    lines = [line.strip() for line in reason.splitlines() if not line.startswith("Rebuild it")]
-    return [" ".join(lines[:max_lines]) + (" ..." if len(lines) > max_lines else "")]
+    lines = [line.strip().removeprefix("- ") for line in reason.splitlines() if not line.startswith("Rebuild it")]
+    return [lines[0].removesuffix(":") + (": " + "; ".join(lines[1:]) if len(lines) > 1 else "")]
 
 
 def load_target(cfg: Config, path: str | Path) -> Target:

@@ -1,7 +1,7 @@
 """Stage ``preflight``: the invariants I1-I12 checked on the code the stages run, with the configured model.
 
 Every check (``grpo/checks/invariants.py``) drives a stage's own function with probes built to expose
-its bug class, on the policy exactly as ``trainer.build_policy`` builds it; each reports the number
+its bug class, on the policy exactly as ``train.policy.build_policy`` builds it; each reports the number
 it compared and the bound.
 
 It writes ``reports/preflight.json`` (each check, its status, value and bound) together with the
@@ -26,7 +26,7 @@ from grpo.errors import GrpoError
 from grpo.files import write_atomically
 from grpo.model.modeling import load_model
 from grpo.provenance.gate import REPORT_NAME, PreflightError, preflight_lineage
-from grpo.train.trainer import build_policy
+from grpo.train.policy import build_policy
 
 
 def report_path(cfg: Config) -> Path:

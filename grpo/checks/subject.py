@@ -109,7 +109,7 @@ def _records(cfg: Config, tokenizer, records: list[dict]) -> list[dict]:
 
 def make_subject(cfg: Config, policy: torch.nn.Module, tokenizer, records: list[dict], sft: torch.nn.Module,
                  base: torch.nn.Module | None = None) -> Subject:
-    """The step's context around ``policy`` (the LoRA-wrapped SFT model, as ``trainer.build_policy``
+    """The step's context around ``policy`` (the LoRA-wrapped SFT model, as ``train.policy.build_policy``
     makes it); ``sft`` is a separately loaded copy of its weights, ``base`` the pre-SFT model."""
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     policy = policy.to(accelerator.device)

@@ -12,6 +12,9 @@ from pydantic import ValidationError
 from grpo.data.errors import DataValidationError
 from grpo.data.schema import Record, record_line
 
+SOURCES_FILE = "sources.json"
+"""Next to the splits: each task's source and the raw items it skipped (shown in ``validation.md``)."""
+
 
 class ReadProblem(NamedTuple):
     """A line that could not become a row; validation reports it under ``rule``."""
@@ -39,7 +42,7 @@ def records_text(records: Sequence[Record]) -> str:
     return "".join(record_line(record) for record in records)
 
 
-def _parse_line(raw: bytes, file: str, line: int) -> RawRow | ReadProblem | None:
+def parse_line(raw: bytes, file: str, line: int) -> RawRow | ReadProblem | None:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -64,7 +67,7 @@ def read_rows(path: Path) -> tuple[list[RawRow], list[ReadProblem]]:
     problems: list[ReadProblem] = []
     # Bytes, line by line: one bad line must not hide the others, and must be found by its number.
     for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
-        parsed = _parse_line(raw.rstrip(b"\r"), str(path), number)
+        parsed = parse_line(raw.rstrip(b"\r"), str(path), number)
         if isinstance(parsed, RawRow):
             rows.append(parsed)
         elif parsed is not None:

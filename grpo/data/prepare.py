@@ -8,6 +8,7 @@ atomically: a failure leaves earlier outputs as they were.
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 from pathlib import Path
@@ -16,14 +17,16 @@ from typing import Any
 from grpo import paths
 from grpo.config import Config, DataChecksConfig
 from grpo.data.errors import DataSourceError
-from grpo.data.jsonl import records_text
+from grpo.data.jsonl import SOURCES_FILE, records_text
 from grpo.data.loaders import LOADERS
+from grpo.data.raw import skip_lines
 from grpo.data.schema import SPLITS, Record, make_record
 from grpo.data.splits import apply_sft_noise, stratified_sample
 from grpo.data.synthetic_fairness import generate_fairness
 from grpo.data.synthetic_grounded import generate_grounded
 from grpo.data.text import text_key
 from grpo.files import write_atomically
+from grpo.locks import writes
 
 Pools = dict[str, list[dict[str, Any]]]
 
@@ -52,7 +55,7 @@ def _too_long(item: dict[str, Any], checks: DataChecksConfig) -> str | None:
     return None
 
 
-def _usable(pools: Pools, checks: DataChecksConfig, skipped: Counter) -> Pools:
+def _usable(pools: Pools, checks: DataChecksConfig, skipped: Counter, path: Path) -> Pools:
     """Drop items over the length bounds and repeated texts (a repeat in eval of a train text too)."""
     seen: set[str] = set()
     kept: Pools = {}
@@ -63,11 +66,18 @@ def _usable(pools: Pools, checks: DataChecksConfig, skipped: Counter) -> Pools:
             if reason is None and key in seen:
                 reason = "repeated (context, question)"
             if reason is not None:
-                skipped[reason] += 1
+                skipped[(str(path), str(item["category"]), reason)] += 1
                 continue
             seen.add(key)
             kept[split].append(item)
     return kept
+
+
+def _too_few(path: Path, source: str, task: str, split: str, have: int, want: int, skipped: Counter) -> str:
+    why = ("; raw items skipped: " + "; ".join(skip_lines(skipped))) if skipped else ""
+    return (f"{path}: {source} gives {have} usable {split} {task} records but params ask for {want} "
+            f"(data.n_{split} x the task's share){why}; lower data.n_{split} or data.fairness_fraction"
+            + (", or fix the skipped rows" if skipped else ", or give a file with more items"))
 
 
 def _loaded(task: str, cfg: Config, sizes: dict[str, int]) -> tuple[Pools, Counter]:
@@ -75,18 +85,25 @@ def _loaded(task: str, cfg: Config, sizes: dict[str, int]) -> tuple[Pools, Count
     eval_share = cfg.data.n_eval / (cfg.data.n_train + cfg.data.n_eval)
     loaded = LOADERS[source](path, eval_share, cfg.seed)
     skipped = Counter(loaded.skipped)
-    pools = _usable(loaded.pools, cfg.data.checks, skipped)
+    pools = _usable(loaded.pools, cfg.data.checks, skipped, path)
     stratum, shares = _strata(task, cfg.data.answerable_fraction)
     rng = random.Random(f"sample:{task}:{cfg.seed}")
     for split in SPLITS:
         if len(pools[split]) < sizes[split]:
-            raise DataSourceError(
-                f"{path}: {source} gives {len(pools[split])} usable {split} {task} records but params ask "
-                f"for {sizes[split]} (data.n_{split} x the task's share); lower data.n_{split} or "
-                "data.fairness_fraction, or give a larger file"
-            )
+            raise DataSourceError(_too_few(path, source, task, split, len(pools[split]), sizes[split], skipped))
         pools[split] = stratified_sample(pools[split], sizes[split], stratum, shares, rng)
     return pools, skipped
+
+
+def sources_summary(cfg: Config, skipped: dict[str, Counter]) -> str:
+    """``sources.json``: per task its source, path and skipped raw items (file, category, reason, count)."""
+    summary = {}
+    for task in ("fairness", "hallucination"):
+        rows = [{"file": file, "category": category, "reason": reason, "count": n}
+                for (file, category, reason), n in sorted(skipped[task].items())]
+        summary[task] = {"source": getattr(cfg.data, f"{task}_source"),
+                         "path": getattr(cfg.data, f"{task}_path"), "skipped": rows}
+    return json.dumps(summary, indent=2, sort_keys=True) + "\n"
 
 
 def _task_pools(task: str, cfg: Config, sizes: dict[str, int]) -> tuple[Pools, Counter]:
@@ -101,16 +118,21 @@ def _task_pools(task: str, cfg: Config, sizes: dict[str, int]) -> tuple[Pools, C
     return pools, Counter()
 
 
-def build_records(cfg: Config) -> dict[str, list[Record]]:
-    """Every record of both splits, SFT targets filled (and noised) on train; nothing is written."""
+def build_records(cfg: Config, skipped_by_task: dict[str, Counter] | None = None) -> dict[str, list[Record]]:
+    """Every record of both splits, SFT targets filled (and noised) on train; nothing is written.
+
+    ``skipped_by_task``, when given, receives each task's skipped raw items.
+    """
     sizes = split_sizes(cfg)
     by_split: dict[str, list[Record]] = {split: [] for split in SPLITS}
     for task in ("fairness", "hallucination"):
         pools, skipped = _task_pools(task, cfg, sizes[task])
+        if skipped_by_task is not None:
+            skipped_by_task[task] = skipped
         for split in SPLITS:
             by_split[split].extend(make_record(fields, split) for fields in pools[split])
         source = getattr(cfg.data, f"{task}_source")
-        note = "; skipped: " + ", ".join(f"{n} {why}" for why, n in sorted(skipped.items())) if skipped else ""
+        note = f"; skipped {sum(skipped.values())} raw items (see sources.json)" if skipped else ""
         print(f"prepare: {task} from {source}: {sizes[task]['train']} train, {sizes[task]['eval']} eval{note}")
     rng = random.Random(f"order:{cfg.seed}")
     for split in SPLITS:
@@ -119,10 +141,13 @@ def build_records(cfg: Config) -> dict[str, list[Record]]:
     return by_split
 
 
+@writes(lambda cfg: cfg.paths.data_dir)
 def run(cfg: Config) -> int:
     """Write ``train.jsonl`` and ``eval.jsonl`` under ``paths.data_dir`` (atomically)."""
-    by_split = build_records(cfg)
+    skipped: dict[str, Counter] = {}
+    by_split = build_records(cfg, skipped)
     files = {split: paths.data_file(cfg, split) for split in SPLITS}
-    write_atomically({files[split]: records_text(by_split[split]) for split in SPLITS})
+    write_atomically({**{files[split]: records_text(by_split[split]) for split in SPLITS},
+                      Path(cfg.paths.data_dir) / SOURCES_FILE: sources_summary(cfg, skipped)})
     print(f"prepare: wrote {', '.join(str(file) for file in files.values())}")
     return 0

@@ -156,7 +156,22 @@ def _example_text(example: dict[str, Any]) -> str:
     return f"{where} (id {example.get('id')}): value {value} in {row}"
 
 
-def to_markdown(report: ValidationReport) -> str:
+def sources_markdown(sources: dict[str, Any]) -> list[str]:
+    """The ``## Raw sources`` section: each task's source, path and skipped raw items by file, category, reason."""
+    lines = ["## Raw sources", "", "| task | source | path | skipped raw items |", "| --- | --- | --- | --- |"]
+    for task, entry in sorted(sources.items()):
+        total = sum(row["count"] for row in entry["skipped"])
+        lines.append(f"| {task} | {entry['source']} | {entry['path'] or ''} | {total} |")
+    rows = [(task, row) for task, entry in sorted(sources.items()) for row in entry["skipped"]]
+    if rows:
+        lines += ["", "| task | file | category | reason | count |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {task} | {row['file']} | {row['category']} | {row['reason']} | {row['count']} |"
+                  for task, row in rows]
+    return lines + [""]
+
+
+def to_markdown(report: ValidationReport, sources: dict[str, Any] | None = None) -> str:
+    """``validation.md``: verdict, failed rules with rows, every rule, and the raw sources' skip summary."""
     verdict = "PASSED" if report.success else f"FAILED ({len(report.failures)} of {len(report.rules)} rules)"
     lines = [f"# Data validation: {verdict}", "", f"Files: {', '.join(report.files)}; {report.n_rows} records.", ""]
     if report.failures:
@@ -165,6 +180,8 @@ def to_markdown(report: ValidationReport) -> str:
             lines.append(f"- **{rule.rule}** (`{rule.column or rule.expectation}`): {_describe(rule)}")
             lines += [f"  - {_example_text(example)}" for example in rule.examples]
         lines.append("")
+    if sources:
+        lines += sources_markdown(sources)
     lines += ["## All rules", "", "| rule | column | result | detail |", "| --- | --- | --- | --- |"]
     for rule in report.rules:
         lines.append(f"| {rule.rule} | {rule.column or ''} | {'pass' if rule.success else 'FAIL'} | {_describe(rule)} |")

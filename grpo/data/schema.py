@@ -58,7 +58,7 @@ class Record(BaseModel):
     """The question asked about the context."""
     choices: list[str] = Field(default_factory=list)
     """Fairness: the three options in the order shown as A, B, C. Hallucination: empty."""
-    label: int | None = None
+    label: int | None = Field(None, ge=0, le=2)
     """Fairness: index of the gold option in ``choices``. Hallucination: null."""
     answer: str
     """Gold answer text: ``choices[label]`` (fairness), a context span or exactly ABSTENTION (hallucination)."""
@@ -70,9 +70,9 @@ class Record(BaseModel):
     """Fairness: ``ambig`` (the context cannot tell, gold = unknown) or ``disambig``. Hallucination: null."""
     question_polarity: Literal["neg", "nonneg"] | None = None
     """Fairness: ``neg`` (the question names a harmful behaviour) or ``nonneg``. Hallucination: null."""
-    unknown_idx: int | None = None
+    unknown_idx: int | None = Field(None, ge=0, le=2)
     """Fairness: index of the "unknown" option (one of UNKNOWN_PHRASES). Hallucination: null."""
-    target_idx: int | None = None
+    target_idx: int | None = Field(None, ge=0, le=2)
     """Fairness: index of the option naming the stereotyped group (BBQ's target, whatever the polarity)."""
     category: str
     """Fairness: the stereotype category; hallucination: the entity type or source topic."""

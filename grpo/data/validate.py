@@ -10,6 +10,7 @@ the data and every other output are left as they are.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -24,7 +25,7 @@ from grpo import paths
 from grpo.config import Config
 from grpo.data.checks import build_frame
 from grpo.data.errors import DataValidationError
-from grpo.data.jsonl import RawRow, ReadProblem, read_rows
+from grpo.data.jsonl import SOURCES_FILE, RawRow, ReadProblem, read_rows
 from grpo.data.report import (
     ValidationReport,
     failure_message,
@@ -36,6 +37,7 @@ from grpo.data.report import (
 from grpo.data.schema import SPLITS
 from grpo.data.suite import build_expectations
 from grpo.files import write_atomically
+from grpo.locks import writes
 
 DOCS_SITE = "grpo_data_docs"
 
@@ -97,6 +99,13 @@ def _replace_dir(staged: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _sources(data_dir: Path) -> dict[str, Any] | None:
+    """``sources.json`` written by ``grpo prepare`` (absent for data made by older code)."""
+    path = data_dir / SOURCES_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+@writes(lambda cfg: cfg.paths.reports_dir)
 def run(cfg: Config) -> int:
     """Validate ``paths.data_dir``; write the reports; raise DataValidationError on any failed rule."""
     reports = paths.reports_dir(cfg)
@@ -106,7 +115,7 @@ def run(cfg: Config) -> int:
     try:
         report = validate_files(files, cfg, docs_dir=staged)
         write_atomically({paths.report_file(cfg, "validation.json"): to_json(report),
-                          paths.report_file(cfg, "validation.md"): to_markdown(report)})
+                          paths.report_file(cfg, "validation.md"): to_markdown(report, _sources(Path(cfg.paths.data_dir)))})
         if staged is not None:
             _replace_dir(staged, paths.report_file(cfg, "data_docs"))
     finally:

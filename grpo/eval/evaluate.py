@@ -44,6 +44,7 @@ from grpo.eval.metrics import (
 )
 from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy
 from grpo.files import write_atomically
+from grpo.locks import writes
 from grpo.model.chat import render_prompt
 from grpo.model.device import make_accelerator, model_device
 from grpo.model.load import check_grpo, check_sft, load_base, load_grpo, load_sft
@@ -270,6 +271,7 @@ def evaluate(
     return results, skipped
 
 
+@writes(lambda cfg: cfg.paths.metrics_dir)
 def run(cfg: Config) -> int:
     """``grpo evaluate``: write eval.json, eval.md and (when a run exists) entropy.png."""
     records = eval_records(cfg)

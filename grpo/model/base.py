@@ -8,6 +8,7 @@ from pathlib import Path
 
 from grpo import paths
 from grpo.config import Config
+from grpo.locks import writes
 from grpo.model.modeling import build_tiny, load_model, load_tokenizer, write_pointer
 from grpo.provenance.lineage import make_lineage, write_lineage
 
@@ -25,6 +26,7 @@ def corpus_texts(train_file: Path) -> Iterator[str]:
             yield from record.get("choices") or ()
 
 
+@writes(lambda cfg: paths.model_dir(cfg, "base"))
 def run(cfg: Config) -> int:
     out = paths.model_dir(cfg, "base")
     if cfg.model.name_or_path is None:

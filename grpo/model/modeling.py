@@ -31,6 +31,7 @@ from transformers import (
 from grpo.config import LoraConfig, ModelConfig, TinyModelConfig
 from grpo.errors import GrpoError
 from grpo.files import write_json
+from grpo.offline import model_source_problem
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -148,23 +149,20 @@ def resolve(name_or_path: str | Path) -> str:
     return str(name_or_path)
 
 
-def _check_exists(name_or_path: str) -> None:
-    path = Path(name_or_path).expanduser()
-    looks_local = name_or_path.startswith(("/", "./", "../", "~")) or path.exists()
-    if looks_local and not path.is_dir():
-        raise ModelLoadError(
-            f"model.name_or_path: folder {name_or_path!r} does not exist; give an existing folder "
-            "(config.json + tokenizer files), a hub id already in the local cache, or null for the "
-            "embedded tiny model"
-        )
+def _check_exists(name_or_path: str, cfg: ModelConfig) -> None:
+    problem = model_source_problem(name_or_path, cfg.allow_download)
+    if problem is not None:
+        raise ModelLoadError(f"model.name_or_path: {problem}")
 
 
 def load_tokenizer(name_or_path: str | Path, cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """Load a tokenizer, left-padded, with a pad token (``cfg.pad_token`` or eos when it has none)."""
     source = resolve(name_or_path)
-    _check_exists(source)
+    _check_exists(source, cfg)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, trust_remote_code=cfg.trust_remote_code, local_files_only=not cfg.allow_download
+        )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(
             f"model.name_or_path: cannot load a tokenizer from {source!r} ({exc}); nothing is "
@@ -186,13 +184,14 @@ def load_tokenizer(name_or_path: str | Path, cfg: ModelConfig) -> PreTrainedToke
 def load_model(name_or_path: str | Path, cfg: ModelConfig) -> PreTrainedModel:
     """Load a causal LM from a local folder (safetensors only) or the local hub cache."""
     source = resolve(name_or_path)
-    _check_exists(source)
+    _check_exists(source, cfg)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source,
             dtype=getattr(torch, cfg.dtype),
             trust_remote_code=cfg.trust_remote_code,
             use_safetensors=True,
+            local_files_only=not cfg.allow_download,
         )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(

@@ -25,6 +25,7 @@ from grpo.data.jsonl import read_records
 from grpo.data.prompts import example_messages, sft_target
 from grpo.errors import GrpoError
 from grpo.files import write_atomically
+from grpo.locks import writes
 from grpo.model.chat import SftExample, render_sft
 from grpo.model.device import make_accelerator, to_device
 from grpo.model.load import load_base
@@ -113,6 +114,7 @@ def train_sft(
     return history
 
 
+@writes(lambda cfg: paths.model_dir(cfg, "sft"))
 def run(cfg: Config) -> int:
     model, tokenizer = load_base(cfg)
     records = read_records(paths.data_file(cfg, "train"))

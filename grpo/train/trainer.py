@@ -11,16 +11,13 @@ uninterrupted one.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import time
-from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase
 
 from grpo import paths
 from grpo.config import Config, config_to_dict
@@ -30,59 +27,21 @@ from grpo.errors import GrpoError
 from grpo.files import write_json
 from grpo.health.metrics import MetricsWriter
 from grpo.health.monitor import Monitor, raise_if_stop
+from grpo.locks import writes
 from grpo.model.device import make_accelerator
-from grpo.model.load import load_sft
-from grpo.model.modeling import save_model, wrap_lora
+from grpo.model.modeling import save_model
 from grpo.model.rollout import stop_ids
 from grpo.provenance.gate import require_preflight
 from grpo.provenance.lineage import is_stale, make_lineage, write_lineage
 from grpo.seeding import derive_seed
 from grpo.train import checkpoint as ckpt
+from grpo.train.policy import Policy, build_policy
 from grpo.train.step import StepContext, StepResult, grpo_step
 from grpo.train.task_mix import sample_step, shard
 
 
 class TrainingError(GrpoError):
     """Training cannot go on (non-finite loss or gradient, ...); nothing half-updated was saved."""
-
-
-@dataclass
-class Policy:
-    """What the loop mutates: the policy model and its optimizer state, and the fixed reference."""
-
-    model: torch.nn.Module
-    tokenizer: PreTrainedTokenizerBase
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    reference: torch.nn.Module | None
-    """A frozen copy of the SFT model (full fine-tuning), or None: the policy with its adapter disabled."""
-
-
-def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` that no optimizer sees and no gradient reaches (the full fine-tuning reference)."""
-    reference = copy.deepcopy(model).eval()
-    reference.requires_grad_(False)
-    return reference
-
-
-def build_policy(cfg: Config, device: torch.device) -> Policy:
-    """The policy on the SFT weights: a LoRA adapter (``model.lora.enabled``; every process draws the
-    same adapter init from ``cfg.seed``), or all weights with a frozen SFT copy as the reference (I9)."""
-    model, tokenizer = load_sft(cfg)
-    reference = None
-    if cfg.model.lora.enabled:
-        torch.manual_seed(cfg.seed)
-        model = wrap_lora(model, cfg.model.lora)
-    elif cfg.grpo.loss.beta > 0:
-        reference = frozen_copy(model).to(device)
-    model = model.to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.grpo.lr, weight_decay=0.0)
-    warmup = cfg.grpo.warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-    )
-    return Policy(model, tokenizer, optimizer, scheduler, reference)
 
 
 def resume(cfg: Config, policy: Policy) -> tuple[int, list[dict]]:
@@ -191,6 +150,7 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
     return history
 
 
+@writes(paths.run_dir, lambda cfg: paths.model_dir(cfg, "grpo"))
 def run(cfg: Config, max_steps: int | None = None) -> int:
     """``grpo train [--max-steps N]``: train (or resume), then save the policy when all steps ran."""
     started = time.perf_counter()
