@@ -26,6 +26,7 @@ from grpo.core.logprobs import score_completions
 from grpo.core.losses import LossTerms, policy_loss_terms
 from grpo.health.metrics import completion_stats, task_reward_stats
 from grpo.core.multitask import TaskLoss, multitask_backward
+from grpo.core.timing import PhaseTimer, untimed
 from grpo.rewards import group_rewards
 from grpo.model.rollout import generate_rollout
 from grpo.train.task_mix import TASKS
@@ -81,16 +82,18 @@ def row_tasks(records: Sequence[dict], group_size: int) -> list[str]:
     return [record["task"] for record in records for _ in range(group_size)]
 
 
-def draw(ctx: StepContext, records: list[dict], seed: int) -> Draw:
+def draw(ctx: StepContext, records: list[dict], seed: int, timer: Callable = untimed) -> Draw:
     """Roll out G completions per record and score them: rewards, then group advantages."""
     cfg = ctx.cfg
     prompts = [render_prompt(ctx.tokenizer, example_messages(r), **cfg.model.chat_template_kwargs)
                for r in records]
-    rollout = generate_rollout(ctx.model, ctx.tokenizer, prompts, cfg.grpo.group_size, cfg.grpo.sampling,
-                               ctx.eos_ids, seed)
+    with timer("generate"):
+        rollout = generate_rollout(ctx.model, ctx.tokenizer, prompts, cfg.grpo.group_size, cfg.grpo.sampling,
+                                   ctx.eos_ids, seed)
     group = cfg.grpo.group_size
-    rewards = torch.tensor(group_rewards(rollout.texts, records, group, cfg.rewards.weights))
-    advantages, stats = group_advantages(rewards, group, cfg.grpo.loss.scale_rewards)
+    with timer("reward"):
+        rewards = torch.tensor(group_rewards(rollout.texts, records, group, cfg.rewards.weights))
+        advantages, stats = group_advantages(rewards, group, cfg.grpo.loss.scale_rewards)
     tasks = row_tasks(records, group)
     return Draw(rollout, list(records), rewards, advantages, stats | task_reward_stats(rewards, tasks))
 
@@ -99,9 +102,11 @@ def _score(ctx: StepContext, input_ids, attention_mask, width: int, adapter: boo
     temperature = ctx.cfg.grpo.sampling.temperature
     with torch.no_grad(), ctx.accelerator.autocast():
         if adapter:
-            return score_completions(ctx.model, input_ids, attention_mask, width, temperature).logprobs.float()
+            return score_completions(ctx.model, input_ids, attention_mask, width, temperature,
+                                      shared_prefix=ctx.cfg.grpo.shared_prefix).logprobs.float()
         with ctx.model.disable_adapter():  # I9: the reference is the SFT policy itself
-            return score_completions(ctx.model, input_ids, attention_mask, width, temperature).logprobs.float()
+            return score_completions(ctx.model, input_ids, attention_mask, width, temperature,
+                                      shared_prefix=ctx.cfg.grpo.shared_prefix).logprobs.float()
 
 
 def prepare_batch(ctx: StepContext, sampled: Draw) -> ScoredBatch:
@@ -144,7 +149,7 @@ def _task_losses(ctx: StepContext, batch: ScoredBatch, subset: tuple[str, ...], 
     width = batch.completion_mask.shape[1]
     with ctx.accelerator.autocast():
         scored = score_completions(ctx.model, batch.input_ids[rows], batch.attention_mask[rows], width,
-                                   ctx.cfg.grpo.sampling.temperature)
+                                   ctx.cfg.grpo.sampling.temperature, shared_prefix=ctx.cfg.grpo.shared_prefix)
     out, offset = {}, 0
     for task, (idx, share) in parts.items():
         here = slice(offset, offset + len(idx))
@@ -178,7 +183,7 @@ def update(ctx: StepContext, batch: ScoredBatch) -> dict[str, Any]:
             TASKS,  # every process passes every task: the per-task all-reduce calls must match
             mode=mt.mode, c=mt.cagrad_c, rescale=mt.cagrad_rescale, reward_only=mt.reward_only,
             low_memory=mt.low_memory, beta=loss_cfg.beta, entropy_coef=loss_cfg.entropy_coef,
-            reduce_fn=reduce_fn, micro_batches=ctx.cfg.grpo.grad_accum,
+            reduce_fn=reduce_fn, micro_batches=ctx.cfg.grpo.grad_accum, task_stats=mt.task_stats,
         )
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, ctx.cfg.grpo.max_grad_norm))
         if not math.isfinite(grad_norm):
@@ -207,18 +212,21 @@ def grpo_step(ctx: StepContext, records: list[dict], step: int,
               more_records: Callable[[int], list[dict]]) -> StepResult:
     """Everything one step does; ``records`` are this process's prompts, ``more_records(attempt)``
     fresh ones for dynamic resampling."""
-    started = time.perf_counter()
+    started, timer = time.perf_counter(), PhaseTimer()
     cfg = ctx.cfg
     seed = cfg.seed * 1_000_003 + step * 7919 + ctx.accelerator.process_index * 104_729
     sampled, sample_stats = sample_groups(
-        lambda recs, attempt: draw(ctx, recs, seed + attempt * 15_485_863), records, more_records,
+        lambda recs, attempt: draw(ctx, recs, seed + attempt * 15_485_863, timer), records, more_records,
         cfg.grpo.dynamic_sampling, cfg.grpo.max_resample, ctx.tokenizer.pad_token_id)
     rewards, rollout = sampled.rewards, sampled.rollout
     if not torch.isfinite(rewards).all():
         bad = [sampled.records[i // rollout.group_size]["task"] for i in torch.nonzero(~torch.isfinite(rewards))]
         raise NonFiniteError(f"grpo: NaN/Inf reward at step {step} for task(s) {sorted(set(bad))}; "
                              "check that task's reward function and rewards.weights")
-    update_stats = update(ctx, prepare_batch(ctx, sampled))
+    with timer("reference"):
+        batch = prepare_batch(ctx, sampled)
+    with timer("update"):
+        update_stats = update(ctx, batch)
     elapsed = time.perf_counter() - started
     g = rollout.group_size
     metrics = {
@@ -229,6 +237,7 @@ def grpo_step(ctx: StepContext, records: list[dict], step: int,
         "eos_suppressed_frac": rollout.eos_suppressed_frac,
         "step_time": elapsed,
         "tokens_per_s": float(rollout.lengths.sum()) / max(elapsed, 1e-9),
+        **timer.metrics(elapsed),
     }
     user_texts = [example_messages(r)[-1]["content"] for r in sampled.records]
     return StepResult(metrics, rollout.raw_texts, [user_texts[i // g] for i in range(len(rollout.raw_texts))],
