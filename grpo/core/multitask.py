@@ -349,7 +349,8 @@ def _summed_backward(
             losses[task] = losses.get(task, 0.0) + float(value.detach())
         del by_task, totals
     direction = reduce_fn(direction) if reduce_fn is not None else direction
-    _check_finite(direction, f"the summed loss of tasks {sorted(losses)}")
+    bad = sorted(task for task, value in losses.items() if not math.isfinite(value)) or sorted(losses)
+    _check_finite(direction, f"the summed loss (task(s) {bad})")
     _write_grads(params, direction)
     stats: Stats = {f"loss/{task}": value for task, value in losses.items()}
     stats["multitask/tasks_combined"] = float(len(losses))
