@@ -91,3 +91,23 @@ def test_prefix_groups_match_prompts_by_content_not_padding(tiny_tokenizer):
     groups = prefix_groups(ids, mask)  # rows 0, 1, 3: the same prompt (garbage under padding ignored)
     assert groups.inverse[0] == groups.inverse[1] == groups.inverse[3] != groups.inverse[2]
     assert sorted(groups.first.tolist()) == [0, 2] and groups.start == 1
+
+
+def test_shared_prefill_samples_the_plain_generates_tokens(tiny_model, tiny_tokenizer):
+    """generate() from a prompt cache computed once per prompt and repeated G times samples, from the
+    same seed, exactly the completions of a plain generate() over every row."""
+    from grpo.config import SamplingConfig
+    from grpo.model.rollout import generate_rollout, stop_ids
+
+    prompts = [tiny_tokenizer.encode(text) for text in ("Context: two friends met.", "Question: who was late?")]
+    sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=2)
+    eos = stop_ids(tiny_model, tiny_tokenizer)
+    plain = generate_rollout(tiny_model, tiny_tokenizer, prompts, G, sampling, eos, seed=5)
+    calls = []
+    hook = tiny_model.model.embed_tokens.register_forward_hook(lambda module, args, out: calls.append(args[0].shape))
+    shared = generate_rollout(tiny_model, tiny_tokenizer, prompts, G, sampling, eos, seed=5, shared_prefill=True)
+    hook.remove()
+    assert torch.equal(shared.completion_ids, plain.completion_ids) and shared.texts == plain.texts
+    assert shared.eos_suppressed_frac == plain.eos_suppressed_frac
+    width = plain.prompt_ids.shape[1]
+    assert calls[:2] == [(2, width - 1), (2 * G, 1)]  # the prompts once, then only their last column

@@ -76,3 +76,21 @@ def shared_prefix_logits(
         use_cache=True,
     )
     return torch.cat([first_logits, rest.logits], dim=1)
+
+
+@torch.no_grad()
+def prefilled_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, repeats: int):
+    """The key/value cache of every prompt but its last column, computed once per prompt and repeated
+    ``repeats`` times (row ``i`` of the result is prompt ``i // repeats``), for ``generate``: given
+    it, ``generate`` runs only the last prompt column and the new tokens. prompt_ids, prompt_mask: [n, P]
+    left-padded, P >= 2. Positions as ``generate`` counts them (real tokens only)."""
+    out = model(
+        input_ids=prompt_ids[:, :-1],
+        attention_mask=prompt_mask[:, :-1],
+        position_ids=position_ids_from_mask(prompt_mask)[:, :-1],
+        logits_to_keep=1,
+        use_cache=True,
+    )
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(repeats)
+    return cache

@@ -14,6 +14,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.core.batching import PaddedBatch, completion_ids_from_generated, completion_mask, left_pad
+from grpo.core.prefix import prefilled_cache
 from grpo.model.chat import end_of_turn_ids
 from grpo.config import SamplingConfig
 from grpo.model.sampling import EosSuppressor, build_logits_processors
@@ -70,11 +71,17 @@ def generate_rollout(
     sampling: SamplingConfig,
     eos_ids: Sequence[int],
     seed: int,
+    shared_prefill: bool = False,
 ) -> Rollout:
-    """Sample ``group_size`` completions for every prompt (ids from ``chat.render_prompt``)."""
+    """Sample ``group_size`` completions for every prompt (ids from ``chat.render_prompt``).
+
+    ``shared_prefill``: each prompt is prefilled once and its key/value cache repeated G times
+    (``prefix.prefilled_cache``); the logits, hence the sampled tokens, are those of a plain prefill.
+    """
     repeated = [list(p) for p in prompts for _ in range(group_size)]
     prompt = left_pad(repeated, tokenizer.pad_token_id)
     device = next(model.parameters()).device
+    cache = {}
     prompt_width = prompt.input_ids.shape[1]
     processors, suppressor = build_logits_processors(prompt_width, eos_ids, sampling)
     was_training = model.training
@@ -83,7 +90,11 @@ def generate_rollout(
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
+        if shared_prefill and prompt.input_ids.shape[1] > 1:
+            distinct = prompt.input_ids[::group_size].to(device), prompt.attention_mask[::group_size].to(device)
+            cache = {"past_key_values": prefilled_cache(model, *distinct, group_size)}
         sequences = model.generate(
+            **cache,
             input_ids=prompt.input_ids.to(device),
             attention_mask=prompt.attention_mask.to(device),
             generation_config=generation_config(sampling, eos_ids, tokenizer.pad_token_id),

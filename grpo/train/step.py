@@ -89,7 +89,7 @@ def draw(ctx: StepContext, records: list[dict], seed: int, timer: Callable = unt
                for r in records]
     with timer("generate"):
         rollout = generate_rollout(ctx.model, ctx.tokenizer, prompts, cfg.grpo.group_size, cfg.grpo.sampling,
-                                   ctx.eos_ids, seed)
+                                   ctx.eos_ids, seed, shared_prefill=cfg.grpo.shared_prefix)
     group = cfg.grpo.group_size
     with timer("reward"):
         rewards = torch.tensor(group_rewards(rollout.texts, records, group, cfg.rewards.weights))
