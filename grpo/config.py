@@ -267,8 +267,12 @@ class MultitaskConfig(Section):
     """CAGrad rescale: 0 none, 1 divide by 1 + c^2, 2 divide by 1 + c."""
     reward_only: bool = False
     """Combine only the policy-gradient parts; KL and entropy gradients are added unchanged."""
-    low_memory: bool = False
-    """Combine whole-loss gradients, one task at a time, without keeping the shared graph."""
+    low_memory: bool = True
+    """One graph per task's rows (the default and the faster: each task's backward covers only its own
+    rows); false: one graph over all rows and each task's gradient through it, a full-batch backward each."""
+    task_stats: bool = False
+    """``sum`` mode: also take each task's gradient (grad_norm/<task>, grad_cos) at one backward per
+    task; off, sum mode takes one backward of the summed loss. The other modes always need them."""
 
 
 class GrpoConfig(Section):
@@ -296,6 +300,9 @@ class GrpoConfig(Section):
     """Extra rollouts per step when dynamic_sampling is resample."""
     bf16: bool = True
     """bf16 autocast for forward passes on GPU (ignored on CPU)."""
+    shared_prefix: bool = True
+    """Score each distinct prompt once and its G completions against its key/value cache (the same
+    log-probs, entropy and gradients as a forward over every row, without recomputing the prompt)."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Rollout sampling."""
     loss: LossConfig = Field(default_factory=LossConfig)

@@ -100,15 +100,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "untempered_logprobs", "I10", "grpo/core/logprobs.py",
-        "    logits = output.logits[:, :-1, :] / temperature  # [B, C, V], the sampling distribution (I10)\n",
-        "    logits = output.logits[:, :-1, :]\n",
+        "    logits = raw / temperature  # [B, C, V], the sampling distribution (I10)\n",
+        "    logits = raw\n",
         ("tests/test_logprobs.py::test_i10_logprobs_and_entropy_use_temperature_scaled_distribution",),
         "temperature",
     ),
     Mutation(
         "untempered_entropy", "I10", "grpo/core/logprobs.py",
         "    entropy = entropy_from_logits(logits, chunk_size)  # [B, C]\n",
-        "    entropy = entropy_from_logits(output.logits[:, :-1, :], chunk_size)\n",
+        "    entropy = entropy_from_logits(raw, chunk_size)\n",
         ("tests/test_logprobs.py::test_i10_logprobs_and_entropy_use_temperature_scaled_distribution",),
         "temperature",
     ),

@@ -88,3 +88,16 @@ def test_lora_wraps_only_adapters_trainable(tiny_model):
 def test_lora_bad_target_names_the_module(tiny_model):
     with pytest.raises(ValueError, match="nope_proj"):
         wrap_lora(tiny_model, LoraConfig(target_modules=["nope_proj"]))
+
+
+def test_saved_tiny_tokenizer_works_with_a_standard_pipeline(tmp_path, tiny_sizes):
+    """The embedded model as saved works with standard Hugging Face tools as it is: the tokenizer
+    emits no token_type_ids (Llama's generate() rejects them), so pipeline and TRL can call it."""
+    from transformers import pipeline
+
+    build_tiny(tmp_path / "base", ["some text about a river town"], tiny_sizes, seed=3)
+    tokenizer = load_tokenizer(tmp_path / "base", ModelConfig())
+    assert set(tokenizer("a river town")) == {"input_ids", "attention_mask"}
+    generator = pipeline("text-generation", model=str(tmp_path / "base"), device="cpu")
+    out = generator("a river town", max_new_tokens=3, do_sample=False)
+    assert out[0]["generated_text"].startswith("a river town")

@@ -295,3 +295,27 @@ def test_gradients_are_added_to_existing_grads_like_backward(tiny_model, tiny_to
     once = flat_grad_of(tiny_model).clone()
     backward(tiny_model, batch, advantages, mode="sum")
     torch.testing.assert_close(flat_grad_of(tiny_model), 2 * once)
+
+
+def test_sum_mode_without_task_stats_takes_one_backward_of_the_summed_loss(tiny_model, tiny_tokenizer):
+    """The sum is linear: one forward over every task's rows and one backward give the per-task sum."""
+    batch, advantages = task_batch(tiny_tokenizer), torch.tensor([1.0, -1.0, 0.5, -0.5])
+    expected = reference_task_grads(tiny_model, batch, advantages, "whole", entropy_coef=0.1).sum(0)
+    calls = []
+    tiny_model.zero_grad(set_to_none=True)
+    compute = make_compute_losses(tiny_model, batch, advantages, calls)
+    stats = multitask_backward(list(tiny_model.parameters()), compute, TASKS, mode="sum", c=0.5, rescale=1,
+                               reward_only=True, low_memory=True, beta=0.0, entropy_coef=0.1, task_stats=False)
+    assert calls == [TASKS]
+    torch.testing.assert_close(flat_grad_of(tiny_model), expected, atol=1e-5, rtol=1e-4)
+    assert "grad_norm/fairness" not in stats and set(stats) >= {"loss/fairness", "loss/hallucination"}
+
+
+def test_sum_mode_without_task_stats_raises_on_nan_and_leaves_grads_untouched(tiny_model, tiny_tokenizer):
+    batch, advantages = task_batch(tiny_tokenizer), torch.tensor([1.0, -1.0, 0.5, -0.5])
+    for p in tiny_model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    advantages[TASK_ROWS["hallucination"][0]] = float("nan")
+    with pytest.raises(MultitaskError, match=r"task\(s\) \['hallucination'\]"):
+        backward(tiny_model, batch, advantages, mode="sum", task_stats=False)
+    assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in tiny_model.parameters())

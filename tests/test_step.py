@@ -140,12 +140,52 @@ def test_i10_scoring_takes_the_temperature_the_rollout_sampled_at(tiny_model, ti
 def test_num_iterations_old_and_new_logprobs_are_the_same_distribution(tiny_model, tiny_tokenizer, records):
     """With num_iterations > 1 the stored old log-probs come from the same scoring path, temperature
     and precision as the update's: before the first optimizer step the ratio is exactly 1."""
-    from grpo.train.step import _task_losses
+    from grpo.train.step import _task_losses, global_totals
 
     ctx = make_context(tiny_model, tiny_tokenizer, num_iterations=2, sampling={"max_new_tokens": 5, "temperature": 0.6})
     batch = prepare_batch(ctx, draw(ctx, records, seed=6))
     stats: dict = {}
-    _task_losses(ctx, batch, tuple(batch.rows), 0, stats)
+    _task_losses(ctx, batch, global_totals(ctx, batch), tuple(batch.rows), 0, stats)
     for task, task_stats in stats.items():
         assert task_stats["ratio/mean"] == pytest.approx(1.0, abs=1e-6), task
         assert task_stats["clip_ratio/region_mean"] == 0.0, task
+
+
+PLAIN = {"shared_prefix": False, "multitask": {"mode": "sum", "low_memory": False, "task_stats": True}}
+FAST = {"shared_prefix": True, "multitask": {"mode": "sum", "low_memory": True, "task_stats": False}}
+
+
+@pytest.mark.parametrize("mode", ["sum", "cagrad"])
+def test_fast_path_gives_the_plain_paths_numbers(tiny_model, tiny_tokenizer, records, mode):
+    """Every speed lever (shared-prefix scoring of the reference and the policy, one graph per task,
+    sum mode at one backward) changes no number: loss, entropy, KL and gradients agree in fp32."""
+    loss = {"beta": 0.04, "entropy_coef": 0.01}
+    plain = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss=loss,
+                         **{**PLAIN, "multitask": {**PLAIN["multitask"], "mode": mode}})
+    fast = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss=loss,
+                        **{**FAST, "multitask": {**FAST["multitask"], "mode": mode}})
+    with torch.no_grad():  # a trained adapter, so the policy differs from the reference
+        for ctx in (plain, fast):
+            for name, param in ctx.model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    sampled = with_advantages(draw(plain, records, seed=11), torch.linspace(-1, 1, 2 * len(records)))
+    plain_batch, fast_batch = prepare_batch(plain, sampled), prepare_batch(fast, sampled)
+    torch.testing.assert_close(fast_batch.ref_logprobs, plain_batch.ref_logprobs, rtol=0, atol=1e-5)
+    got, expected = update(fast, fast_batch), update(plain, plain_batch)
+    for key in ("loss", "entropy", "kl", "loss/fairness", "loss/hallucination"):
+        assert got[key] == pytest.approx(expected[key], abs=1e-5), key
+    assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    plain_grads = torch.cat([p.grad.flatten() for p in plain.model.parameters() if p.requires_grad])
+    fast_grads = torch.cat([p.grad.flatten() for p in fast.model.parameters() if p.requires_grad])
+    assert plain_grads.abs().max() > 1e-3
+    torch.testing.assert_close(fast_grads, plain_grads, rtol=0, atol=1e-5)
+
+
+def test_step_reports_the_time_of_every_phase(tiny_model, tiny_tokenizer, records):
+    ctx = make_context(tiny_model, tiny_tokenizer, loss={"beta": 0.04})
+    metrics = grpo_step(ctx, records, 1, lambda attempt: records).metrics
+    for phase in ("generate", "reward", "reference", "update"):
+        assert metrics[f"timing/{phase}"] > 0, phase
+        assert metrics[f"timing/{phase}_share"] == pytest.approx(metrics[f"timing/{phase}"] / metrics["step_time"])
+    assert sum(metrics[f"timing/{p}_share"] for p in ("generate", "reward", "reference", "update")) <= 1.0

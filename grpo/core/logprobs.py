@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo.core.batching import position_ids_from_mask
+from grpo.core.prefix import shared_prefix_logits
 from grpo.errors import GrpoError
 
 DEFAULT_CHUNK_SIZE = 128
@@ -102,13 +103,16 @@ def score_completions(
     completion_width: int,  # C
     temperature: float,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    shared_prefix: bool = False,
 ) -> Scored:
-    """One forward pass; log-probs and entropy of the last ``C`` tokens under ``softmax(z / T)``.
+    """Log-probs and entropy of the last ``C`` tokens under ``softmax(z / T)``.
 
     Only the last ``C + 1`` positions get logits (``logits_to_keep``): the logits at position t
     predict token t + 1, so positions ``P - 1 .. P + C - 2`` score the completion. Gradients flow
     through ``logprobs`` and ``entropy``; the statistics are computed without them. Works with
     peft-wrapped models (the keyword arguments pass through to the base model).
+    ``shared_prefix``: each distinct prompt runs once and its completions against its key/value
+    cache (``grpo.core.prefix``): the same numbers, without recomputing a prompt G times.
     """
     width = input_ids.shape[1]
     if not 1 <= completion_width < width:
@@ -120,14 +124,17 @@ def score_completions(
         raise ScoringError(
             f"score_completions: temperature must be > 0 (got {temperature}); pass the sampling temperature"
         )
-    output = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        logits_to_keep=completion_width + 1,
-        use_cache=False,
-    )
-    logits = output.logits[:, :-1, :] / temperature  # [B, C, V], the sampling distribution (I10)
+    if shared_prefix:
+        raw = shared_prefix_logits(model, input_ids, attention_mask, completion_width)  # [B, C, V]
+    else:
+        raw = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            logits_to_keep=completion_width + 1,
+            use_cache=False,
+        ).logits[:, :-1, :]
+    logits = raw / temperature  # [B, C, V], the sampling distribution (I10)
     completion_ids = input_ids[:, -completion_width:]  # [B, C]
     logprobs = selective_log_softmax(logits, completion_ids)  # [B, C]
     entropy = entropy_from_logits(logits, chunk_size)  # [B, C]

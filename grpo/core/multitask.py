@@ -255,6 +255,7 @@ def multitask_backward(
     entropy_coef: float,
     reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     micro_batches: int = 1,
+    task_stats: bool = True,
 ) -> Stats:
     """Combine per-task gradients and ADD the result to ``p.grad`` (like ``backward``; zero_grad first).
 
@@ -276,10 +277,16 @@ def multitask_backward(
     - a task whose (reduced) gradient is exactly zero (no rows anywhere, or nothing to learn) is left
       out of the combination: it would only shrink CAGrad's mean and pin its worst-task bound at 0.
 
+    - ``sum`` without ``task_stats``: the sum is linear, so one forward over all rows and ONE
+      backward of the summed loss give the same direction; no ``grad_norm/<task>``/``grad_cos``.
+
     Only parameters with ``requires_grad`` are touched. A NaN/Inf gradient raises MultitaskError
     naming the task before anything is written.
     """
     params = [p for p in params if p.requires_grad]
+    if mode == "sum" and not task_stats:
+        return _summed_backward(params, compute_losses, tasks, beta=beta, entropy_coef=entropy_coef,
+                                reduce_fn=reduce_fn, micro_batches=micro_batches)
     grads = _gather_task_grads(
         params, compute_losses, tasks, reward_only=reward_only, low_memory=low_memory,
         beta=beta, entropy_coef=entropy_coef, micro_batches=micro_batches,
@@ -312,6 +319,42 @@ def multitask_backward(
     stats.setdefault("cagrad/weights", [])  # only CAGrad solves for weights
     stats.update({f"loss/{task}": g.loss for task, g in grads.items()})
     stats["multitask/tasks_combined"] = float(len(rows))
+    return stats
+
+
+def _summed_backward(
+    params: list[torch.nn.Parameter],
+    compute_losses: Callable[[tuple[str, ...], int], dict[str, TaskLoss]],
+    tasks: tuple[str, ...],
+    *,
+    beta: float,
+    entropy_coef: float,
+    reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None,
+    micro_batches: int,
+) -> Stats:
+    """``sum`` mode at the cost of one backward: the gradient of the summed task losses, per micro-batch
+    one graph over every task's rows. ``reward_only`` changes nothing here: policy plus KL/entropy
+    summed over tasks is the whole loss summed over tasks."""
+    direction = torch.cat([torch.zeros(p.numel(), device=p.device) for p in params])  # [P]
+    losses: dict[str, float] = {}
+    for micro in range(micro_batches):
+        by_task = compute_losses(tasks, micro)
+        extra = sorted(set(by_task) - set(tasks))
+        if extra:
+            raise MultitaskError(f"compute_losses returned tasks {extra} that were not asked for ({tasks})")
+        if not by_task:
+            continue
+        totals = {task: total_loss(loss.terms, beta, entropy_coef) for task, loss in by_task.items()}
+        direction += _flat_grad(sum(totals.values()), params, retain=False)
+        for task, value in totals.items():
+            losses[task] = losses.get(task, 0.0) + float(value.detach())
+        del by_task, totals
+    direction = reduce_fn(direction) if reduce_fn is not None else direction
+    bad = sorted(task for task, value in losses.items() if not math.isfinite(value)) or sorted(losses)
+    _check_finite(direction, f"the summed loss (task(s) {bad})")
+    _write_grads(params, direction)
+    stats: Stats = {f"loss/{task}": value for task, value in losses.items()}
+    stats["multitask/tasks_combined"] = float(len(losses))
     return stats
 
 

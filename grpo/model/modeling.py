@@ -90,6 +90,9 @@ def build_tiny_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTok
         additional_special_tokens=[EOS, START_HEADER, END_HEADER],
         padding_side="left",
         clean_up_tokenization_spaces=False,
+        # Llama takes no token_type_ids: standard tools (pipeline, TRL) hand the tokenizer's whole
+        # output to generate(), which would reject them.
+        model_input_names=["input_ids", "attention_mask"],
     )
     tokenizer.chat_template = LLAMA3_CHAT_TEMPLATE
     return tokenizer

@@ -16,6 +16,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from grpo.config import SamplingConfig
 from grpo.core.advantages import group_rows, per_row
 from grpo.core.batching import PaddedBatch, completion_ids_from_generated, completion_mask, left_pad
+from grpo.core.prefix import prefilled_cache
 from grpo.errors import GrpoError
 from grpo.model.chat import end_of_turn_ids
 from grpo.model.sampling import EosSuppressor, build_logits_processors
@@ -99,15 +100,19 @@ def generate_rollout(
     eos_ids: Sequence[int],
     seed: int,
     greedy: bool = False,
+    shared_prefill: bool = False,
 ) -> Rollout:
     """Sample ``group_size`` completions for every prompt (ids from ``chat.render_prompt``).
 
     ``greedy``: argmax decoding instead of sampling (evaluation), through the same stop ids,
-    completion-only penalties, EOS suppression and masks (I4-I6).
+    completion-only penalties, EOS suppression and masks (I4-I6). ``shared_prefill``: each prompt is
+    prefilled once and its key/value cache repeated G times (``prefix.prefilled_cache``); the logits,
+    hence the sampled tokens, are those of a plain prefill.
     """
     repeated = per_row([list(p) for p in prompts], group_size)
     prompt = left_pad(repeated, tokenizer.pad_token_id)
     device = next(model.parameters()).device
+    cache = {}
     prompt_width = prompt.input_ids.shape[1]
     processors, suppressor = build_logits_processors(prompt_width, eos_ids, sampling)
     was_training = model.training
@@ -116,7 +121,11 @@ def generate_rollout(
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
+        if shared_prefill and prompt.input_ids.shape[1] > 1:
+            distinct = prompt.input_ids[::group_size].to(device), prompt.attention_mask[::group_size].to(device)
+            cache = {"past_key_values": prefilled_cache(model, *distinct, group_size)}
         sequences = model.generate(
+            **cache,
             input_ids=prompt.input_ids.to(device),
             attention_mask=prompt.attention_mask.to(device),
             generation_config=generation_config(sampling, eos_ids, tokenizer.pad_token_id, greedy),

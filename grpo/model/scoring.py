@@ -41,12 +41,14 @@ def rollout_inputs(rollout: Rollout, device: torch.device | str = "cpu") -> Roll
                          rollout.completion_mask.to(device), rollout.temperature)
 
 
-def score_inputs(model: torch.nn.Module, inputs: RolloutInputs, adapter: bool = True) -> Scored:
+def score_inputs(model: torch.nn.Module, inputs: RolloutInputs, adapter: bool = True,
+                 shared_prefix: bool = False) -> Scored:
     """Log-probs and entropy of the completions under ``softmax(z / inputs.temperature)``.
 
     ``adapter=False`` scores the reference (I9): the same peft model with its LoRA adapter disabled.
+    ``shared_prefix``: each distinct prompt runs once and its completions against its cache (exact).
     """
     context = contextlib.nullcontext() if adapter else model.disable_adapter()
     with context:
         return score_completions(model, inputs.input_ids, inputs.attention_mask, inputs.completion_mask.shape[1],
-                                 inputs.temperature)
+                                 inputs.temperature, shared_prefix=shared_prefix)

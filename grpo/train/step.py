@@ -23,6 +23,7 @@ from grpo.config import Config
 from grpo.core.advantages import group_advantages, per_row
 from grpo.core.losses import LossTerms, policy_loss_terms
 from grpo.core.multitask import TaskLoss, multitask_backward
+from grpo.core.timing import PhaseTimer, untimed
 from grpo.data.prompts import example_messages
 from grpo.data.schema import TASKS
 from grpo.errors import GrpoError
@@ -101,16 +102,18 @@ def row_tasks(records: Sequence[dict], group_size: int) -> list[str]:
     return per_row([record["task"] for record in records], group_size)
 
 
-def draw(ctx: StepContext, records: list[dict], seed: int) -> Draw:
+def draw(ctx: StepContext, records: list[dict], seed: int, timer: Callable = untimed) -> Draw:
     """Roll out G completions per record and score them: rewards, then group advantages."""
     cfg = ctx.cfg
     prompts = [render_prompt(ctx.tokenizer, example_messages(r), **cfg.model.chat_template_kwargs)
                for r in records]
-    rollout = generate_rollout(ctx.model, ctx.tokenizer, prompts, cfg.grpo.group_size, cfg.grpo.sampling,
-                               ctx.eos_ids, seed)
+    with timer("generate"):
+        rollout = generate_rollout(ctx.model, ctx.tokenizer, prompts, cfg.grpo.group_size, cfg.grpo.sampling,
+                                   ctx.eos_ids, seed, shared_prefill=cfg.grpo.shared_prefix)
     group = cfg.grpo.group_size
-    rewards = torch.tensor(group_rewards(rollout.texts, records, group, cfg.rewards.weights))
-    advantages, stats = group_advantages(rewards, group, cfg.grpo.loss.scale_rewards)
+    with timer("reward"):
+        rewards = torch.tensor(group_rewards(rollout.texts, records, group, cfg.rewards.weights))
+        advantages, stats = group_advantages(rewards, group, cfg.grpo.loss.scale_rewards)
     tasks = row_tasks(records, group)
     return Draw(rollout, list(records), rewards, advantages, stats | task_reward_stats(rewards, tasks))
 
@@ -118,9 +121,10 @@ def draw(ctx: StepContext, records: list[dict], seed: int) -> Draw:
 def _stored_logprobs(ctx: StepContext, inputs: RolloutInputs, adapter: bool) -> torch.Tensor:
     """Log-probs kept fixed through the update: the old policy's, or the reference's (adapter off, I9)."""
     with torch.no_grad(), ctx.accelerator.autocast():
+        shared = ctx.cfg.grpo.shared_prefix
         if not adapter and ctx.reference is not None:  # I9 under full fine-tuning: the frozen SFT weights
-            return score_inputs(ctx.reference, inputs).logprobs.float()
-        return score_inputs(ctx.model, inputs, adapter=adapter).logprobs.float()
+            return score_inputs(ctx.reference, inputs, shared_prefix=shared).logprobs.float()
+        return score_inputs(ctx.model, inputs, adapter=adapter, shared_prefix=shared).logprobs.float()
 
 
 def prepare_batch(ctx: StepContext, sampled: Draw) -> ScoredBatch:
@@ -169,7 +173,7 @@ def _task_losses(ctx: StepContext, batch: ScoredBatch, totals: Totals, subset: t
         return {}
     rows = torch.cat([p[0] for p in parts.values()])
     with ctx.accelerator.autocast():
-        scored = score_inputs(ctx.model, batch.inputs.rows(rows))
+        scored = score_inputs(ctx.model, batch.inputs.rows(rows), shared_prefix=ctx.cfg.grpo.shared_prefix)
     out, offset = {}, 0
     for task, (idx, share) in parts.items():
         here = slice(offset, offset + len(idx))
@@ -209,7 +213,7 @@ def update(ctx: StepContext, batch: ScoredBatch) -> dict[str, Any]:
             TASKS,  # every process passes every task: the per-task all-reduce calls must match
             mode=mt.mode, c=mt.cagrad_c, rescale=mt.cagrad_rescale, reward_only=mt.reward_only,
             low_memory=mt.low_memory, beta=loss_cfg.beta, entropy_coef=loss_cfg.entropy_coef,
-            reduce_fn=reduce_fn, micro_batches=ctx.cfg.grpo.grad_accum,
+            reduce_fn=reduce_fn, micro_batches=ctx.cfg.grpo.grad_accum, task_stats=mt.task_stats,
         )
         task_stats, mt_stats = _sum_over_processes(ctx, task_stats, mt_stats)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, ctx.cfg.grpo.max_grad_norm))
@@ -258,18 +262,21 @@ def grpo_step(ctx: StepContext, records: list[dict], step: int,
               more_records: Callable[[int], list[dict]]) -> StepResult:
     """Everything one step does; ``records`` are this process's prompts, ``more_records(attempt)``
     fresh ones for dynamic resampling. The result describes the global batch (all processes)."""
-    started = time.perf_counter()
+    started, timer = time.perf_counter(), PhaseTimer()
     cfg = ctx.cfg
     def seeded_draw(recs: list[dict], attempt: int) -> Draw:
         return draw(ctx, recs, derive_seed(cfg.seed, ("step", step), ("process", ctx.accelerator.process_index),
-                                           ("attempt", attempt)))
+                                           ("attempt", attempt)), timer)
 
     sampled, sample_stats = sample_groups(seeded_draw, records, more_records,
         cfg.grpo.dynamic_sampling, cfg.grpo.max_resample, ctx.tokenizer.pad_token_id)
     raise_on_nonfinite_rewards(ctx.accelerator, sampled.rewards, row_tasks(sampled.records, sampled.rollout.group_size),
                                step)
-    update_stats = update(ctx, prepare_batch(ctx, sampled))
-    return step_result(ctx, records, sampled, sample_stats, update_stats, time.perf_counter() - started)
+    with timer("reference"):
+        batch = prepare_batch(ctx, sampled)
+    with timer("update"):
+        update_stats = update(ctx, batch)
+    return step_result(ctx, records, sampled, sample_stats, update_stats, time.perf_counter() - started, timer)
 
 
 def raise_on_nonfinite_rewards(accelerator: Accelerator, rewards: torch.Tensor, tasks: Sequence[str], step: int) -> None:
@@ -286,8 +293,9 @@ def raise_on_nonfinite_rewards(accelerator: Accelerator, rewards: torch.Tensor, 
 
 
 def step_result(ctx: StepContext, records: Sequence[dict], sampled: Draw, sample_stats: dict[str, float],
-                update_stats: dict[str, Any], elapsed: float) -> StepResult:
-    """The step's metrics and completions; ``records`` are the prompts of the first draw."""
+                update_stats: dict[str, Any], elapsed: float, timer: PhaseTimer | None = None) -> StepResult:
+    """The step's metrics and completions; ``records`` are the prompts of the first draw; ``timer`` the
+    seconds of each phase of the step."""
     rollout, g = sampled.rollout, sampled.rollout.group_size
     metrics = {
         **sample_stats,  # reward statistics of the first draw: filtering must not hide a deadlock
@@ -297,6 +305,7 @@ def step_result(ctx: StepContext, records: Sequence[dict], sampled: Draw, sample
         "eos_suppressed_frac": rollout.eos_suppressed_frac,
         "step_time": elapsed,
         "tokens_per_s": float(rollout.lengths.sum()) / max(elapsed, 1e-9),
+        **(timer.metrics(elapsed) if timer is not None else {}),
     }
     user_texts = [example_messages(r)[-1]["content"] for r in sampled.records]
     result = StepResult(metrics, rollout.raw_texts, per_row(user_texts, g),

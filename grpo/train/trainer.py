@@ -70,6 +70,8 @@ def save_final(cfg: Config, policy: Policy, lineage: dict, history: list[dict], 
     summary = {key: last.get(key) for key in ("reward", "reward_std", "frac_reward_zero_std", "entropy", "kl")}
     summary |= {"steps": len(history), "reward_first": history[0]["reward"] if history else None,
                 "process_weight_digests": digests}
+    # Mean seconds (and share) of each step phase over the run: the Prefect metrics artifact shows them.
+    summary |= {key: sum(h[key] for h in history) / len(history) for key in last if key.startswith("timing/")}
     write_json(paths.metrics_file(cfg, "grpo"), summary)
 
 

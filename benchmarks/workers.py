@@ -1,0 +1,169 @@
+"""One benchmark variant in its own process: ``python -m benchmarks.workers VARIANT PROJECT STEPS WARMUP``.
+
+Prints one JSON line: the seconds of every timed optimizer step, the completion tokens of each, the
+median seconds of each step phase (project only) and the process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+WORKLOAD = {"prompts": 8, "group_size": 4, "rows": 32, "max_new_tokens": 32, "beta": 0.04, "loss_type": "grpo",
+            "lora_r": 8, "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"], "dtype": "float32 weights"}
+PLAIN = {"grpo.shared_prefix=false", "grpo.multitask.low_memory=false", "grpo.multitask.task_stats=true"}
+VARIANTS = {
+    "project-sum": {"grpo.multitask.mode=sum"},
+    "project-cagrad": {"grpo.multitask.mode=cagrad"},
+    "plain-sum": {"grpo.multitask.mode=sum"} | PLAIN,
+    "plain-cagrad": {"grpo.multitask.mode=cagrad"} | PLAIN,
+    "trl-fp32": set(),
+    "trl-bf16": set(),
+}
+
+
+def cpu_supports_bf16() -> bool:
+    """True where oneDNN has native bf16 kernels on this CPU (avx512_bf16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def workload_overrides(full_length: bool) -> list[str]:
+    sets = [f"grpo.prompts_per_step={WORKLOAD['prompts']}", f"grpo.group_size={WORKLOAD['group_size']}",
+            f"grpo.sampling.max_new_tokens={WORKLOAD['max_new_tokens']}", f"grpo.loss.beta={WORKLOAD['beta']}",
+            f"grpo.loss.loss_type={WORKLOAD['loss_type']}", f"model.lora.r={WORKLOAD['lora_r']}",
+            "grpo.sampling.temperature=1.0", "grpo.sampling.top_p=1.0", "grpo.sampling.top_k=0",
+            "grpo.num_iterations=1", "grpo.grad_accum=1"]
+    return sets + ([f"grpo.sampling.min_new_tokens={WORKLOAD['max_new_tokens']}"] if full_length else [])
+
+
+def step_records(cfg, steps: int) -> list[list[dict]]:
+    """The prompts of steps 1..steps, as the trainer samples them (both tasks every step)."""
+    from grpo.data.jsonl import read_records
+    from grpo.train.task_mix import sample_step, split_by_task
+
+    by_task = split_by_task(read_records(Path(cfg.paths.data_dir) / "train.jsonl"))
+    return [sample_step(by_task, cfg.grpo.prompts_per_step, cfg.grpo.fairness_fraction, cfg.seed, step)
+            for step in range(1, steps + 1)]
+
+
+def project_worker(project: Path, variant: str, steps: int, warmup: int, full_length: bool) -> dict:
+    from accelerate import Accelerator
+
+    from grpo.config import load_config
+    from grpo.model.modeling import load_model, load_tokenizer, wrap_lora
+    from grpo.model.rollout import stop_ids
+    from grpo.train.step import StepContext, grpo_step
+
+    cfg = load_config(project / "params.yaml", [*workload_overrides(full_length), *sorted(VARIANTS[variant])])
+    cfg = cfg.model_copy(update={"paths": cfg.paths.model_copy(update={
+        k: str(project / v) for k, v in cfg.paths.model_dump().items()})})
+    sft = Path(cfg.paths.models_dir) / "sft"
+    tokenizer = load_tokenizer(sft, cfg.model)
+    torch.manual_seed(cfg.seed)
+    model = wrap_lora(load_model(sft, cfg.model), cfg.model.lora)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.grpo.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    ctx = StepContext(cfg, model, tokenizer, optimizer, scheduler, stop_ids(model, tokenizer, cfg.model.extra_stop_tokens),
+                      Accelerator(cpu=True))
+    times, tokens, phases = [], [], []
+    for step, records in enumerate(step_records(cfg, warmup + steps), start=1):
+        started = time.perf_counter()
+        metrics = grpo_step(ctx, records, step, lambda attempt, r=records: r).metrics
+        if step > warmup:
+            times.append(time.perf_counter() - started)
+            tokens.append(metrics["completions/mean_length"] * WORKLOAD["rows"])
+            phases.append({k.split("/", 1)[1]: v for k, v in metrics.items()
+                           if k.startswith("timing/") and not k.endswith("_share")})
+    return {"step_s": times, "completion_tokens": tokens,
+            "phases": {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else {}}
+
+
+class _StepClock:
+    """A TrainerCallback (built lazily: trl is optional) timing each optimizer step."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.lengths: list[float] = []
+        self._started = 0.0
+
+    def on_step_begin(self, *args, **kwargs) -> None:
+        self._started = time.perf_counter()
+
+    def on_step_end(self, *args, **kwargs) -> None:
+        self.times.append(time.perf_counter() - self._started)
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:
+        if logs and "completions/mean_length" in logs:
+            self.lengths.append(float(logs["completions/mean_length"]))
+
+
+def trl_worker(project: Path, variant: str, steps: int, warmup: int, full_length: bool) -> dict:
+    import tempfile
+
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo.config import load_config
+    from grpo.model.chat import example_messages
+    from grpo.rewards import weighted_reward
+
+    cfg = load_config(project / "params.yaml", workload_overrides(full_length))
+    cfg = cfg.model_copy(update={"paths": cfg.paths.model_copy(update={
+        k: str(project / v) for k, v in cfg.paths.model_dump().items()})})
+    records = [r for step in step_records(cfg, warmup + steps) for r in step]
+    dataset = Dataset.from_list([{"prompt": example_messages(r), "record": json.dumps(r)} for r in records])
+
+    def reward(completions, record, **kwargs) -> list[float]:
+        return [weighted_reward(json.loads(rec)["task"], c[0]["content"], json.loads(rec), cfg.rewards.weights)
+                for c, rec in zip(completions, record, strict=True)]
+
+    clock = type("StepClock", (_StepClock, TrainerCallback), {})()
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out, per_device_train_batch_size=WORKLOAD["rows"], num_generations=WORKLOAD["group_size"],
+            max_completion_length=WORKLOAD["max_new_tokens"], max_prompt_length=None, beta=WORKLOAD["beta"],
+            loss_type=WORKLOAD["loss_type"], learning_rate=cfg.grpo.lr, temperature=1.0, top_p=1.0, top_k=None,
+            max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+            bf16=variant == "trl-bf16", shuffle_dataset=False, disable_tqdm=True, seed=cfg.seed,
+            generation_kwargs={"min_new_tokens": WORKLOAD["max_new_tokens"]} if full_length else None,
+        )
+        lora = LoraConfig(r=WORKLOAD["lora_r"], lora_alpha=cfg.model.lora.alpha, lora_dropout=0.0,
+                          target_modules=WORKLOAD["lora_targets"], task_type="CAUSAL_LM")
+        trainer = GRPOTrainer(model=str(Path(cfg.paths.models_dir) / "sft"), reward_funcs=reward, args=args,
+                              train_dataset=dataset, peft_config=lora, callbacks=[clock])
+        trainer.train()
+    lengths = clock.lengths[warmup:]
+    return {"step_s": clock.times[warmup:], "completion_tokens": [n * WORKLOAD["rows"] for n in lengths],
+            "phases": {}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("variant", choices=sorted(VARIANTS))
+    parser.add_argument("project", type=Path)
+    parser.add_argument("steps", type=int)
+    parser.add_argument("warmup", type=int)
+    parser.add_argument("--full-length", action="store_true")
+    args = parser.parse_args(argv)
+    worker = trl_worker if args.variant.startswith("trl-") else project_worker
+    out = worker(args.project.resolve(), args.variant, args.steps, args.warmup, args.full_length)
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(out), file=sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

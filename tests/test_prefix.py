@@ -1,0 +1,113 @@
+"""grpo/core/prefix.py: the shared-prefix forward gives the plain forward's numbers (fp32, 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.config import config_from_dict
+from grpo.core.batching import join_prompt_completion, left_pad
+from grpo.core.logprobs import score_completions
+from grpo.core.prefix import prefix_groups
+from grpo.model.modeling import wrap_lora
+
+G, WIDTH, TEMPERATURE = 3, 5, 0.7
+
+
+def grouped_batch(pad_id: int, prompt_lengths=(7, 12, 4)):
+    """Prompts of different lengths, G completions each, completions stopping at different places."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 300, (n,), generator=gen).tolist() for n in prompt_lengths]
+    padded = left_pad([p for p in prompts for _ in range(G)], pad_id)
+    completions = torch.randint(5, 300, (len(prompts) * G, WIDTH), generator=gen)  # [N, C]
+    completion_mask = torch.arange(WIDTH) <= (torch.arange(len(completions)) % WIDTH).unsqueeze(1)  # [N, C]
+    joined = join_prompt_completion(padded.input_ids, padded.attention_mask, completions, completion_mask)
+    return joined.input_ids, joined.attention_mask, completion_mask
+
+
+@pytest.fixture
+def policy(tiny_model):
+    """A LoRA-wrapped tiny model whose adapter is not zero, in train mode (gradients flow)."""
+    model = wrap_lora(tiny_model, config_from_dict({"model": {"lora": {"r": 2, "alpha": 4}}}).model.lora)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    return model.train()
+
+
+def scored_with_grads(model, input_ids, attention_mask, completion_mask, width, shared_prefix):
+    """Log-probs, entropy, a loss of both, and its gradient over the trainable parameters [P]."""
+    model.zero_grad(set_to_none=True)
+    scored = score_completions(model, input_ids, attention_mask, width, TEMPERATURE, shared_prefix=shared_prefix)
+    loss = -(scored.logprobs * completion_mask).sum() - 0.3 * (scored.entropy * completion_mask).sum()
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+    return scored, loss.detach(), grads
+
+
+@pytest.mark.parametrize("rows", [slice(None), slice(1, 7), [8, 0, 4, 1]], ids=["all", "split-groups", "shuffled"])
+def test_shared_prefix_gives_the_plain_forward_numbers(policy, tiny_tokenizer, rows):
+    input_ids, attention_mask, completion_mask = grouped_batch(tiny_tokenizer.pad_token_id)
+    batch = input_ids[rows], attention_mask[rows], completion_mask[rows]
+    plain, plain_loss, plain_grads = scored_with_grads(policy, *batch, WIDTH, shared_prefix=False)
+    fast, fast_loss, fast_grads = scored_with_grads(policy, *batch, WIDTH, shared_prefix=True)
+    mask = batch[2]
+    torch.testing.assert_close(fast.logprobs[mask], plain.logprobs[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(fast.entropy[mask], plain.entropy[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(fast_loss, plain_loss, rtol=1e-6, atol=1e-5)
+    assert plain_grads.abs().max() > 1e-3
+    torch.testing.assert_close(fast_grads, plain_grads, rtol=0, atol=1e-5)
+    for key, value in plain.logits_stats.items():
+        assert fast.logits_stats[key] == pytest.approx(value, abs=1e-5)
+
+
+def test_shared_prefix_with_one_completion_token(policy, tiny_tokenizer):
+    input_ids, attention_mask, _ = grouped_batch(tiny_tokenizer.pad_token_id)
+    ids, mask = input_ids[:, :-WIDTH + 1], attention_mask[:, :-WIDTH + 1]  # [N, P + 1]
+    with torch.no_grad():
+        plain = score_completions(policy, ids, mask, 1, TEMPERATURE)
+        fast = score_completions(policy, ids, mask, 1, TEMPERATURE, shared_prefix=True)
+    torch.testing.assert_close(fast.logprobs, plain.logprobs, rtol=0, atol=1e-5)
+
+
+def test_each_distinct_prompt_runs_once(policy, tiny_tokenizer):
+    """The prompt pass sees one row per distinct prompt and only the columns some prompt uses; the
+    completion pass sees C - 1 tokens per row."""
+    input_ids, attention_mask, _ = grouped_batch(tiny_tokenizer.pad_token_id, prompt_lengths=(7, 12, 4))
+    seen = []
+    hook = policy.get_base_model().model.embed_tokens.register_forward_hook(
+        lambda module, args, out: seen.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        score_completions(policy, input_ids, attention_mask, WIDTH, TEMPERATURE, shared_prefix=True)
+    hook.remove()
+    assert seen == [(3, 12), (3 * G, WIDTH - 1)]
+
+
+def test_prefix_groups_match_prompts_by_content_not_padding(tiny_tokenizer):
+    pad = tiny_tokenizer.pad_token_id
+    ids = torch.tensor([[pad, pad, 5, 6], [9, 9, 5, 6], [pad, 7, 5, 6], [pad, pad, 5, 6]])  # [4, 4]
+    mask = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 1, 1]])
+    groups = prefix_groups(ids, mask)  # rows 0, 1, 3: the same prompt (garbage under padding ignored)
+    assert groups.inverse[0] == groups.inverse[1] == groups.inverse[3] != groups.inverse[2]
+    assert sorted(groups.first.tolist()) == [0, 2] and groups.start == 1
+
+
+def test_shared_prefill_samples_the_plain_generates_tokens(tiny_model, tiny_tokenizer):
+    """generate() from a prompt cache computed once per prompt and repeated G times samples, from the
+    same seed, exactly the completions of a plain generate() over every row."""
+    from grpo.config import SamplingConfig
+    from grpo.model.rollout import generate_rollout, stop_ids
+
+    prompts = [tiny_tokenizer.encode(text) for text in ("Context: two friends met.", "Question: who was late?")]
+    sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=2)
+    eos = stop_ids(tiny_model, tiny_tokenizer)
+    plain = generate_rollout(tiny_model, tiny_tokenizer, prompts, G, sampling, eos, seed=5)
+    calls = []
+    hook = tiny_model.model.embed_tokens.register_forward_hook(lambda module, args, out: calls.append(args[0].shape))
+    shared = generate_rollout(tiny_model, tiny_tokenizer, prompts, G, sampling, eos, seed=5, shared_prefill=True)
+    hook.remove()
+    assert torch.equal(shared.completion_ids, plain.completion_ids) and shared.texts == plain.texts
+    assert shared.eos_suppressed_frac == plain.eos_suppressed_frac
+    width = plain.prompt_ids.shape[1]
+    assert calls[:2] == [(2, width - 1), (2 * G, 1)]  # the prompts once, then only their last column
