@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 from grpo.config import ConfigError, load_config
 from grpo.errors import GrpoError
+from grpo.provenance.keymetrics import write_key_metrics
+from grpo.provenance.stages import STAGES
 
 
 def _no_args(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +52,8 @@ COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] 
     "plot-entropy": ("grpo.eval.plots:run", "plot entropy and reward curves of one or many runs", _plot_args),
     "diagnose": ("grpo.checks.diagnose:run", "deep entropy diagnosis of a model or checkpoint", _diagnose_args),
     "fingerprint": ("grpo.provenance.fingerprint:run", "write the semantic code fingerprint of every stage", _no_args),
+    "status": ("grpo.provenance.status:run", "what is stale and why (refreshes fingerprints, then dvc status)",
+               _no_args),
     "pipeline": ("grpo.pipeline:run", "run every stage in order (what `make run` does)", _no_args),
 }
 
@@ -87,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     run = _resolve(COMMANDS[args.command][0])
     try:
         code = run(cfg, args)
+        if not code:
+            write_key_metrics(cfg, next((s.name for s in STAGES.values() if s.command == args.command), ""))
     except (GrpoError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

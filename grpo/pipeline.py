@@ -6,9 +6,10 @@ from __future__ import annotations
 import importlib
 import time
 
-from grpo.provenance import stages
 from grpo.cli import COMMANDS
 from grpo.config import Config
+from grpo.provenance import stages
+from grpo.provenance.keymetrics import write_key_metrics
 
 
 def run(cfg: Config, args=None) -> int:
@@ -21,5 +22,6 @@ def run(cfg: Config, args=None) -> int:
         if code:
             print(f"pipeline: stage {spec.name} exited {code}; later stages not run")
             return code
+        write_key_metrics(cfg, spec.name)
     print("pipeline: " + ", ".join(f"{name} {seconds:.0f}s" for name, seconds in timings.items()))
     return 0

@@ -46,7 +46,7 @@ from grpo.provenance.lineage import check_lineage
 from grpo.core.logprobs import score_completions
 from grpo.health.metrics import METRICS_FILE, entropy_history_path
 from grpo.model.modeling import load_model, load_tokenizer
-from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy
+from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy, plot_eval_comparison
 from grpo.rewards import fairness_outcome, hallucination_outcome, weighted_reward
 from grpo.model.rollout import Rollout, generate_rollout, generation_config, rollout_from_sequences, stop_ids
 from grpo.model.sampling import build_logits_processors
@@ -360,6 +360,7 @@ def run(cfg: Config, args=None) -> int:
     for name, reason in skipped.items():
         print(f"evaluate: {LABELS[name]} skipped: {reason}")
     plot = plot_run_entropy(cfg)
+    plot_eval_comparison(results, reports_dir / "eval.png")
     print(f"evaluate: {', '.join(LABELS[n] for n in results)} -> {metrics_dir / 'eval.json'}, "
           f"{reports_dir / 'eval.md'}" + (f", {plot}" if plot else ""))
     return 0
