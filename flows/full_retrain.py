@@ -1,18 +1,23 @@
 """Flow ``full-retrain``: every pipeline stage in order; DVC reruns only what is stale.
 
 ``python -m flows.full_retrain`` runs it once (``force=True`` from Python or as a deployment
-parameter); ``python -m flows.serve`` serves it nightly. A failed validation or pre-flight raises,
-so no later task runs and the flow run's state message carries the reason (the failing rule or
-invariant, from the stage's stderr).
+parameter); ``python -m flows.serve`` serves it nightly, ``python -m flows.deploy`` deploys it to a
+work pool. Each stage waits for the one before (``wait_for``), so the run's graph is the pipeline
+prepare -> validate -> base -> sft -> preflight -> grpo -> evaluate. A failed stage raises, so no later
+task runs and the flow run's state message carries the reason (the failing rule or invariant, from
+the stage's stderr); the failure hook leaves it in ``runs/last_failure.md`` too (tasks/notify.py).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from prefect import flow
 
 from tasks.base import base
 from tasks.evaluate import evaluate
 from tasks.fingerprint import fingerprint
+from tasks.notify import clear_failure, notify_failure
 from tasks.params import use_params
 from tasks.preflight import preflight
 from tasks.prepare import prepare
@@ -20,21 +25,22 @@ from tasks.sft import sft
 from tasks.train import train
 from tasks.validate import validate
 
+STAGES = {"prepare": prepare, "validate": validate, "base": base, "sft": sft, "preflight": preflight,
+          "grpo": train, "evaluate": evaluate}
 
-@flow(name="full-retrain")
+
+@flow(name="full-retrain", on_failure=[notify_failure], on_completion=[clear_failure])
 def full_retrain(force: bool = False, params_path: str = "params.yaml", project_dir: str = ".") -> dict[str, bool]:
-    """fingerprint -> prepare -> validate -> base -> sft -> preflight -> grpo -> evaluate; returns which ran."""
-    project = use_params(project_dir, params_path)
-    return {
-        "fingerprint": fingerprint(project),
-        "prepare": prepare(project, force),
-        "validate": validate(project, force),
-        "base": base(project, force),
-        "sft": sft(project, force),
-        "preflight": preflight(project, force),
-        "grpo": train(project, force),
-        "evaluate": evaluate(project, force),
-    }
+    """params -> fingerprint -> prepare -> ... -> evaluate, each after the last; returns which stages ran."""
+    chosen = use_params(project_dir, params_path, return_state=True)
+    # A fresh string: the graph's edges are the stage order (wait_for), not every stage reading `params`.
+    where = str(Path(chosen.result()))
+    previous = fingerprint(where, wait_for=[chosen], return_state=True)
+    ran = {"fingerprint": previous.result()}
+    for name, stage in STAGES.items():
+        previous = stage(where, force, wait_for=[previous], return_state=True)
+        ran[name] = previous.result()  # a failed stage raises here: the flow fails with its reason
+    return ran
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from grpo.config import ConfigError, load_config
 from grpo.errors import GrpoError
+from grpo.eval.keymetrics import write_key_metrics
 from grpo.offline import allow_network, offline_by_default
 from grpo.provenance import stages
 
@@ -90,6 +91,8 @@ COMMANDS: dict[str, Command] = {
     "diagnose": Command("grpo.checks.diagnose:run", "deep entropy diagnosis of a model or checkpoint",
                         _diagnose_args),
     "fingerprint": Command("grpo.provenance.fingerprint:run", "write the semantic code fingerprint of every stage"),
+    "status": Command("grpo.provenance.status:run",
+                      "what is stale and why (refreshes fingerprints, then dvc status)"),
     "pipeline": Command("grpo.pipeline:run", "run every stage in order (what `make run` does)"),
 }
 
@@ -134,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         allow_network()
     try:
         code = resolve(command.entry)(cfg, **options)
+        if not code:
+            write_key_metrics(cfg, next((s.name for s in stages.STAGES.values() if s.command == args.command), ""))
     except (GrpoError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

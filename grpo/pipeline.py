@@ -7,6 +7,7 @@ import importlib
 import time
 
 from grpo.config import Config
+from grpo.eval.keymetrics import write_key_metrics
 from grpo.provenance import stages
 
 
@@ -20,5 +21,6 @@ def run(cfg: Config) -> int:
         if code:
             print(f"pipeline: stage {spec.name} exited {code}; later stages not run")
             return code
+        write_key_metrics(cfg, spec.name)
     print("pipeline: " + ", ".join(f"{name} {seconds:.0f}s" for name, seconds in timings.items()))
     return 0

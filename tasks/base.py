@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from prefect import task
+from prefect.states import State
 
-from tasks.dvc_stage import run_stage
+from tasks.dvc_stage import run_stage, stage_state
 
 
 @task(name="base")
-def base(project_dir: str, force: bool = False) -> bool:
+def base(project_dir: str, force: bool = False) -> State:
     """Run DVC stage ``base``; local and deterministic, so no retries."""
-    return run_stage("base", project_dir, force)
+    return stage_state("base", run_stage("base", project_dir, force))

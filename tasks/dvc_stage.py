@@ -14,7 +14,10 @@ folder, which is the resource actually shared.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -22,15 +25,20 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 from filelock import FileLock
 from prefect import get_run_logger
 from prefect.runtime import task_run
+from prefect.states import Completed, State
+
+from tasks.retry import InjectedFailure, StageFailed, exit_cause
 
 LOCK_FILE = Path(".dvc/tmp/orchestration.lock")
 TAIL_LINES = 40
 POLL_SECONDS = 3.0
 FAIL_ONCE_ENV = "GRPO_DUAL_FAIL_ONCE"
-"""Test hook: a comma-separated list of stages whose task fails on its first attempt only."""
+"""Test hook: comma-separated stages whose first attempt is killed (SIGKILL of the stage command once it
+runs; a stage DVC finds up to date raises ``InjectedFailure`` instead). Prefect then retries it."""
 
 # Forced: the project never reports usage, whoever starts it.
 NO_TELEMETRY = {"DO_NOT_TRACK": "1", "DVC_NO_ANALYTICS": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
@@ -44,18 +52,12 @@ OFFLINE_DEFAULTS = {
 }
 
 
-class StageFailed(RuntimeError):
-    """A DVC stage exited non-zero; the message carries the tail of its stderr."""
-
-
-class InjectedFailure(RuntimeError):
-    """The GRPO_DUAL_FAIL_ONCE test hook failed this attempt on purpose."""
-
-
 def stage_env(project: Path) -> dict[str, str]:
     """The environment of a stage: offline, the project's own code first, the venv's tools on PATH."""
     env = {**OFFLINE_DEFAULTS, **os.environ, **NO_TELEMETRY}
-    env.setdefault("WANDB_DIR", str(project))  # wandb writes <project>/wandb (git-ignored)
+    # The trainer passes wandb.init(dir=runs/<experiment>), so its runs land in runs/<experiment>/wandb;
+    # WANDB_DIR keeps whatever else wandb writes inside the project too, never in the caller's cwd.
+    env.setdefault("WANDB_DIR", str(project))
     env["DVC_SITE_CACHE_DIR"] = str(project / ".dvc" / "tmp" / "site_cache")
     # `grpo` must run the code in `project` (what the fingerprints hash), not another installed copy.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(project), env.get("PYTHONPATH")]))
@@ -63,11 +65,19 @@ def stage_env(project: Path) -> dict[str, str]:
     return env
 
 
-def _fail_once(stage: str) -> None:
-    """Raise on the first attempt of a stage listed in GRPO_DUAL_FAIL_ONCE (a documented test hook)."""
+def _fail_once(stage: str) -> bool:
+    """Whether this attempt of ``stage`` must fail: listed in GRPO_DUAL_FAIL_ONCE and the first attempt."""
     listed = {name.strip() for name in os.environ.get(FAIL_ONCE_ENV, "").split(",")}
-    if stage in listed and task_run.run_count <= 1:
-        raise InjectedFailure(f"{FAIL_ONCE_ENV}={stage}: failing attempt 1 of stage {stage!r} on purpose")
+    return stage in listed and task_run.run_count <= 1
+
+
+def _kill_stage_command(proc: subprocess.Popen) -> bool:
+    """SIGKILL the stage command DVC started (its child processes), as the OOM killer would; True if one was."""
+    children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.send_signal(signal.SIGKILL)
+    return bool(children)
 
 
 def _pump(stream, sink: deque[str], log: Callable[[str], None]) -> None:
@@ -78,13 +88,15 @@ def _pump(stream, sink: deque[str], log: Callable[[str], None]) -> None:
             log(line)
 
 
-def _wait(proc: subprocess.Popen, poll: Callable[[], None] | None) -> None:
+def _wait(proc: subprocess.Popen, poll: Callable[[], None] | None, kill_once: bool = False) -> None:
     """Wait for the stage, calling ``poll`` every few seconds; a failing poll is logged, not fatal."""
     while True:
         try:
-            proc.wait(timeout=POLL_SECONDS)
+            proc.wait(timeout=0.5 if kill_once else POLL_SECONDS)
             return
         except subprocess.TimeoutExpired:
+            if kill_once and _kill_stage_command(proc):
+                kill_once = False
             if poll is None:
                 continue
             try:
@@ -93,26 +105,22 @@ def _wait(proc: subprocess.Popen, poll: Callable[[], None] | None) -> None:
                 get_run_logger().warning("progress update failed: %s", exc)
 
 
-def run_stage(
-    stage: str, project_dir: str | Path, force: bool = False, poll: Callable[[], None] | None = None
-) -> bool:
-    """``dvc repro --single-item <stage>`` in ``project_dir``; True when the stage ran, False when up to date.
+def command_line(project: Path, cmd: list[str]) -> str:
+    """The stage's command as a line a user can paste into a shell (quoted; cwd included)."""
+    return f"cd {shlex.quote(str(project))} && {shlex.join(cmd)}"
 
-    ``poll`` is called every few seconds while the stage runs (progress artifacts). A non-zero exit
-    raises ``StageFailed`` with the last lines of stderr, so the reason shows in the Prefect UI.
-    """
-    _fail_once(stage)
+
+def _run_dvc(
+    cmd: list[str], project: Path, poll: Callable[[], None] | None, kill_once: bool = False
+) -> tuple[int, list[str], list[str]]:
+    """Run ``cmd`` under the orchestration lock, its output logged line by line; (exit code, stdout, stderr)."""
     logger = get_run_logger()
-    project = Path(project_dir).resolve()
-    if not (project / "dvc.yaml").is_file():
-        raise StageFailed(f"{project}/dvc.yaml does not exist: project_dir must be the grpo-dual project root")
-    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage] + (["--force"] if force else [])
     out: deque[str] = deque(maxlen=2000)
     err: deque[str] = deque(maxlen=TAIL_LINES)
     lock = project / LOCK_FILE
     lock.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(lock):
-        logger.info("%s $ %s", project, " ".join(cmd[1:]))
+        logger.info("$ %s", command_line(project, cmd))
         proc = subprocess.Popen(cmd, cwd=project, env=stage_env(project), text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         readers = [threading.Thread(target=_pump, args=(proc.stdout, out, logger.info), daemon=True),
@@ -120,20 +128,62 @@ def run_stage(
         for reader in readers:
             reader.start()
         try:
-            _wait(proc, poll)
+            _wait(proc, poll, kill_once)
         finally:  # cancelled or interrupted: never leave a DVC run behind holding the repo lock
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=60)
         for reader in readers:
             reader.join()
-    if proc.returncode != 0:
-        tail = "\n".join(err) or "\n".join(list(out)[-TAIL_LINES:])
+    return proc.returncode, list(out), list(err)
+
+
+def run_stage(
+    stage: str, project_dir: str | Path, force: bool = False, poll: Callable[[], None] | None = None
+) -> bool:
+    """``dvc repro --single-item <stage>`` in ``project_dir``; True when the stage ran, False when up to date.
+
+    ``poll`` is called every few seconds while the stage runs (progress artifacts). A non-zero exit
+    is logged at ERROR with its real cause (the stage command's exit code or signal, not DVC's 255)
+    and raises ``StageFailed`` with the last lines of stderr, so the reason shows in the Prefect UI;
+    ``StageFailed.transient`` says whether a retry can help (tasks/retry.py).
+    """
+    logger = get_run_logger()
+    kill_once = _fail_once(stage)
+    project = Path(project_dir).resolve()
+    if not (project / "dvc.yaml").is_file():
+        raise StageFailed(f"{project}/dvc.yaml does not exist: project_dir must be the grpo-dual project root",
+                          stage)
+    cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage] + (["--force"] if force else [])
+    returncode, out, err = _run_dvc(cmd, project, poll, kill_once)
+    if kill_once and returncode == 0:
+        logger.error("stage %s: %s=%s, but DVC found it up to date: failing attempt 1 anyway", stage,
+                     FAIL_ONCE_ENV, stage)
+        raise InjectedFailure(f"{FAIL_ONCE_ENV}={stage}: failing attempt 1 of stage {stage!r} on purpose")
+    if returncode != 0:
+        cause = exit_cause(returncode, err or out)
+        retry = "transient: Prefect retries it" if cause.transient else "deterministic: not retried"
+        logger.error("stage %s failed on attempt %d: %s (%s)", stage, task_run.run_count, cause.describe(), retry)
+        tail = "\n".join(err) or "\n".join(out[-TAIL_LINES:])
         raise StageFailed(
-            f"DVC stage {stage!r} failed (`dvc repro --single-item {stage}` exited {proc.returncode} in "
-            f"{project}); last lines of its stderr:\n{tail}\nFix the cause, then rerun the flow or "
-            f"`dvc repro {stage}`."
+            f"DVC stage {stage!r} failed: {cause.describe()} (`{command_line(project, cmd)}`); last lines of "
+            f"its stderr:\n{tail}\nFix the cause, then rerun the flow or `dvc repro {stage}`.",
+            stage, cause.code, cause.transient,
         )
     ran = any(line.startswith(f"Running stage '{stage}'") for line in out)
     logger.info("stage %s %s", stage, "ran" if ran else "was up to date (DVC skipped it)")
     return ran
+
+
+def stage_state(stage: str, ran: bool) -> State:
+    """A task's final state, named so the task list answers "did it train?" at a glance.
+
+    ``Skipped``: DVC found the stage up to date and ran nothing. ``Ran``: the stage ran on the first
+    attempt; ``Ran on attempt N``: it ran after N - 1 failures (each logged at ERROR with its cause).
+    All are Completed states whose result is ``ran``.
+    """
+    if not ran:
+        return Completed(name="Skipped", message=f"DVC: stage {stage} was up to date; nothing ran", data=False)
+    attempt = task_run.run_count
+    name = "Ran" if attempt <= 1 else f"Ran on attempt {attempt}"
+    return Completed(name=name, message=f"stage {stage} ran (attempt {attempt})", data=True)

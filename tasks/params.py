@@ -1,26 +1,30 @@
-"""Task ``params``: check the run's params file and make it the project's ``params.yaml``."""
+"""Task ``params``: check the run's params file and choose where the run works (project or workspace)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from prefect import get_run_logger, task
 
 from grpo.config import load_config
+from tasks.workspace import make_workspace
 
 
 @task(name="params")
 def use_params(project_dir: str, params_path: str = "params.yaml") -> str:
-    """Validate ``params_path`` (relative to the project) and copy it to params.yaml; return the project path.
+    """Validate ``params_path`` (relative to the project); return the folder the stages run in.
 
-    DVC reads params.yaml only, so a run with another file makes it the project's params of record
-    (what dvc.lock then pins). A bad file stops the flow here with the key, the value and the fix.
+    ``params.yaml`` itself: the project. Any other file: its own workspace (tasks/workspace.py), so a
+    one-off run never writes the project's ``params.yaml`` nor its outputs. A bad file stops the flow
+    here with the key, the value and the fix.
     """
     project = Path(project_dir).resolve()
-    source, target = (project / params_path).resolve(), project / "params.yaml"
+    source = (project / params_path).resolve()
     load_config(source)
-    if source != target:
-        shutil.copyfile(source, target)
-        get_run_logger().warning("params: %s copied to %s (DVC reads params.yaml only)", source, target)
-    return str(project)
+    if source == project / "params.yaml":
+        return str(project)
+    workspace = make_workspace(project, source)
+    get_run_logger().warning(
+        "params: %s is not the project's params.yaml, so this run works in %s (its own params.yaml, dvc.lock "
+        "and outputs; the project's are untouched)", source, workspace)
+    return str(workspace)

@@ -15,7 +15,7 @@ from prefect.client.schemas.objects import TaskRun
 
 ARTIFACT_KEYS = {
     "validation-report", "sft-metrics", "preflight-checks", "grpo-progress", "grpo-metrics", "entropy-curve",
-    "eval-report", "eval-metrics",
+    "eval-report", "eval-metrics", "training-curves",
 }
 """Artifacts a completed full-retrain run publishes (tasks/*.py)."""
 

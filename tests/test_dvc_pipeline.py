@@ -8,6 +8,7 @@ real DVC: one full repro, then partial ones after a comment edit, a semantic edi
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path, PurePosixPath
@@ -114,6 +115,16 @@ def _covers(listed: str, key: str) -> bool:
     return key == listed or key.startswith(listed + ".")
 
 
+def grpo_status(project: Path) -> str:
+    """The output of `grpo status` run in ``project`` (the command the docs show)."""
+    from tasks.dvc_stage import stage_env
+
+    proc = subprocess.run([sys.executable, "-m", "grpo.cli", "status"], cwd=project, env=stage_env(project),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.strip()
+
+
 def _status(project: Path) -> dict:
     return json.loads(dvc(project, "status", "--json").stdout or "{}")
 
@@ -149,6 +160,7 @@ def test_repro_reruns_exactly_what_changed(project):
     again = dvc(project, "repro")
     assert stages_run(again.stdout) == {"fingerprint"}, again.stdout
     assert set(_status(project)) <= {"fingerprint"}  # always_changed is the only thing ever "changed"
+    assert grpo_status(project) == "grpo status: every stage is up to date (code, params, data)"
 
     losses = project / "grpo" / "core" / "losses.py"
     original = losses.read_text(encoding="utf-8")
@@ -159,6 +171,10 @@ def test_repro_reruns_exactly_what_changed(project):
     losses.write_text(original + "\n_SEMANTIC_PROBE = 1\n", encoding="utf-8")
     touched = _touching(project, "grpo/core/losses.py")
     assert {"preflight", "grpo"} <= touched
+    told = grpo_status(project)  # no `dvc repro fingerprint` first: grpo status refreshes them itself
+    for name in touched:
+        assert f"{name}:\n  code changed (grpo/core/losses.py)" in told, told
+    assert "up to date: prepare, validate, base" in told, told
     dvc(project, "repro", "fingerprint")
     why = _status(project)
     for name in touched:  # `dvc status` says why: the stage's own fingerprint file changed
@@ -174,6 +190,8 @@ def test_repro_reruns_exactly_what_changed(project):
     readers = {n for n, spec in stages.STAGES.items() if any(_covers(k, key) for k in spec.params)}
     why = _status(project)
     assert set(why) - {"fingerprint"} == readers, why
+    told = grpo_status(project)
+    assert all(f"{name}:\n  params.yaml: grpo modified" in told for name in readers), told
     for name in readers:  # status names the changed section, `dvc params diff` the exact key
         changed = _changed_deps(why, name)["params.yaml"]
         assert changed and all(_covers(k, key) and v == "modified" for k, v in changed.items()), why
@@ -183,3 +201,21 @@ def test_repro_reruns_exactly_what_changed(project):
     assert readers == {"grpo", "evaluate"}, readers
     assert rerun - {"fingerprint"} == {"grpo", "evaluate"}, rerun
     assert set(_status(project)) <= {"fingerprint"}
+
+
+@pytest.mark.slow
+@needs_all_stages
+def test_metrics_are_small_and_plots_render_offline(project):
+    """`dvc metrics diff` fits 100 columns (flat key files); `dvc plots show` needs no network."""
+    key = json.loads((project / "metrics" / "key" / "evaluate.json").read_text(encoding="utf-8"))
+    assert {"grpo.fairness/s_amb", "sft.hallucination/exact_match"} <= set(key)
+    assert all(isinstance(v, int | float | bool) or v is None for v in key.values()), key
+    diff = dvc(project, "metrics", "diff", "--all").stdout  # HEAD has none: every key row, as new
+    assert "grpo.hallucination/over_abstention_rate" in diff and "process_weight_digests" not in diff, diff
+    assert max(len(line) for line in diff.splitlines()) <= 100, diff
+
+    dvc(project, "plots", "show", "--out", "dvc_plots")
+    html = (project / "dvc_plots" / "index.html").read_text(encoding="utf-8")
+    assert "<script" not in html and not re.search(r"(src|href)=[\"']?https?://", html), html[:2000]
+    images = re.findall(r"<img[^>]+src=\"([^\"]+)\"", html)
+    assert images and all((project / "dvc_plots" / src).is_file() for src in images), images

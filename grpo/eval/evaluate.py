@@ -42,7 +42,7 @@ from grpo.eval.metrics import (
     mean,
     self_bleu,
 )
-from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy
+from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy, plot_eval_comparison
 from grpo.files import write_atomically
 from grpo.locks import writes
 from grpo.model.chat import render_prompt
@@ -282,6 +282,7 @@ def run(cfg: Config) -> int:
     for name, reason in skipped.items():
         print(f"evaluate: {LABELS[name]} skipped: {reason}")
     plot = plot_run_entropy(cfg)
+    plot_eval_comparison(results, paths.report_file(cfg, "eval.png"))
     print(f"evaluate: {', '.join(LABELS[n] for n in results)} -> {metrics}, {report}"
           + (f", {plot}" if plot else ""))
     return 0

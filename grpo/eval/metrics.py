@@ -22,6 +22,10 @@ from typing import Literal
 
 from grpo.errors import GrpoError
 
+KEY_ROWS = ("fairness/s_amb", "fairness/accuracy_ambig", "hallucination/hallucination_rate",
+            "hallucination/exact_match", "hallucination/over_abstention_rate")
+"""The evaluation rows the README, ``metrics/key/evaluate.json`` and ``reports/eval.png`` show."""
+
 
 class MetricInputError(GrpoError):
     """A per-item outcome handed to a metric is inconsistent; the message names the field and fix."""

@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 from grpo import paths
 from grpo.config import Config
 from grpo.errors import GrpoError
+from grpo.eval.metrics import KEY_ROWS
 from grpo.health.metrics import MetricsError, read_metrics
 
 ENTROPY_PREFIX = "entropy_history_"
@@ -238,6 +239,26 @@ def plot_entropy(
     """Draw ``build_entropy_figure`` into the PNG ``out`` (parent folders created); returns ``out``."""
     out = Path(out)
     fig = build_entropy_figure(histories, with_stats=with_stats, metrics=metrics)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", dpi=DPI)
+    return out
+
+
+def plot_eval_comparison(results: dict[str, dict], out: Path) -> Path:
+    """The key rows (greedy decoding) of every evaluated model as grouped bars, into the PNG ``out``."""
+    width, height = PANEL_SIZE
+    fig = Figure(figsize=(width, height * 1.3), dpi=DPI, layout="constrained")
+    ax = fig.subplots()
+    bar = 0.8 / max(len(results), 1)
+    for index, (model, modes) in enumerate(results.items()):
+        values = [modes.get("greedy", {}).get(key) for key in KEY_ROWS]
+        ax.bar([row + index * bar for row in range(len(KEY_ROWS))],
+               [value if _is_number(value) else 0.0 for value in values], bar, label=model)
+    ax.set_xticks([row + 0.4 - bar / 2 for row in range(len(KEY_ROWS))], [key.replace("/", "\n") for key in KEY_ROWS])
+    ax.axhline(0.0, color="black", linewidth=0.5)
+    ax.set_title("evaluation, greedy decoding (absent values drawn as 0)")
+    ax.legend()
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=DPI)
     return out

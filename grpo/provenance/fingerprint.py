@@ -26,6 +26,9 @@ from grpo.provenance import stages
 # The folder that holds the ``grpo`` package: the code that is running is the code fingerprinted.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 FINGERPRINT_DIR = Path("fingerprints")
+HISTORY_DIR = "history"
+"""``fingerprints/history/<md5>.json``: every version written, by the md5 DVC records in dvc.lock, so
+``grpo status`` can name the modules that changed since a stage last ran."""
 
 _DOCSTRING_OWNERS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -202,7 +205,15 @@ def write_fingerprints(out_dir: Path = FINGERPRINT_DIR, root: Path | None = None
         text = json.dumps(stage_fingerprint(name, root), indent=2, sort_keys=True) + "\n"
         if _write_if_changed(out_dir / f"{name}.json", text):
             changed.append(name)
+        _write_if_changed(history_path(out_dir, text), text)
     return changed
+
+
+def history_path(out_dir: Path, text: str) -> Path:
+    """Where the fingerprint file with content ``text`` is kept: named by its md5, as in dvc.lock."""
+    history = Path(out_dir) / HISTORY_DIR
+    history.mkdir(parents=True, exist_ok=True)
+    return history / f"{hashlib.md5(text.encode('utf-8')).hexdigest()}.json"
 
 
 def run(cfg: Config) -> int:

@@ -108,7 +108,7 @@ def train_sft(
             history.append({"step": len(history) + 1, "epoch": epoch, **stats,
                             "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]})
             bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['token_accuracy']:.2f}")
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['token_accuracy']:.2f}", refresh=False)
     bar.close()
     model.eval()
     return history

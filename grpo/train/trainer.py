@@ -138,7 +138,7 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
             history.append({"step": step, **result.metrics})
             writer.log(step, result.metrics)
             bar.set_postfix(reward=f"{result.metrics['reward']:.2f}", entropy=f"{result.metrics['entropy']:.2f}",
-                            step_time=f"{result.metrics['step_time']:.1f}s")
+                            step_time=f"{result.metrics['step_time']:.1f}s", refresh=False)
             if accelerator.is_main_process and (step % cfg.checkpoint.every == 0 or step == end):
                 ckpt.save_checkpoint(paths.run_dir(cfg), step, model=policy.model, optimizer=policy.optimizer,
                                      scheduler=policy.scheduler, rng=ckpt.capture_rng({}), history=history,

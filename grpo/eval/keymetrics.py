@@ -1,0 +1,71 @@
+"""Small flat key-metrics files, one per stage, for ``dvc metrics show`` and ``dvc metrics diff``.
+
+The full reports (``reports/validation.json``, ``metrics/sft.json``, ``reports/preflight.json``,
+``metrics/grpo.json``, ``metrics/eval.json``) are nested and long: as DVC metrics they made
+``dvc metrics show`` print rows of thousands of characters. Each stage therefore also writes
+``<metrics_dir>/key/<stage>.json``: a handful of flat numbers (the README's key rows), which is all
+dvc.yaml declares as metrics; the full report stays beside it as a plain output. Written by the CLI
+(``grpo <stage>`` and ``grpo pipeline``) after the stage succeeds, from the report the stage wrote.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from grpo.config import Config
+from grpo.eval.metrics import KEY_ROWS
+
+
+def _pick(*keys: str) -> Callable[[dict], dict]:
+    return lambda report: {key: report.get(key) for key in keys}
+
+
+def _validation(report: dict) -> dict:
+    return {"passed": report["success"], "rows": report["n_rows"], "rules": report["n_rules"],
+            "failed_rules": report["n_failed"]}
+
+
+def _preflight(report: dict) -> dict:
+    checks = report.get("checks", [])
+    return {"passed": report["passed"], "checks": len(checks), "failed": sum(not c["passed"] for c in checks)}
+
+
+def _evaluation(report: dict) -> dict:
+    return {f"{model}.{key}": modes.get("greedy", {}).get(key) for model, modes in report.items() for key in KEY_ROWS}
+
+
+KEY_METRICS: dict[str, tuple[str, str, Callable[[dict], dict]]] = {
+    # stage -> (paths field, full report file, key rows of it)
+    "validate": ("reports_dir", "validation.json", _validation),
+    "sft": ("metrics_dir", "sft.json", _pick("loss_first", "loss_final", "token_accuracy_final", "steps",
+                                             "wall_time_s")),
+    "preflight": ("reports_dir", "preflight.json", _preflight),
+    "grpo": ("metrics_dir", "grpo.json", _pick("reward_first", "reward", "reward_std", "frac_reward_zero_std",
+                                               "entropy", "kl", "steps")),
+    "evaluate": ("metrics_dir", "eval.json", _evaluation),
+}
+
+
+def key_metrics_path(cfg: Config, stage: str) -> Path:
+    return Path(cfg.paths.metrics_dir) / "key" / f"{stage}.json"
+
+
+def write_key_metrics(cfg: Config, stage: str) -> Path | None:
+    """``<metrics_dir>/key/<stage>.json`` from the stage's full report; None when there is none to read.
+
+    (No report: a stage without one, or ``grpo train --max-steps`` that stopped before the final save.)
+    """
+    if stage not in KEY_METRICS:
+        return None
+    field, name, pick = KEY_METRICS[stage]
+    full = Path(getattr(cfg.paths, field)) / name
+    if not full.is_file():
+        return None
+    report: dict[str, Any] = json.loads(full.read_text(encoding="utf-8"))
+    out = key_metrics_path(cfg, stage)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(pick(report), indent=2) + "\n", encoding="utf-8")
+    return out

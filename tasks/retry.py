@@ -1,0 +1,75 @@
+"""Which stage failures are worth a retry, and what exactly ended the stage.
+
+A retry only helps when running the same code on the same inputs again can succeed: the stage was
+killed (the OOM killer, a preempted machine: a signal) or it hit a device or network error. Everything
+else is deterministic and fails the task at once instead of waiting 10-120 s for the same result: the
+CLI's own errors (``error: ...``: a ``StaleArtifactError``, a broken data rule, a bad params value),
+DVC's errors (a missing dependency, an invalid dvc.yaml) and any other crash.
+
+DVC runs the stage command in a child process and exits 255 whatever happened to it; its last
+``ERROR`` line holds the command's own exit status (``failed to run: grpo sft, exited with -9``), so
+that is the cause reported, not DVC's 255.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prefect import Task
+from prefect.client.schemas.objects import State, TaskRun
+
+_COMMAND_EXIT = re.compile(r"failed to run: .*, exited with (-?\d+)\s*$")
+TRANSIENT_ERRORS = ("OutOfMemoryError", "CUDA error", "NCCL", "ConnectionError", "TimeoutError")
+"""Exception names in a stage's traceback that a retry can get past (a neighbour's memory, a network)."""
+
+
+class StageFailed(RuntimeError):
+    """A DVC stage exited non-zero; the message carries the exit cause and the tail of its stderr.
+
+    ``transient`` says whether running it again may succeed (``retry_transient`` reads it).
+    """
+
+    def __init__(self, message: str, stage: str = "", exit_code: int | None = None, transient: bool = False):
+        super().__init__(message)
+        self.stage, self.exit_code, self.transient = stage, exit_code, transient
+
+
+class InjectedFailure(RuntimeError):
+    """The GRPO_DUAL_FAIL_ONCE test hook failed this attempt on purpose (treated as transient)."""
+
+
+@dataclass(frozen=True)
+class ExitCause:
+    """How a stage ended: ``code`` < 0 means killed by signal ``-code``; ``of`` says whose status it is."""
+
+    code: int
+    of: str  # "stage command" (DVC's report of it) or "dvc" (DVC itself)
+    transient: bool
+
+    def describe(self) -> str:
+        if self.code < 0:
+            try:
+                name = signal.Signals(-self.code).name
+            except ValueError:
+                name = "unknown signal"
+            return f"the {self.of} was killed by signal {-self.code} ({name})"
+        return f"the {self.of} exited with code {self.code}"
+
+
+def exit_cause(returncode: int, output: Iterable[str]) -> ExitCause:
+    """The real cause of a failed ``dvc repro``: the stage command's status when DVC reports one."""
+    lines = list(output)
+    codes = [int(m.group(1)) for line in lines if (m := _COMMAND_EXIT.search(line))]
+    code, of = (codes[-1], "stage command") if codes else (returncode, "dvc")
+    text = "\n".join(lines)
+    transient = code < 0 or any(name in text for name in TRANSIENT_ERRORS)
+    return ExitCause(code=code, of=of, transient=transient)
+
+
+def retry_transient(task: Task, task_run: TaskRun, state: State) -> bool:
+    """Prefect ``retry_condition_fn``: retry a killed or device-failed stage, nothing deterministic."""
+    exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+    return isinstance(exc, InjectedFailure) or (isinstance(exc, StageFailed) and exc.transient)

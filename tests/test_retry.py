@@ -1,0 +1,78 @@
+"""tasks/retry.py: the real exit cause of a DVC stage, and which failures Prefect retries.
+
+The outputs are real: ``dvc repro`` in a throwaway git repo whose stages die the ways a pipeline
+stage does (killed by SIGKILL, an ``error:`` exit of the CLI, a CUDA out-of-memory traceback).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from prefect.states import Failed
+
+from tasks.dvc_stage import InjectedFailure, StageFailed
+from tasks.retry import exit_cause, retry_transient
+
+pytest.importorskip("dvc")
+
+STAGE_SCRIPT = """import os, signal, sys
+how = sys.argv[1]
+if how == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if how == "oom":
+    raise RuntimeError("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+print("error: params.yaml: grpo.group_size must be >= 2 (got 1)", file=sys.stderr)
+sys.exit(1)
+"""
+
+
+@pytest.fixture(scope="module")
+def dvc_failures(tmp_path_factory) -> dict[str, tuple[int, list[str]]]:
+    """``{stage: (dvc exit code, stderr lines)}`` of real `dvc repro --single-item` runs that fail."""
+    repo = tmp_path_factory.mktemp("dvc_failures")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=repo, check=True)
+    (repo / "stage.py").write_text(STAGE_SCRIPT, encoding="utf-8")
+    (repo / "dvc.yaml").write_text("stages:\n" + "".join(
+        f"  {name}:\n    cmd: {sys.executable} stage.py {name}\n" for name in ("kill", "oom", "error")))
+    out = {}
+    for name in ("kill", "oom", "error"):
+        proc = subprocess.run([sys.executable, "-m", "dvc", "repro", "--single-item", name], cwd=repo,
+                              capture_output=True, text=True, timeout=120)
+        out[name] = (proc.returncode, proc.stderr.splitlines())
+    return out
+
+
+def test_exit_cause_is_the_stage_commands_not_dvcs(dvc_failures):
+    code, err = dvc_failures["kill"]
+    assert code == 255  # DVC's own status says nothing about the kill ...
+    cause = exit_cause(code, err)  # ... its last ERROR line does
+    assert (cause.code, cause.of, cause.transient) == (-9, "stage command", True)
+    assert cause.describe() == "the stage command was killed by signal 9 (SIGKILL)"
+
+
+def test_deterministic_failures_are_not_transient(dvc_failures):
+    cause = exit_cause(*dvc_failures["error"])
+    assert (cause.code, cause.transient) == (1, False)
+    assert cause.describe() == "the stage command exited with code 1"
+    assert exit_cause(255, ["ERROR: failed to reproduce 'sft': missing dependency"]) == exit_cause(
+        255, ["ERROR: bad dvc.yaml"])  # DVC's own errors: deterministic, DVC's code reported
+    assert not exit_cause(255, ["ERROR: bad dvc.yaml"]).transient
+
+
+def test_device_errors_are_transient(dvc_failures):
+    cause = exit_cause(*dvc_failures["oom"])
+    assert (cause.code, cause.transient) == (1, True)
+
+
+def test_retry_condition_retries_only_transient_failures():
+    def failed(exc: BaseException):
+        return Failed(data=exc, message=str(exc))
+
+    assert retry_transient(None, None, failed(StageFailed("killed", "grpo", -9, transient=True)))
+    assert retry_transient(None, None, failed(InjectedFailure("hook")))
+    assert not retry_transient(None, None, failed(StageFailed("StaleArtifactError", "grpo", 1, transient=False)))
+    assert not retry_transient(None, None, failed(ValueError("a bug in a task")))
+
