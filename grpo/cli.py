@@ -34,6 +34,10 @@ def _diagnose_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write the diagnosis as JSON here too")
 
 
+def _seeds_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="seeds to run (default: 1 2 3)")
+
+
 def _train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
 
@@ -51,6 +55,7 @@ COMMANDS: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None]]] 
     "diagnose": ("grpo.checks.diagnose:run", "deep entropy diagnosis of a model or checkpoint", _diagnose_args),
     "fingerprint": ("grpo.provenance.fingerprint:run", "write the semantic code fingerprint of every stage", _no_args),
     "pipeline": ("grpo.pipeline:run", "run every stage in order (what `make run` does)", _no_args),
+    "seeds": ("grpo.seeds:run", "run the pipeline once per seed and print GRPO − SFT across seeds", _seeds_args),
 }
 
 
