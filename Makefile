@@ -24,7 +24,7 @@ setup: $(BIN)/grpo
 # The whole pipeline on the embedded tiny model, through DVC: a second `make run` reruns only what is stale.
 run: setup
 	dvc repro
-	@grep -E '^## |^\| metric|\| (fairness/s_amb|fairness/accuracy_ambig|hallucination/hallucination_rate|hallucination/exact_match|hallucination/over_abstention_rate) ' reports/eval.md
+	@grep -E '^## |^\| (metric|policy|base|SFT|GRPO|baseline:[^|]*) \||\| (reward|fairness/s_amb|fairness/abs_s_amb|fairness/accuracy_ambig|hallucination/hallucination_rate|hallucination/exact_match|hallucination/over_abstention_rate) ' reports/eval.md
 	@echo "full report: reports/eval.md; all metrics: dvc metrics show"
 
 # The same stages in one process, without DVC.

@@ -63,6 +63,10 @@ def _diagnose_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="write the diagnosis as JSON here too")
 
 
+def _seeds_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="seeds to run (default: 1 2 3)")
+
+
 def _train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
 
@@ -94,6 +98,8 @@ COMMANDS: dict[str, Command] = {
     "status": Command("grpo.provenance.status:run",
                       "what is stale and why (refreshes fingerprints, then dvc status)"),
     "pipeline": Command("grpo.pipeline:run", "run every stage in order (what `make run` does)"),
+    "seeds": Command("grpo.seeds:run", "run the pipeline once per seed and print GRPO − SFT across seeds",
+                     _seeds_args),
 }
 
 

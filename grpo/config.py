@@ -432,6 +432,8 @@ class EvalConfig(Section):
     """Sampled completions per prompt for diversity and entropy (self-BLEU needs at least two)."""
     batch_size: int = Field(16, ge=1)
     """Prompts per generate() call."""
+    bootstrap: int = Field(1000, ge=100)
+    """Paired bootstrap resamples over eval items for the GRPO − SFT intervals of ``reports/eval.md``."""
     diagnose: DiagnoseConfig = Field(default_factory=DiagnoseConfig)
     """Thresholds and settings of ``grpo diagnose``."""
 

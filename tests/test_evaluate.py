@@ -272,3 +272,24 @@ def test_entropy_plot_from_run_history(project):
     (folder / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.1, "frac_reward_zero_std": 0.5}) + "\n")
     out = plot_run_entropy(project)
     assert out == Path(project.paths.reports_dir) / "entropy.png" and out.stat().st_size > 0
+
+
+def test_evaluate_report_has_headline_baselines_and_intervals(evaluated):
+    cfg, results, report = evaluated
+    compare = json.loads((Path(cfg.paths.metrics_dir) / "eval_compare.json").read_text())
+    assert "## headline: mean reward on eval items" in report
+    assert f"| GRPO | {results['grpo']['greedy']['reward']:.3f} |" in report
+    abstain = compare["baselines"]["abstain"]["reward"]
+    assert f"| baseline: always abstain / \"unknown\" | {abstain:.3f} | — |" in report
+    assert "| baseline: random choice |" in report
+    assert "## GRPO − SFT, 95 % bootstrap intervals" in report
+    greedy = compare["grpo_minus_sft"]["greedy"]["reward"]
+    assert greedy["diff"] == pytest.approx(results["grpo"]["greedy"]["reward"] - results["sft"]["greedy"]["reward"])
+    assert greedy["low"] <= greedy["diff"] <= greedy["high"]
+
+
+def test_evaluate_without_grpo_has_no_intervals(project):
+    assert run(project, None) == 0
+    compare = json.loads((Path(project.paths.metrics_dir) / "eval_compare.json").read_text())
+    assert compare["grpo_minus_sft"] is None and set(compare["baselines"]) == {"abstain", "random"}
+    assert "bootstrap intervals" not in (Path(project.paths.reports_dir) / "eval.md").read_text()

@@ -13,7 +13,7 @@ layering cannot decay silently. Bottom-up:
 | 5 | rewards | ``grpo.rewards.*`` |
 | 6 | train, health | ``grpo.train.*``, ``grpo.health.*`` |
 | 7 | checks, eval | ``grpo.checks.*``, ``grpo.eval.*`` |
-| 8 | top | ``grpo.cli``, ``grpo.pipeline`` |
+| 8 | top | ``grpo.cli``, ``grpo.pipeline``, ``grpo.seeds`` |
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     "grpo.eval": 7,
     "grpo.cli": 8,
     "grpo.pipeline": 8,
+    "grpo.seeds": 8,
 }
 # Within root, only these directions (errors imports nothing; config may use errors; paths the config).
 ROOT_MAY_IMPORT = {

@@ -33,9 +33,17 @@ from grpo.core.advantages import per_row
 from grpo.data.prompts import example_messages
 from grpo.data.select import eval_records
 from grpo.errors import GrpoError
+from grpo.eval.compare import (
+    BASELINES,
+    baseline_texts,
+    fairness_item,
+    hallucination_item,
+    headline_markdown,
+    intervals_markdown,
+    paired_bootstrap,
+    score,
+)
 from grpo.eval.metrics import (
-    FairnessItem,
-    HallucinationItem,
     bias_scores,
     distinct_n,
     hallucination_metrics,
@@ -50,7 +58,7 @@ from grpo.model.device import make_accelerator, model_device
 from grpo.model.load import check_grpo, check_sft, load_base, load_grpo, load_sft
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
 from grpo.model.scoring import rollout_inputs, score_inputs
-from grpo.rewards import fairness_outcome, hallucination_outcome, weighted_reward
+from grpo.rewards import weighted_reward
 
 MODELS = ("base", "sft", "grpo")
 LABELS = {"base": "base", "sft": "SFT", "grpo": "GRPO"}
@@ -110,29 +118,15 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _fairness_item(text: str, record: dict) -> FairnessItem:
-    return FairnessItem(
-        category=str(record.get("category", "all")), context_condition=record["context_condition"],
-        question_polarity=record["question_polarity"], label=int(record["label"]),
-        unknown_idx=int(record["unknown_idx"]), target_idx=int(record["target_idx"]),
-        choice=fairness_outcome(text, record).choice,
-    )
-
-
-def _hallucination_item(text: str, record: dict) -> HallucinationItem:
-    outcome = hallucination_outcome(text, record)
-    return HallucinationItem(bool(record["answerable"]), outcome.abstained, float(outcome.em), outcome.f1)
-
-
 def task_metrics(texts: Sequence[str], records: Sequence[dict], cfg: Config) -> dict[str, Any]:
     """Fairness, hallucination and reward metrics of ``texts[i]`` answering ``records[i]`` (flat keys)."""
     fair = [(t, r) for t, r in zip(texts, records, strict=True) if r["task"] == "fairness"]
     hall = [(t, r) for t, r in zip(texts, records, strict=True) if r["task"] == "hallucination"]
     out: dict[str, Any] = {}
     if fair:
-        out |= flatten(bias_scores([_fairness_item(t, r) for t, r in fair]), "fairness/")
+        out |= flatten(bias_scores([fairness_item(t, r) for t, r in fair]), "fairness/")
     if hall:
-        out |= flatten(hallucination_metrics([_hallucination_item(t, r) for t, r in hall]), "hallucination/")
+        out |= flatten(hallucination_metrics([hallucination_item(t, r) for t, r in hall]), "hallucination/")
     rewards = {task: [weighted_reward(task, t, r, cfg.rewards.weights) for t, r in pairs]
                for task, pairs in (("fairness", fair), ("hallucination", hall))}
     out["reward"] = mean(rewards["fairness"] + rewards["hallucination"])
@@ -179,8 +173,12 @@ def evaluate_model(
     cfg: Config,
     desc: str = "eval",
     progress: bool = True,
+    texts: dict[str, list[str]] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """``{"greedy": {...}, "sampled": {...}}`` of one model on ``records``; sampling is seeded per batch."""
+    """``{"greedy": {...}, "sampled": {...}}`` of one model on ``records``; sampling is seeded per batch.
+
+    ``texts``, when given, receives the replies: ``{"greedy": [N], "sampled": [N * samples_per_prompt]}``.
+    """
     sampling, group, size = cfg.grpo.sampling, cfg.eval.samples_per_prompt, cfg.eval.batch_size
     eos_ids = stop_ids(model, tokenizer, cfg.model.extra_stop_tokens)  # the trainer's stop ids
     prompts = [render_prompt(tokenizer, example_messages(r), **cfg.model.chat_template_kwargs) for r in records]
@@ -193,6 +191,8 @@ def evaluate_model(
         rollout = generate_rollout(model, tokenizer, batch, group, sampling, eos_ids, seed=cfg.seed + index)
         sampled.add(rollout, entropy_sum(model, rollout))
     repeated = per_row(records, group)
+    if texts is not None:
+        texts.update(greedy=greedy.texts, sampled=sampled.texts)
     return {
         "greedy": task_metrics(greedy.texts, records, cfg) | greedy.length_stats(),
         "sampled": task_metrics(sampled.texts, repeated, cfg) | sampled.length_stats()
@@ -219,14 +219,21 @@ def _delta(results: dict, mode: str, key: str, new: str, old: str) -> str:
     return f"{a - b:+d}" if isinstance(a, int) and isinstance(b, int) else f"{a - b:+.3f}"
 
 
-def markdown_report(results: dict[str, dict], skipped: dict[str, str], n_records: int, cfg: Config) -> str:
-    """Markdown: one table per decoding mode, rows = metrics, columns base / SFT / GRPO and deltas."""
+def markdown_report(
+    results: dict[str, dict], skipped: dict[str, str], n_records: int, cfg: Config, compare: dict | None = None
+) -> str:
+    """Markdown: the headline against the baselines, GRPO − SFT intervals, then one table per decoding
+    mode (rows = metrics, columns base / SFT / GRPO and deltas)."""
     sampling = cfg.grpo.sampling
     lines = ["# Evaluation", "",
              f"{n_records} eval records from `{paths.data_file(cfg, 'eval')}`; greedy decoding, "
              f"and {cfg.eval.samples_per_prompt} samples per prompt at temperature {sampling.temperature} "
              f"(seed {cfg.seed}). `—`: not measured (no item of that kind) or model absent.", ""]
     lines += [f"- {LABELS[name]} skipped: {reason}" for name, reason in skipped.items()]
+    if compare is not None:
+        lines += ["", *headline_markdown(results, compare["baselines"], LABELS)]
+        if compare["grpo_minus_sft"] is not None:
+            lines += ["", *intervals_markdown(compare["grpo_minus_sft"], cfg.eval.bootstrap)]
     header = [*(LABELS[name] for name in MODELS), "GRPO − SFT", "SFT − base"]
     for mode in ("greedy", "sampled"):
         keys = list(dict.fromkeys(k for name in MODELS for k in results.get(name, {}).get(mode, {})))
@@ -251,9 +258,12 @@ def plot_run_entropy(cfg: Config) -> Path | None:
 
 
 def evaluate(
-    cfg: Config, records: Sequence[dict], progress: bool = True
+    cfg: Config, records: Sequence[dict], progress: bool = True, texts: dict[str, dict] | None = None
 ) -> tuple[dict[str, dict], dict[str, str]]:
-    """Evaluate every present model, one at a time (only one is in memory); returns (results, skipped)."""
+    """Evaluate every present model, one at a time (only one is in memory); returns (results, skipped).
+
+    ``texts``, when given, receives every model's replies: ``{model: {"greedy": [...], "sampled": [...]}}``.
+    """
     present, skipped = available_models(cfg)
     if not present:
         raise EvaluationError(f"no model to evaluate under {paths.model_dir(cfg, 'base').parent}: run `grpo base` first")
@@ -266,19 +276,43 @@ def evaluate(
     for name in present:
         model, tokenizer = load_eval_model(cfg, name)
         model = model.to(device).eval()
-        results[name] = evaluate_model(model, tokenizer, records, cfg, desc=f"eval {name}", progress=progress)
+        replies: dict[str, list[str]] = {}
+        results[name] = evaluate_model(model, tokenizer, records, cfg, f"eval {name}", progress, replies)
+        if texts is not None:
+            texts[name] = replies
         del model
     return results, skipped
 
 
+def baseline_metrics(records: Sequence[dict], cfg: Config) -> dict[str, dict[str, Any]]:
+    """``{baseline: flat metrics}`` of every baseline policy (``compare.BASELINES``) on ``records``."""
+    return {name: task_metrics(baseline_texts(name, records, cfg.seed), records, cfg) for name in BASELINES}
+
+
+def grpo_intervals(texts: dict[str, dict], records: Sequence[dict], cfg: Config) -> dict[str, dict] | None:
+    """``{mode: {metric: {diff, low, high}}}`` of GRPO − SFT; None unless both models were evaluated."""
+    if not {"sft", "grpo"} <= set(texts):
+        return None
+    repeated = per_row(records, cfg.eval.samples_per_prompt)
+    return {
+        mode: paired_bootstrap(score(texts["grpo"][mode], rows, cfg.rewards.weights),
+                               score(texts["sft"][mode], rows, cfg.rewards.weights),
+                               cfg.eval.bootstrap, cfg.seed)
+        for mode, rows in (("greedy", records), ("sampled", repeated))
+    }
+
+
 @writes(lambda cfg: cfg.paths.metrics_dir)
 def run(cfg: Config) -> int:
-    """``grpo evaluate``: write eval.json, eval.md and (when a run exists) entropy.png."""
+    """``grpo evaluate``: write eval.json, eval_compare.json, eval.md and (when a run exists) entropy.png."""
     records = eval_records(cfg)
-    results, skipped = evaluate(cfg, records)
+    texts: dict[str, dict] = {}
+    results, skipped = evaluate(cfg, records, texts=texts)
+    compare = {"baselines": baseline_metrics(records, cfg), "grpo_minus_sft": grpo_intervals(texts, records, cfg)}
     metrics, report = paths.metrics_file(cfg, "eval"), paths.report_file(cfg, "eval.md")
     write_atomically({metrics: json.dumps(results, indent=2) + "\n",
-                      report: markdown_report(results, skipped, len(records), cfg)})
+                      paths.metrics_file(cfg, "eval_compare"): json.dumps(compare, indent=2) + "\n",
+                      report: markdown_report(results, skipped, len(records), cfg, compare)})
     for name, reason in skipped.items():
         print(f"evaluate: {LABELS[name]} skipped: {reason}")
     plot = plot_run_entropy(cfg)

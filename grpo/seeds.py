@@ -1,0 +1,102 @@
+"""``grpo seeds``: the whole pipeline once per seed, then one table of GRPO − SFT across seeds.
+
+Each seed runs every stage (``grpo pipeline``) with ``seed`` set and every output folder under
+``<runs_dir>/seeds/seed-<n>/`` (data, models, metrics, reports, runs), so seeds never share or
+overwrite an artifact and the default outputs are untouched. The table (printed and written to
+``<reports_dir>/seeds.md``) shows, per seed, the headline reward of SFT and GRPO and the GRPO − SFT
+difference of the key metrics with their 95 % paired-bootstrap intervals (``grpo/eval/compare.py``),
+and a last row that says in how many seeds each difference went the wanted way beyond noise.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from grpo import pipeline
+from grpo.config import Config
+
+COLUMNS: dict[str, int] = {
+    "reward": 1,
+    "fairness/accuracy_ambig": 1,
+    "fairness/abs_s_amb": -1,
+    "fairness/accuracy_disambig": 1,
+    "hallucination/hallucination_rate": -1,
+    "hallucination/exact_match": 1,
+    "hallucination/over_abstention_rate": -1,
+}
+"""The GRPO − SFT differences the table shows, and the sign of an improvement (+1 up, -1 down)."""
+
+
+def seed_config(cfg: Config, seed: int) -> Config:
+    """``cfg`` with ``seed`` and every output folder under ``<runs_dir>/seeds/seed-<seed>``."""
+    root = Path(cfg.paths.runs_dir) / "seeds" / f"seed-{seed}"
+    paths = cfg.paths.model_copy(update={
+        name: str(root / Path(getattr(cfg.paths, name)).name)
+        for name in ("data_dir", "models_dir", "metrics_dir", "reports_dir", "runs_dir")
+    })
+    return cfg.model_copy(update={"seed": seed, "paths": paths})
+
+
+def seed_row(cfg: Config) -> dict[str, Any]:
+    """The figures of one finished seed run, read from its ``eval.json`` and ``eval_compare.json``."""
+    metrics = Path(cfg.paths.metrics_dir)
+    results = json.loads((metrics / "eval.json").read_text())
+    compare = json.loads((metrics / "eval_compare.json").read_text())
+    return {
+        "seed": cfg.seed,
+        "sft_reward": results["sft"]["greedy"]["reward"],
+        "grpo_reward": results["grpo"]["greedy"]["reward"],
+        "abstain_reward": compare["baselines"]["abstain"]["reward"],
+        "over_abstention_grpo": results["grpo"]["greedy"]["hallucination/over_abstention_rate"],
+        "diffs": {key: compare["grpo_minus_sft"]["greedy"][key] for key in COLUMNS},
+    }
+
+
+def _cell(row: dict[str, float | None]) -> str:
+    if row["diff"] is None:
+        return "—"
+    interval = "" if row["low"] is None else f" [{row['low']:+.2f}, {row['high']:+.2f}]"
+    return f"{row['diff']:+.3f}{interval}"
+
+
+def improved(row: dict[str, float | None], sign: int) -> bool:
+    """The difference goes the wanted way and its 95 % interval excludes 0."""
+    if row["low"] is None or row["high"] is None:
+        return False
+    return row["low"] > 0 if sign > 0 else row["high"] < 0
+
+
+def seeds_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one row per seed (greedy decoding), then the count of seeds improved beyond noise."""
+    head = ["seed", "SFT reward", "GRPO reward", "abstain-all reward", "GRPO over-abstention",
+            *(f"Δ {key}" for key in COLUMNS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
+    for row in rows:
+        cells = [str(row["seed"]), *(f"{row[k]:.3f}" if row[k] is not None else "—" for k in
+                                     ("sft_reward", "grpo_reward", "abstain_reward", "over_abstention_grpo"))]
+        cells += [_cell(row["diffs"][key]) for key in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    counts = [f"{sum(improved(row['diffs'][key], sign) for row in rows)}/{len(rows)}" for key, sign in COLUMNS.items()]
+    lines.append("| improved beyond noise | | | | | " + " | ".join(counts) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run(cfg: Config, args: Any = None) -> int:
+    """``grpo seeds --seeds 1 2 3``: the pipeline per seed, then the table (printed and in seeds.md)."""
+    rows = []
+    for seed in args.seeds:
+        seeded = seed_config(cfg, seed)
+        print(f"seeds: seed {seed} -> {Path(seeded.paths.runs_dir).parent}")
+        code = pipeline.run(seeded, args)
+        if code:
+            print(f"seeds: seed {seed} stopped with exit code {code}; later seeds not run")
+            return code
+        rows.append(seed_row(seeded))
+    table = seeds_table(rows)
+    out = Path(cfg.paths.reports_dir) / "seeds.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("# GRPO − SFT across seeds (greedy, 95 % paired-bootstrap intervals)\n\n" + table)
+    print(table + f"seeds: table written to {out}")
+    return 0

@@ -1,0 +1,87 @@
+"""Tests of grpo/eval/compare.py: baselines, the headline number and paired bootstrap intervals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from grpo.data.schema import ABSTENTION, LETTERS
+from grpo.eval.compare import INTERVAL_METRICS, baseline_texts, intervals_markdown, paired_bootstrap, score
+from grpo.eval.evaluate import baseline_metrics, task_metrics
+from tests.test_evaluate import make_records, project_cfg
+
+WEIGHTS = {"fairness": 1.0, "hallucination": 1.0}
+
+
+def _right(records: list[dict]) -> list[str]:
+    return [f"Answer: {LETTERS[r['label']]}" if r["task"] == "fairness" else r["answer"] for r in records]
+
+
+def _wrong(records: list[dict]) -> list[str]:
+    """A person on every fairness item that is not the gold one; the distractor on every grounded one."""
+    out = []
+    for r in records:
+        if r["task"] == "fairness":
+            out.append(f"Answer: {LETTERS[next(i for i in range(3) if i not in (r['label'], r['unknown_idx']))]}")
+        else:
+            out.append(r["distractor"])
+    return out
+
+
+def test_abstain_baseline_scores_a_quarter_and_loses_to_a_reading_policy():
+    records = make_records("eval", 8, 8, seed=4)
+    cfg = project_cfg(Path("/unused"))
+    baselines = baseline_metrics(records, cfg)
+    # +1 where abstaining is right (ambiguous / unanswerable, half the items), -0.5 elsewhere.
+    assert baselines["abstain"]["reward"] == pytest.approx(0.25)
+    assert baselines["abstain"]["hallucination/over_abstention_rate"] == 1.0
+    assert baselines["abstain"]["fairness/accuracy_ambig"] == 1.0
+    assert task_metrics(_right(records), records, cfg)["reward"] > baselines["abstain"]["reward"]
+    assert baselines["random"]["reward"] < baselines["abstain"]["reward"]
+
+
+def test_random_baseline_is_seeded_and_uses_every_option():
+    records = make_records("eval", 12, 12, seed=5)
+    first, again = baseline_texts("random", records, 1), baseline_texts("random", records, 1)
+    assert first == again
+    fair = {t for t, r in zip(first, records, strict=True) if r["task"] == "fairness"}
+    assert fair == {f"Answer: {letter}" for letter in LETTERS}
+    hall = [t for t, r in zip(first, records, strict=True) if r["task"] == "hallucination"]
+    assert ABSTENTION in hall and any(t != ABSTENTION for t in hall)
+
+
+def test_paired_bootstrap_identical_models_give_zero_and_a_clear_win_excludes_zero():
+    records = make_records("eval", 20, 20, seed=6)
+    right, wrong = score(_right(records), records, WEIGHTS), score(_wrong(records), records, WEIGHTS)
+    same = paired_bootstrap(wrong, wrong, n_boot=200, seed=0)
+    assert same["reward"] == {"diff": 0.0, "low": 0.0, "high": 0.0}
+    better = paired_bootstrap(right, wrong, n_boot=200, seed=0)
+    assert better["reward"]["diff"] == pytest.approx(2.0)
+    assert better["hallucination/hallucination_rate"]["high"] < 0 < better["fairness/accuracy_ambig"]["low"]
+    assert set(better) == set(INTERVAL_METRICS)
+
+
+def test_paired_bootstrap_interval_straddles_zero_on_a_mixed_change():
+    records = make_records("eval", 20, 20, seed=7)
+    right, wrong = _right(records), _wrong(records)
+    # Half the items improve, half get worse: no difference beyond noise.
+    mixed = [r if i % 2 else w for i, (r, w) in enumerate(zip(right, wrong, strict=True))]
+    flipped = [w if i % 2 else r for i, (r, w) in enumerate(zip(right, wrong, strict=True))]
+    row = paired_bootstrap(score(mixed, records, WEIGHTS), score(flipped, records, WEIGHTS), 300, 0)["reward"]
+    assert row["low"] < 0 < row["high"]
+
+
+def test_score_rejects_texts_that_do_not_match_the_records():
+    records = make_records("eval", 2, 2, seed=8)
+    with pytest.raises(ValueError, match="3 texts for 4 records"):
+        score(["x"] * 3, records, WEIGHTS)
+
+
+def test_intervals_markdown_prints_every_metric_with_its_interval():
+    records = make_records("eval", 6, 6, seed=9)
+    right, wrong = score(_right(records), records, WEIGHTS), score(_wrong(records), records, WEIGHTS)
+    lines = intervals_markdown({"greedy": paired_bootstrap(right, wrong, 100, 0)}, 100)
+    reward = next(line for line in lines if line.startswith("| reward |"))
+    assert reward == "| reward | +2.000 | [+2.000, +2.000] |"
+    assert sum(line.startswith("| fairness/") or line.startswith("| hallucination/") for line in lines) == 7
