@@ -7,8 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from grpo.config import Config
+from grpo.model.architectures import PRESETS, build_architecture, count_parameters
+from grpo.model.modeling import build_tiny, load_model, load_tokenizer, save_model, write_pointer
 from grpo.provenance.lineage import make_lineage, write_lineage
-from grpo.model.modeling import build_tiny, load_model, load_tokenizer, write_pointer
 
 TEXT_FIELDS = ("context", "question", "answer")
 
@@ -29,13 +30,20 @@ def base_dir(cfg: Config) -> Path:
 
 
 def base_inputs(cfg: Config) -> dict[str, Path]:
-    """The tokenizer of the embedded model is trained on the training split."""
+    """The tokenizer of the embedded model is trained on the training split; a preset reads its tokenizer."""
+    if cfg.model.architecture is not None:
+        return {"tokenizer": Path(cfg.model.tokenizers_dir) / PRESETS[cfg.model.architecture].tokenizer}
     return {"train": Path(cfg.paths.data_dir) / "train.jsonl"} if cfg.model.name_or_path is None else {}
 
 
 def run(cfg: Config, args=None) -> int:
     out = base_dir(cfg)
-    if cfg.model.name_or_path is None:
+    if cfg.model.architecture is not None:
+        model, tokenizer = build_architecture(cfg.model, cfg.seed)
+        save_model(model, tokenizer, out)
+        print(f"base: {cfg.model.architecture} with random weights ({count_parameters(model) / 1e6:.1f}M "
+              f"parameters, {cfg.model.dtype}) and its real tokenizer written to {out}")
+    elif cfg.model.name_or_path is None:
         texts = corpus_texts(Path(cfg.paths.data_dir) / "train.jsonl")
         model, _ = build_tiny(out, texts, cfg.model.tiny, cfg.seed)
         n_params = sum(p.numel() for p in model.parameters())

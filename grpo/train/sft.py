@@ -17,13 +17,14 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_schedule_with_warmup
 
-from grpo.core.batching import SftBatch, position_ids_from_mask, sft_batch
-from grpo.model.chat import SftExample, example_messages, render_sft, sft_target
 from grpo.config import Config, SftConfig
+from grpo.core.batching import SftBatch, position_ids_from_mask, sft_batch
 from grpo.data.jsonl import read_records
 from grpo.errors import GrpoError
-from grpo.provenance.lineage import check_lineage, make_lineage, write_lineage
+from grpo.model.chat import SftExample, example_messages, render_sft, sft_target
 from grpo.model.modeling import load_model, load_tokenizer, save_model, wrap_lora
+from grpo.model.precision import apply_memory_settings, bf16_autocast
+from grpo.provenance.lineage import check_lineage, make_lineage, write_lineage
 
 
 def build_examples(
@@ -88,7 +89,8 @@ def train_sft(
         for start in range(0, len(order), cfg.batch_size):
             batch = sft_batch([examples[i] for i in order[start : start + cfg.batch_size]], pad_id)
             batch = SftBatch(*(t.to(device) for t in batch))
-            loss, stats = sft_loss(model, batch)
+            with bf16_autocast(device, cfg.bf16):  # fp32 master weights (grpo/model/precision.py)
+                loss, stats = sft_loss(model, batch)
             if not torch.isfinite(loss):
                 raise GrpoError(f"sft: loss is {loss.item()} at step {len(history) + 1}; lower sft.lr")
             optimizer.zero_grad(set_to_none=True)
@@ -123,7 +125,7 @@ def load_sft(cfg: Config) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
 def run(cfg: Config, args=None) -> int:
     base = Path(cfg.paths.models_dir) / "base"
     tokenizer = load_tokenizer(base, cfg.model)
-    model = load_model(base, cfg.model)
+    model = apply_memory_settings(load_model(base, cfg.model), cfg.model)
     if torch.cuda.is_available():
         model = model.cuda()
     records = read_records(Path(cfg.paths.data_dir) / "train.jsonl")
