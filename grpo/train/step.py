@@ -16,18 +16,19 @@ from typing import Any
 
 import torch
 
+from grpo.config import Config
 from grpo.core.advantages import group_advantages
 from grpo.core.batching import join_prompt_completion
-from grpo.model.chat import example_messages, render_prompt
-from grpo.config import Config
-from grpo.train.dynamic_sampling import Draw, sample_groups
-from grpo.errors import GrpoError
 from grpo.core.logprobs import score_completions
 from grpo.core.losses import LossTerms, policy_loss_terms
-from grpo.health.metrics import completion_stats, task_reward_stats
 from grpo.core.multitask import TaskLoss, multitask_backward
+from grpo.errors import GrpoError
+from grpo.health.metrics import completion_stats, task_reward_stats
+from grpo.model.chat import example_messages, render_prompt
+from grpo.model.engines import HFEngine
 from grpo.rewards import group_rewards
-from grpo.model.rollout import generate_rollout
+from grpo.train.dynamic_sampling import Draw, sample_groups
+from grpo.train.mismatch import sampler_mismatch
 from grpo.train.task_mix import TASKS
 
 
@@ -44,6 +45,7 @@ class StepContext:
     scheduler: Any
     eos_ids: list[int]
     accelerator: Any
+    engine: Any = None  # grpo/model/engines.py RolloutEngine; None: HF generate on ``model``
 
 
 @dataclass(frozen=True)
@@ -86,11 +88,14 @@ def draw(ctx: StepContext, records: list[dict], seed: int) -> Draw:
     cfg = ctx.cfg
     prompts = [render_prompt(ctx.tokenizer, example_messages(r), **cfg.model.chat_template_kwargs)
                for r in records]
-    rollout = generate_rollout(ctx.model, ctx.tokenizer, prompts, cfg.grpo.group_size, cfg.grpo.sampling,
-                               ctx.eos_ids, seed)
+    engine = ctx.engine or HFEngine(ctx.model, ctx.tokenizer)
+    sampled = engine.generate(prompts, cfg.grpo.group_size, cfg.grpo.sampling, ctx.eos_ids, seed)
+    rollout = sampled.rollout
     group = cfg.grpo.group_size
     rewards = torch.tensor(group_rewards(rollout.texts, records, group, cfg.rewards.weights))
     advantages, stats = group_advantages(rewards, group, cfg.grpo.loss.scale_rewards)
+    if sampled.sampler_logprobs is not None:  # another engine sampled: how far its log-probs are from ours
+        stats |= sampler_mismatch(ctx.model, rollout, sampled.sampler_logprobs, cfg.grpo.sampling.temperature)
     tasks = row_tasks(records, group)
     return Draw(rollout, list(records), rewards, advantages, stats | task_reward_stats(rewards, tasks))
 

@@ -26,6 +26,7 @@ from grpo.data.jsonl import read_records
 from grpo.errors import GrpoError
 from grpo.health.metrics import MetricsWriter
 from grpo.health.monitor import Monitor, raise_if_stop
+from grpo.model.engines import make_engine
 from grpo.model.modeling import save_model, wrap_lora
 from grpo.model.precision import apply_memory_settings
 from grpo.model.rollout import stop_ids
@@ -134,8 +135,9 @@ def _shard(cfg: Config, by_task: dict, step: int, attempt: int, accelerator: Acc
 
 def _context(cfg: Config, policy: Policy, accelerator: Accelerator) -> StepContext:
     eos_ids = stop_ids(policy.model, policy.tokenizer, cfg.model.extra_stop_tokens)
+    engine = make_engine(cfg.grpo.rollout, policy.model, policy.tokenizer, seed=cfg.seed)
     return StepContext(cfg=cfg, model=policy.model, tokenizer=policy.tokenizer, optimizer=policy.optimizer,
-                       scheduler=policy.scheduler, eos_ids=eos_ids, accelerator=accelerator)
+                       scheduler=policy.scheduler, eos_ids=eos_ids, accelerator=accelerator, engine=engine)
 
 
 def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> list[dict]:
@@ -161,6 +163,7 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
             findings += monitor.check_boundary(step, result.raw_texts, result.prompt_texts,
                                                result.header_tokens, result.end_of_turn_tokens)
             raise_if_stop(findings)  # before saving: a collapsed state never becomes a checkpoint
+            context.engine.sync_weights(policy.model)  # vLLM samples the next step from the new weights
             history.append({"step": step, **result.metrics})
             writer.log(step, result.metrics)
             bar.set_postfix(reward=f"{result.metrics['reward']:.2f}", entropy=f"{result.metrics['entropy']:.2f}",

@@ -1,0 +1,129 @@
+"""grpo/model/engines.py and vllm_engine.py: the engine interface on CPU with the HF engine; the
+vLLM engine's CPU-side parts (assembly, merged weights); its GPU tests are marked ``gpu``."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from grpo.config import ConfigError, LoraConfig, RolloutConfig, SamplingConfig, config_from_dict
+from grpo.core.batching import completion_mask, left_pad
+from grpo.model.chat import end_of_turn_ids, example_messages, render_prompt
+from grpo.model.engines import EngineRollout, HFEngine, make_engine
+from grpo.model.modeling import wrap_lora
+from grpo.model.rollout import generate_rollout
+from grpo.model.vllm_engine import assemble, merged_weights
+from grpo.train.mismatch import sampler_mismatch
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+RECORDS = [
+    {"task": "hallucination", "context": "Elbrook was founded in 1821.", "question": "When?", "answer": "1821",
+     "answerable": True},
+    {"task": "hallucination", "context": "The town is known for glass.", "question": "Who founded it?",
+     "answer": None, "answerable": False},
+]
+SAMPLING = SamplingConfig(max_new_tokens=6, min_new_tokens=2, presence_penalty=0.5)
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    return [render_prompt(tokenizer, example_messages(r)) for r in RECORDS]
+
+
+def test_hf_engine_is_generate_rollout(tiny_model, tiny_tokenizer):
+    """Same ids, masks and texts as rollout.generate_rollout for the same seed; no sampler log-probs."""
+    eos = end_of_turn_ids(tiny_tokenizer)
+    engine = make_engine(RolloutConfig(), tiny_model, tiny_tokenizer)
+    assert isinstance(engine, HFEngine) and engine.name == "hf"
+    out = engine.generate(_prompts(tiny_tokenizer), 3, SAMPLING, eos, seed=11)
+    direct = generate_rollout(tiny_model, tiny_tokenizer, _prompts(tiny_tokenizer), 3, SAMPLING, eos, seed=11)
+    assert isinstance(out, EngineRollout) and out.sampler_logprobs is None
+    assert out.rollout.completion_ids.shape[0] == 6
+    assert torch.equal(out.rollout.completion_ids, direct.completion_ids)
+    assert torch.equal(out.rollout.completion_mask, direct.completion_mask) and out.rollout.texts == direct.texts
+    engine.sync_weights(tiny_model)  # the trainer's model itself: nothing to copy
+
+
+def test_hf_engine_refuses_to_sync_another_model(tiny_model, tiny_tokenizer, tiny_sizes):
+    from grpo.model.modeling import build_tiny_model
+
+    engine = HFEngine(tiny_model, tiny_tokenizer)
+    with pytest.raises(ValueError, match="trainer's model itself"):
+        engine.sync_weights(build_tiny_model(tiny_tokenizer, tiny_sizes, seed=1))
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
+def test_config_rejects_vllm_when_it_is_not_installed():
+    with pytest.raises(ConfigError, match=r"grpo.rollout.engine is 'vllm' but vLLM is not installed.*\[vllm\]"):
+        config_from_dict({"grpo": {"rollout": {"engine": "vllm"}}})
+    assert config_from_dict({"grpo": {"rollout": {"engine": "hf"}}}).grpo.rollout.engine == "hf"
+
+
+def test_engine_token_lists_become_the_hf_rollout(tiny_tokenizer):
+    """An engine's per-row tokens -> left-padded prompts, positional masks up to the first stop (I4, I5)."""
+    eos = end_of_turn_ids(tiny_tokenizer)
+    stop, pad = eos[0], tiny_tokenizer.pad_token_id
+    prompts = [[5, 6, 7], [8, 9]]
+    completions = [[20, 21, stop], [30, 31, 32, 33]]  # stopped; truncated at max_new_tokens
+    logprobs = [[-0.1, -0.2, -0.3], [-1.0, -1.1, -1.2, -1.3]]
+    out = assemble(tiny_tokenizer, prompts, completions, logprobs, eos, SAMPLING, group_size=1)
+    rollout = out.rollout
+    assert torch.equal(rollout.prompt_ids, left_pad(prompts, pad).input_ids)
+    assert rollout.completion_ids.tolist() == [[20, 21, stop, pad], [30, 31, 32, 33]]
+    assert torch.equal(rollout.completion_mask, completion_mask(rollout.completion_ids, eos).mask)
+    assert rollout.completion_mask.tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert rollout.lengths.tolist() == [3, 4] and rollout.truncated.tolist() == [False, True]
+    torch.testing.assert_close(out.sampler_logprobs, torch.tensor([[-0.1, -0.2, -0.3, 0.0], [-1.0, -1.1, -1.2, -1.3]]))
+    assert rollout.texts[0] == tiny_tokenizer.decode([20, 21], skip_special_tokens=True)
+
+
+def test_merged_weights_are_the_plain_names_with_the_adapter_folded_in(tiny_model):
+    plain = dict(tiny_model.named_parameters())
+    q_before = plain["model.layers.0.self_attn.q_proj.weight"].detach().clone()
+    torch.manual_seed(0)
+    policy = wrap_lora(tiny_model, LoraConfig(r=2, alpha=4))
+    layer = policy.base_model.model.model.layers[0].self_attn.q_proj
+    torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.5)
+    delta = 2.0 * layer.lora_B["default"].weight @ layer.lora_A["default"].weight  # scale = alpha / r
+    policy.merge_adapter()
+    merged = dict(merged_weights(policy))
+    assert set(merged) == set(plain)
+    torch.testing.assert_close(merged["model.layers.0.self_attn.q_proj.weight"], q_before + delta)
+    policy.unmerge_adapter()
+    torch.testing.assert_close(layer.base_layer.weight, q_before)
+
+
+gpu = pytest.mark.gpu
+needs_vllm = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_VLLM), reason="needs CUDA and vLLM")
+
+
+@gpu
+@needs_vllm
+def test_vllm_engine_follows_the_hf_rules_and_matches_the_trainer(tiny_model, tiny_tokenizer):
+    """Stop tokens, min-tokens and the positional mask as on the HF path; small log-prob mismatch."""
+    eos = end_of_turn_ids(tiny_tokenizer)
+    model = tiny_model.cuda()
+    engine = make_engine(RolloutConfig(engine="vllm"), model, tiny_tokenizer, max_model_len=256, seed=0)
+    out = engine.generate(_prompts(tiny_tokenizer), 4, SAMPLING, eos, seed=3)
+    rollout = out.rollout
+    assert out.sampler_logprobs is not None and out.sampler_logprobs.shape == rollout.completion_ids.shape
+    assert (rollout.lengths >= SAMPLING.min_new_tokens).all() and (rollout.lengths <= SAMPLING.max_new_tokens).all()
+    stats = sampler_mismatch(model, rollout, out.sampler_logprobs, SAMPLING.temperature)
+    assert stats["sampling/sampling_logp_difference/mean"] < 0.05
+
+
+@gpu
+@needs_vllm
+def test_vllm_engine_samples_from_the_synced_weights(tiny_model, tiny_tokenizer):
+    eos = end_of_turn_ids(tiny_tokenizer)
+    model = tiny_model.cuda()
+    engine = make_engine(RolloutConfig(engine="vllm"), model, tiny_tokenizer, max_model_len=256, seed=0)
+    before = engine.generate(_prompts(tiny_tokenizer), 2, SAMPLING, eos, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # a very different policy
+    engine.sync_weights(model)
+    after = engine.generate(_prompts(tiny_tokenizer), 2, SAMPLING, eos, seed=3)
+    assert not torch.equal(before.rollout.completion_ids, after.rollout.completion_ids)
+    stats_after = sampler_mismatch(model, after.rollout, after.sampler_logprobs, SAMPLING.temperature)
+    assert stats_after["sampling/sampling_logp_difference/mean"] < 0.05
