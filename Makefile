@@ -34,6 +34,10 @@ pipeline: setup
 test: setup
 	python -m pytest -q
 
+# GPU benchmark (CUDA only; `python benchmarks/gpu.py --smoke` runs on CPU): see README "GPU and scale".
+bench-gpu: setup
+	python benchmarks/gpu.py
+
 lint: setup
 	ruff check grpo tasks flows tests
 
