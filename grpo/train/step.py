@@ -28,7 +28,7 @@ from grpo.model.chat import example_messages, render_prompt
 from grpo.model.engines import HFEngine
 from grpo.rewards import group_rewards
 from grpo.train.dynamic_sampling import Draw, sample_groups
-from grpo.train.mismatch import sampler_mismatch
+from grpo.train.mismatch import sampler_correction
 from grpo.train.task_mix import TASKS
 
 
@@ -68,6 +68,7 @@ class ScoredBatch:
     old_logprobs: torch.Tensor | None  # [N, C]; None: the current (detached) log-probs, ratio == 1
     ref_logprobs: torch.Tensor | None  # [N, C]; None when beta == 0
     rows: dict[str, torch.Tensor]  # task -> row indices [n_task], only tasks with rows
+    is_weights: torch.Tensor | None = None  # [N, C] truncated IS weights; None when the trainer sampled
 
 
 def header_tokens(tokenizer, eos_ids: Sequence[int]) -> list[str]:
@@ -94,10 +95,13 @@ def draw(ctx: StepContext, records: list[dict], seed: int) -> Draw:
     group = cfg.grpo.group_size
     rewards = torch.tensor(group_rewards(rollout.texts, records, group, cfg.rewards.weights))
     advantages, stats = group_advantages(rewards, group, cfg.grpo.loss.scale_rewards)
-    if sampled.sampler_logprobs is not None:  # another engine sampled: how far its log-probs are from ours
-        stats |= sampler_mismatch(ctx.model, rollout, sampled.sampler_logprobs, cfg.grpo.sampling.temperature)
+    weights = None
+    if sampled.sampler_logprobs is not None:  # another engine sampled: measure and correct the mismatch
+        correction, weights = sampler_correction(ctx.model, rollout, sampled.sampler_logprobs,
+                                                 cfg.grpo.sampling.temperature, cfg.grpo.rollout)
+        stats |= correction
     tasks = row_tasks(records, group)
-    return Draw(rollout, list(records), rewards, advantages, stats | task_reward_stats(rewards, tasks))
+    return Draw(rollout, list(records), rewards, advantages, stats | task_reward_stats(rewards, tasks), weights)
 
 
 def _score(ctx: StepContext, input_ids, attention_mask, width: int, adapter: bool) -> torch.Tensor:
@@ -121,8 +125,9 @@ def prepare_batch(ctx: StepContext, sampled: Draw) -> ScoredBatch:
     tasks = row_tasks(sampled.records, rollout.group_size)
     rows = {t: torch.tensor([i for i, x in enumerate(tasks) if x == t], dtype=torch.long, device=device)
             for t in TASKS}
+    weights = None if sampled.is_weights is None else sampled.is_weights.to(device)
     return ScoredBatch(input_ids, attention_mask, rollout.completion_mask.to(device),
-                       sampled.advantages.to(device), old, ref, {t: r for t, r in rows.items() if len(r)})
+                       sampled.advantages.to(device), old, ref, {t: r for t, r in rows.items() if len(r)}, weights)
 
 
 def _micro_rows(batch: ScoredBatch, task: str, micro: int, n_micro: int, loss_type: str) -> tuple[torch.Tensor, float]:
@@ -161,6 +166,7 @@ def _task_losses(ctx: StepContext, batch: ScoredBatch, subset: tuple[str, ...], 
             logprobs, old, ref, batch.advantages[idx], batch.completion_mask[idx], scored.entropy[here].float(),
             epsilon_low=loss_cfg.epsilon_low, epsilon_high=loss_cfg.epsilon_high,
             loss_type=loss_cfg.loss_type, max_completion_length=ctx.cfg.grpo.sampling.max_new_tokens,
+            token_weights=None if batch.is_weights is None else batch.is_weights[idx],
         )
         out[task] = TaskLoss(LossTerms(*(term * share for term in terms)))
         acc = stats_out.setdefault(task, {})
