@@ -98,32 +98,41 @@ gpu = pytest.mark.gpu
 needs_vllm = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_VLLM), reason="needs CUDA and vLLM")
 
 
+@pytest.fixture
+def on_vllm(tiny_model, tiny_tokenizer):
+    """The tiny model on the GPU and a colocated vLLM engine built from it."""
+    model = tiny_model.cuda()
+    return model, make_engine(RolloutConfig(engine="vllm"), model, tiny_tokenizer, max_model_len=256, seed=0)
+
+
+def _vllm_rollout(engine, model, tokenizer, seed: int):
+    """One vLLM rollout of the two prompts and its mismatch with the trainer's scoring."""
+    out = engine.generate(_prompts(tokenizer), 4, SAMPLING, end_of_turn_ids(tokenizer), seed=seed)
+    assert out.sampler_logprobs is not None and out.sampler_logprobs.shape == out.rollout.completion_ids.shape
+    return out.rollout, sampler_mismatch(model, out.rollout, out.sampler_logprobs, SAMPLING.temperature)
+
+
 @gpu
 @needs_vllm
-def test_vllm_engine_follows_the_hf_rules_and_matches_the_trainer(tiny_model, tiny_tokenizer):
+def test_vllm_engine_follows_the_hf_rules_and_matches_the_trainer(on_vllm, tiny_tokenizer):
     """Stop tokens, min-tokens and the positional mask as on the HF path; small log-prob mismatch."""
-    eos = end_of_turn_ids(tiny_tokenizer)
-    model = tiny_model.cuda()
-    engine = make_engine(RolloutConfig(engine="vllm"), model, tiny_tokenizer, max_model_len=256, seed=0)
-    out = engine.generate(_prompts(tiny_tokenizer), 4, SAMPLING, eos, seed=3)
-    rollout = out.rollout
-    assert out.sampler_logprobs is not None and out.sampler_logprobs.shape == rollout.completion_ids.shape
+    model, engine = on_vllm
+    rollout, stats = _vllm_rollout(engine, model, tiny_tokenizer, seed=3)
     assert (rollout.lengths >= SAMPLING.min_new_tokens).all() and (rollout.lengths <= SAMPLING.max_new_tokens).all()
-    stats = sampler_mismatch(model, rollout, out.sampler_logprobs, SAMPLING.temperature)
+    eos = set(end_of_turn_ids(tiny_tokenizer))
+    for ids, n, cut in zip(rollout.completion_ids, rollout.lengths, rollout.truncated, strict=True):
+        assert cut or int(ids[int(n) - 1]) in eos  # a stopped completion ends on a stop id
     assert stats["sampling/sampling_logp_difference/mean"] < 0.05
 
 
 @gpu
 @needs_vllm
-def test_vllm_engine_samples_from_the_synced_weights(tiny_model, tiny_tokenizer):
-    eos = end_of_turn_ids(tiny_tokenizer)
-    model = tiny_model.cuda()
-    engine = make_engine(RolloutConfig(engine="vllm"), model, tiny_tokenizer, max_model_len=256, seed=0)
-    before = engine.generate(_prompts(tiny_tokenizer), 2, SAMPLING, eos, seed=3)
+def test_vllm_engine_samples_from_the_synced_weights(on_vllm, tiny_tokenizer):
+    model, engine = on_vllm
+    before, _ = _vllm_rollout(engine, model, tiny_tokenizer, seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(-1.0)  # a very different policy
     engine.sync_weights(model)
-    after = engine.generate(_prompts(tiny_tokenizer), 2, SAMPLING, eos, seed=3)
-    assert not torch.equal(before.rollout.completion_ids, after.rollout.completion_ids)
-    stats_after = sampler_mismatch(model, after.rollout, after.sampler_logprobs, SAMPLING.temperature)
-    assert stats_after["sampling/sampling_logp_difference/mean"] < 0.05
+    after, stats = _vllm_rollout(engine, model, tiny_tokenizer, seed=3)
+    assert not torch.equal(before.completion_ids, after.completion_ids)
+    assert stats["sampling/sampling_logp_difference/mean"] < 0.05  # vLLM samples from the synced weights
