@@ -36,8 +36,9 @@ def bf16_autocast(device: torch.device, bf16: bool, force: bool = False) -> cont
 def apply_memory_settings(model: PreTrainedModel, cfg: ModelConfig) -> PreTrainedModel:
     """Turn on gradient checkpointing when ``model.gradient_checkpointing`` (before any LoRA wrap).
 
-    Non-reentrant checkpointing: it needs no input that requires grad, so it works when only a LoRA
-    adapter is trainable, and it recomputes with the same RNG state (dropout gives the same masks).
+    Non-reentrant checkpointing (PyTorch's recommended mode): gradients reach a LoRA adapter on frozen
+    weights without making the inputs require grad, and the recomputation replays the same RNG state
+    (dropout draws the same masks), so the gradients equal those without checkpointing.
     """
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
