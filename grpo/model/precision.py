@@ -41,8 +41,8 @@ def apply_memory_settings(model: PreTrainedModel, cfg: ModelConfig) -> PreTraine
     (dropout draws the same masks), so the gradients equal those without checkpointing.
     """
     if cfg.gradient_checkpointing:
+        # The config's use_cache stays as it is: it is saved with the model, and rollouts ask for the cache.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False  # a cache is useless (and warned about) while checkpointing
     return model
 
 
