@@ -35,7 +35,7 @@ from grpo.core.logprobs import score_completions
 from grpo.model.architectures import build_architecture
 from grpo.model.chat import end_of_turn_ids, example_messages, render_prompt
 from grpo.model.engines import make_engine
-from grpo.model.precision import bf16_autocast
+from grpo.model.precision import apply_memory_settings, bf16_autocast
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -168,8 +168,7 @@ def bench_architecture(name: str, args, device) -> dict:
     cfg = ModelConfig(architecture=name, architecture_overrides=overrides, tokenizers_dir=args.tokenizers_dir,
                       gradient_checkpointing=args.gradient_checkpointing)
     model, tokenizer = build_architecture(cfg, seed=0)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_memory_settings(model, cfg)
     model.to(device)
     prompts = [render_prompt(tokenizer, example_messages(RECORD)) for _ in range(args.prompts)]
     result = {"architecture": name, "parameters": sum(p.numel() for p in model.parameters()),
