@@ -14,7 +14,7 @@ from grpo.model.chat import end_of_turn_ids, example_messages, render_prompt
 from grpo.model.engines import EngineRollout, HFEngine, make_engine
 from grpo.model.modeling import wrap_lora
 from grpo.model.rollout import generate_rollout
-from grpo.model.vllm_engine import assemble, merged_weights
+from grpo.model.vllm_engine import assemble, merged_weights, sampling_kwargs
 from grpo.train.mismatch import sampler_mismatch
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -136,3 +136,16 @@ def test_vllm_engine_samples_from_the_synced_weights(on_vllm, tiny_tokenizer):
     after, stats = _vllm_rollout(engine, model, tiny_tokenizer, seed=3)
     assert not torch.equal(before.completion_ids, after.completion_ids)
     assert stats["sampling/sampling_logp_difference/mean"] < 0.05  # vLLM samples from the synced weights
+
+
+def test_vllm_sampling_follows_the_hf_rules():
+    """Stop ids, the min-token rule, completion-only penalties (I6), no top-k, the sampled log-prob."""
+    sampling = SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=12, min_new_tokens=3,
+                              presence_penalty=0.4, frequency_penalty=0.2)
+    kwargs = sampling_kwargs(sampling, [7, 9], seed=5)
+    assert kwargs["stop_token_ids"] == [7, 9] and not kwargs["ignore_eos"]
+    assert (kwargs["min_tokens"], kwargs["max_tokens"]) == (3, 12)
+    assert (kwargs["presence_penalty"], kwargs["frequency_penalty"], kwargs["repetition_penalty"]) == (0.4, 0.2, 1.0)
+    assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"]) == (0.7, 0.9, -1)
+    assert kwargs["logprobs"] == 0 and kwargs["seed"] == 5 and kwargs["n"] == 1
+    assert sampling_kwargs(SamplingConfig(top_k=20), [7], seed=0)["top_k"] == 20

@@ -15,7 +15,9 @@ It samples by the same rules as the Hugging Face path (``rollout.generate_rollou
 - the completions go through ``rollout_from_sequences``: cut at the prompt width (I4), masked by
   position up to the first stop token (I5).
 The log-probs it reports are vLLM's ``processed_logprobs`` (after temperature, the distribution the
-trainer scores, I10); the step compares them with its own scoring (``core/importance.py``).
+trainer scores, I10); the step compares them with its own scoring (``core/importance.py``). With
+``top_p`` < 1 or ``top_k`` they are renormalised over the kept tokens, while the trainer scores the
+full softmax: the mismatch metric then shows that gap too.
 
 Needs CUDA and the optional extra: ``pip install -e ".[vllm]"``. Its tests are marked ``gpu``.
 """
@@ -123,22 +125,13 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self._sleep()
 
-    def sampling_params(self, sampling: SamplingConfig, eos_ids: Sequence[int], seed: int):
-        """The HF path's sampling rules in vLLM's terms (see the module docstring)."""
-        return self.vllm.SamplingParams(
-            n=1, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
-            min_tokens=sampling.min_new_tokens, stop_token_ids=list(eos_ids), ignore_eos=False,
-            presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
-            repetition_penalty=1.0, logprobs=0, seed=seed, skip_special_tokens=False, detokenize=False,
-        )
-
     def generate(self, prompts: Sequence[Sequence[int]], group_size: int, sampling: SamplingConfig,
                  eos_ids: Sequence[int], seed: int) -> EngineRollout:
         """One request per completion, each seeded by (seed, row), so a run is reproducible."""
         repeated = [list(p) for p in prompts for _ in range(group_size)]
         requests = [{"prompt_token_ids": ids} for ids in repeated]
-        params = [self.sampling_params(sampling, eos_ids, seed + row) for row in range(len(repeated))]
+        params = [self.vllm.SamplingParams(**sampling_kwargs(sampling, eos_ids, seed + row))
+                  for row in range(len(repeated))]
         self._wake()
         outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
         self._sleep()
@@ -146,6 +139,19 @@ class VLLMEngine:
         logprobs = [[step[token].logprob for step, token in zip(out.outputs[0].logprobs, ids, strict=True)]
                      for out, ids in zip(outputs, completions, strict=True)]
         return assemble(self.tokenizer, repeated, completions, logprobs, eos_ids, sampling, group_size)
+
+
+def sampling_kwargs(sampling: SamplingConfig, eos_ids: Sequence[int], seed: int) -> dict:
+    """The HF path's sampling rules as ``vllm.SamplingParams`` arguments (see the module docstring):
+    the trainer's stop ids, stop ids banned until ``min_new_tokens``, penalties on generated tokens
+    only (presence/frequency; the prompt-reading repetition penalty off), the sampled token's log-prob."""
+    return dict(
+        n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+        top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
+        min_tokens=sampling.min_new_tokens, stop_token_ids=list(eos_ids), ignore_eos=False,
+        presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=1.0, logprobs=0, seed=seed, skip_special_tokens=False, detokenize=False,
+    )
 
 
 def assemble(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Sequence[int]],
