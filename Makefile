@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup run pipeline test lint serve clean
+.PHONY: setup run pipeline test bench-gpu lint serve clean
 
 $(BIN)/grpo: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,6 +33,10 @@ pipeline: setup
 
 test: setup
 	python -m pytest -q
+
+# GPU benchmark (CUDA only; `python benchmarks/gpu.py --smoke` runs on CPU): see README "GPU and scale".
+bench-gpu: setup
+	python benchmarks/gpu.py
 
 # Style and dead code: ruff, then vulture (names only frameworks use are in vulture_whitelist.py).
 lint: setup

@@ -49,7 +49,8 @@ def workload_overrides(full_length: bool) -> list[str]:
 def step_records(cfg, steps: int) -> list[list[dict]]:
     """The prompts of steps 1..steps, as the trainer samples them (both tasks every step)."""
     from grpo.data.jsonl import read_records
-    from grpo.train.task_mix import sample_step, split_by_task
+    from grpo.data.select import split_by_task
+    from grpo.train.task_mix import sample_step
 
     by_task = split_by_task(read_records(Path(cfg.paths.data_dir) / "train.jsonl"))
     return [sample_step(by_task, cfg.grpo.prompts_per_step, cfg.grpo.fairness_fraction, cfg.seed, step)
@@ -117,7 +118,7 @@ def trl_worker(project: Path, variant: str, steps: int, warmup: int, full_length
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo.config import load_config
-    from grpo.model.chat import example_messages
+    from grpo.data.prompts import example_messages
     from grpo.rewards import weighted_reward
 
     cfg = load_config(project / "params.yaml", workload_overrides(full_length))

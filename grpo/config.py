@@ -7,6 +7,7 @@ fix. Values derived from others are functions, never fields to keep in sync.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -113,6 +114,9 @@ class DataConfig(Section):
 
 # --------------------------------------------------------------------------- model
 
+Architecture = Literal["qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.2-3b"]
+"""The published architectures ``model.architecture`` can build (``grpo/model/architectures.py``)."""
+
 
 class TinyModelConfig(Section):
     vocab_size: int = Field(2048, ge=300)
@@ -178,6 +182,25 @@ class ModelConfig(Section):
     """Sizes of the embedded default model."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapter settings."""
+    architecture: Architecture | None = None
+    """A published architecture built with random weights and its real tokenizer (``grpo/model/architectures.py``)."""
+    architecture_overrides: dict[str, int] = Field(default_factory=dict)
+    """Preset numbers to change, e.g. ``{num_hidden_layers: 2}`` for a fast shrunk copy of the architecture."""
+    tokenizers_dir: str = "../shared/tokenizers"
+    """Folder of the real tokenizers the architecture presets name (one subfolder each)."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel: PyTorch SDPA (flash/memory-efficient kernels on CUDA), eager, or flash-attn 2 (its package)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass of SFT and GRPO: less memory for about a third more compute."""
+
+    @model_validator(mode="after")
+    def _one_model_source(self) -> ModelConfig:
+        if self.architecture is not None and self.name_or_path is not None:
+            raise ValueError(
+                f"architecture ({self.architecture!r}) and name_or_path ({self.name_or_path!r}) are both "
+                "set: architecture builds random weights, name_or_path loads trained ones; set one to null"
+            )
+        return self
 
     @field_validator("name_or_path")
     @classmethod
@@ -210,6 +233,8 @@ class SftConfig(Section):
     lora: bool = False
     """SFT through a LoRA adapter (sizes from model.lora) merged into the weights afterwards: the SFT
     model is full weights either way. Independent of model.lora.enabled, which decides how GRPO trains."""
+    bf16: bool = True
+    """bf16 autocast of the forward pass on GPU over fp32 master weights and optimizer state (ignored on CPU)."""
 
 
 
@@ -275,6 +300,29 @@ class MultitaskConfig(Section):
     task; off, sum mode takes one backward of the summed loss. The other modes always need them."""
 
 
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm"] = "hf"
+    """Generation engine: Hugging Face ``generate`` on the trainer's model, or vLLM colocated on the same GPU."""
+    gpu_memory_utilization: float = Field(0.3, gt=0.0, lt=1.0)
+    """vLLM: share of the GPU memory its weights and KV cache may take (the trainer keeps the rest)."""
+    sleep: bool = True
+    """vLLM: release its GPU memory between rollouts (sleep mode) so the training phase gets it back."""
+    tis_cap: float = Field(2.0, ge=1.0)
+    """Truncated importance sampling: per-token weight min(p_trainer / p_sampler, tis_cap) on the loss."""
+    tis_threshold: float = Field(0.0, ge=0.0)
+    """Apply the weights only when the batch's mean per-token |log p_trainer - log p_sampler| exceeds this."""
+
+    @field_validator("engine")
+    @classmethod
+    def _vllm_installed(cls, value: str) -> str:
+        if value == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ValueError(
+                "is 'vllm' but vLLM is not installed: install the extra with pip install -e '.[vllm]' "
+                "(needs a CUDA GPU), or use the default engine hf"
+            )
+        return value
+
+
 class GrpoConfig(Section):
     group_size: int = 4
     """Completions sampled per prompt (G)."""
@@ -305,6 +353,8 @@ class GrpoConfig(Section):
     log-probs, entropy and gradients as a forward over every row, without recomputing the prompt)."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Rollout sampling."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Rollout engine (hf or vllm) and the correction of its sampling/training mismatch."""
     loss: LossConfig = Field(default_factory=LossConfig)
     """Policy loss."""
     multitask: MultitaskConfig = Field(default_factory=MultitaskConfig)

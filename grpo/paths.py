@@ -74,7 +74,8 @@ def stage_inputs(cfg: Config, stage: str) -> dict[str, Path]:
     train = data_file(cfg, "train")
     inputs = {
         # The embedded tokenizer is trained on the training split; a resolved real model reads nothing.
-        "base": {"train": train} if cfg.model.name_or_path is None else {},
+        # A preset's inputs are its real tokenizer folder: ``model.base.base_inputs`` adds it.
+        "base": {"train": train} if cfg.model.name_or_path is None and cfg.model.architecture is None else {},
         "sft": {"base": model_dir(cfg, "base"), "train": train},
         "preflight": {"base": model_dir(cfg, "base"), "sft": model_dir(cfg, "sft")},
         "grpo": {"sft": model_dir(cfg, "sft"), "train": train},

@@ -68,3 +68,17 @@ def test_no_informative_group_keeps_the_first_draw_with_zero_advantages():
                                    1, pad_id=0)
     assert sampled is first and bool((sampled.advantages == 0).all())
     assert stats["dynamic/kept_groups"] == 0
+
+
+def test_importance_weights_follow_their_rows_through_resampling():
+    """Another engine's IS weights [N, C] are selected and right-padded (with 0) like the completions."""
+    first = make_draw(["a", "b"], [1, 1, 0, 1], width=3)
+    second = make_draw(["c", "d"], [0, 1, 2, 2], width=5)
+    first = Draw(*[getattr(first, f) for f in ("rollout", "records", "rewards", "advantages", "stats")],
+                 torch.arange(12, dtype=torch.float32).view(4, 3))
+    second = Draw(*[getattr(second, f) for f in ("rollout", "records", "rewards", "advantages", "stats")],
+                  100 + torch.arange(20, dtype=torch.float32).view(4, 5))
+    sampled, _ = sample_groups(draws({0: first, 1: second}), [{}, {}], lambda a: [{}, {}], "resample", 2, pad_id=9)
+    assert sampled.is_weights.shape == sampled.rollout.completion_ids.shape == (4, 5)
+    assert sampled.is_weights[:2].tolist() == [[6, 7, 8, 0, 0], [9, 10, 11, 0, 0]]  # group b, padded
+    assert sampled.is_weights[2:].tolist() == [[100, 101, 102, 103, 104], [105, 106, 107, 108, 109]]  # group c

@@ -13,6 +13,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from grpo.core.importance import weight_token_losses
 from grpo.errors import GrpoError
 
 LossType = Literal["grpo", "dr_grpo", "token_mean"]
@@ -133,14 +134,17 @@ def policy_loss_terms(
     epsilon_high: float,
     loss_type: LossType,
     max_completion_length: int,
+    token_weights: torch.Tensor | None = None,  # [N, C] truncated IS weights (core/importance.py)
 ) -> tuple[LossTerms, dict[str, float]]:
-    """The three loss terms, each aggregated with ``agg_loss``, and their statistics.
+    """The three loss terms, each aggregated with ``agg_loss``, and their statistics. ``token_weights``
+    reweight the policy term per token (rollouts sampled by another engine); KL and entropy are not.
 
     Stats (token means over the mask, TRL names): ``kl``, ``entropy``, ``clip_ratio/low_mean``,
     ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``ratio/mean``.
     """
     tokens = clipped_surrogate(logprobs, old_logprobs, advantages, completion_mask, epsilon_low, epsilon_high)
-    policy = agg_loss(tokens.loss, completion_mask, loss_type, max_completion_length)
+    per_token = tokens.loss if token_weights is None else weight_token_losses(tokens.loss, token_weights)
+    policy = agg_loss(per_token, completion_mask, loss_type, max_completion_length)
     if ref_logprobs is None:
         per_token_kl = torch.zeros_like(logprobs)
     else:

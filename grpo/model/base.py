@@ -9,7 +9,8 @@ from pathlib import Path
 from grpo import paths
 from grpo.config import Config
 from grpo.locks import writes
-from grpo.model.modeling import build_tiny, load_model, load_tokenizer, write_pointer
+from grpo.model.architectures import build_architecture, count_parameters, tokenizer_folder
+from grpo.model.modeling import build_tiny, load_model, load_tokenizer, save_model, write_pointer
 from grpo.provenance.lineage import make_lineage, write_lineage
 
 TEXT_FIELDS = ("context", "question", "answer")
@@ -26,10 +27,22 @@ def corpus_texts(train_file: Path) -> Iterator[str]:
             yield from record.get("choices") or ()
 
 
+def base_inputs(cfg: Config) -> dict[str, Path]:
+    """What ``models/base`` is made from: a preset's real tokenizer, or ``paths.stage_inputs``."""
+    if cfg.model.architecture is not None:
+        return {"tokenizer": tokenizer_folder(cfg.model.architecture, cfg.model)}
+    return paths.stage_inputs(cfg, "base")
+
+
 @writes(lambda cfg: paths.model_dir(cfg, "base"))
 def run(cfg: Config) -> int:
     out = paths.model_dir(cfg, "base")
-    if cfg.model.name_or_path is None:
+    if cfg.model.architecture is not None:
+        model, tokenizer = build_architecture(cfg.model, cfg.seed)
+        save_model(model, tokenizer, out)
+        print(f"base: {cfg.model.architecture} with random weights ({count_parameters(model) / 1e6:.1f}M "
+              f"parameters, {cfg.model.dtype}) and its real tokenizer written to {out}")
+    elif cfg.model.name_or_path is None:
         texts = corpus_texts(paths.data_file(cfg, "train"))
         model, _ = build_tiny(out, texts, cfg.model.tiny, cfg.seed)
         n_params = sum(p.numel() for p in model.parameters())
@@ -40,5 +53,5 @@ def run(cfg: Config) -> int:
         load_model(cfg.model.name_or_path, cfg.model)
         write_pointer(out, cfg.model.name_or_path)
         print(f"base: {cfg.model.name_or_path} resolved; pointer written to {out}")
-    write_lineage(out, make_lineage("base", cfg, paths.stage_inputs(cfg, "base")))
+    write_lineage(out, make_lineage("base", cfg, base_inputs(cfg)))
     return 0

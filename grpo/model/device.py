@@ -14,10 +14,12 @@ from accelerate import Accelerator
 from grpo.config import Config
 
 
-def make_accelerator(cfg: Config) -> Accelerator:
-    """The process's ``Accelerator``: GPU if present, bf16 autocast there when ``grpo.bf16``."""
+def make_accelerator(cfg: Config, bf16: bool | None = None) -> Accelerator:
+    """The process's ``Accelerator``: GPU if present, bf16 autocast there when ``bf16`` (default
+    ``grpo.bf16``; SFT passes ``sft.bf16``: in one process, as ``grpo pipeline`` runs, keep them equal)."""
     cuda = torch.cuda.is_available()
-    return Accelerator(cpu=not cuda, mixed_precision="bf16" if cfg.grpo.bf16 and cuda else "no")
+    bf16 = cfg.grpo.bf16 if bf16 is None else bf16
+    return Accelerator(cpu=not cuda, mixed_precision="bf16" if bf16 and cuda else "no")
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

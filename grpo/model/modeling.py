@@ -192,6 +192,7 @@ def load_model(name_or_path: str | Path, cfg: ModelConfig) -> PreTrainedModel:
         model = AutoModelForCausalLM.from_pretrained(
             source,
             dtype=getattr(torch, cfg.dtype),
+            attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
             use_safetensors=True,
             local_files_only=not cfg.allow_download,

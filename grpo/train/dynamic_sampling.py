@@ -30,6 +30,7 @@ class Draw:
     rewards: torch.Tensor  # [N]
     advantages: torch.Tensor  # [N]
     stats: dict[str, float]
+    is_weights: torch.Tensor | None = None  # [N, C] truncated IS weights when another engine sampled
 
     def informative_groups(self) -> list[int]:
         """Groups whose rewards are not all equal (the ones with a non-zero advantage possible)."""
@@ -40,8 +41,9 @@ class Draw:
     def select(self, groups: Sequence[int]) -> Draw:
         g = self.rollout.group_size
         rows = group_rows(groups, g)
+        weights = None if self.is_weights is None else self.is_weights[rows]
         return Draw(select_groups(self.rollout, groups), [self.records[i] for i in groups],
-                    self.rewards[rows], self.advantages[rows], self.stats)
+                    self.rewards[rows], self.advantages[rows], self.stats, weights)
 
 
 def sample_groups(
@@ -79,5 +81,14 @@ def sample_groups(
         torch.cat([d.rewards for d in kept]),
         torch.cat([d.advantages for d in kept]),
         stats,
+        _concat_weights([d.is_weights for d in kept]),
     )
     return merged.select(list(range(min(wanted, len(merged.records))))), stats
+
+
+def _concat_weights(weights: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Stack [n_i, C_i] weights, right-padded with 0 to the widest completion (as concat_rollouts)."""
+    if any(w is None for w in weights):
+        return None
+    width = max(w.shape[1] for w in weights)
+    return torch.cat([torch.nn.functional.pad(w, (0, width - w.shape[1])) for w in weights])

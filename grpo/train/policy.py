@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from grpo.config import Config
 from grpo.model.load import load_sft
 from grpo.model.modeling import wrap_lora
+from grpo.model.precision import apply_memory_settings
 
 
 @dataclass
@@ -39,6 +40,7 @@ def build_policy(cfg: Config, device: torch.device) -> Policy:
     """The policy on the SFT weights: a LoRA adapter (``model.lora.enabled``; every process draws the
     same adapter init from ``cfg.seed``), or all weights with a frozen SFT copy as the reference (I9)."""
     model, tokenizer = load_sft(cfg)
+    apply_memory_settings(model, cfg.model)
     reference = None
     if cfg.model.lora.enabled:
         torch.manual_seed(cfg.seed)

@@ -29,11 +29,12 @@ from grpo.data.schema import TASKS
 from grpo.errors import GrpoError
 from grpo.health.metrics import completion_stats, merge_process_metrics, task_reward_stats
 from grpo.model.chat import render_prompt
-from grpo.model.rollout import generate_rollout
+from grpo.model.engines import HFEngine, RolloutEngine
 from grpo.model.scoring import RolloutInputs, rollout_inputs, score_inputs
 from grpo.rewards import group_rewards
 from grpo.seeding import derive_seed
 from grpo.train.dynamic_sampling import Draw, sample_groups
+from grpo.train.mismatch import sampler_correction
 
 
 class NonFiniteError(GrpoError):
@@ -54,6 +55,8 @@ class StepContext:
     accelerator: Accelerator
     reference: torch.nn.Module | None = None
     """The frozen SFT model (full fine-tuning), or None: the policy with its adapter disabled (I9)."""
+    engine: RolloutEngine | None = None
+    """What samples the completions (``grpo/model/engines.py``); None: HF generate on ``model``."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class ScoredBatch:
     old_logprobs: torch.Tensor | None  # [N, C]; None: the current (detached) log-probs, ratio == 1
     ref_logprobs: torch.Tensor | None  # [N, C]; None when beta == 0
     rows: dict[str, torch.Tensor]  # task -> row indices [n_task], only tasks with rows
+    is_weights: torch.Tensor | None = None  # [N, C] truncated IS weights; None when the trainer sampled
 
     @property
     def completion_mask(self) -> torch.Tensor:  # [N, C] bool
@@ -107,15 +111,20 @@ def draw(ctx: StepContext, records: list[dict], seed: int, timer: Callable = unt
     cfg = ctx.cfg
     prompts = [render_prompt(ctx.tokenizer, example_messages(r), **cfg.model.chat_template_kwargs)
                for r in records]
+    engine = ctx.engine or HFEngine(ctx.model, ctx.tokenizer, shared_prefill=cfg.grpo.shared_prefix)
     with timer("generate"):
-        rollout = generate_rollout(ctx.model, ctx.tokenizer, prompts, cfg.grpo.group_size, cfg.grpo.sampling,
-                                   ctx.eos_ids, seed, shared_prefill=cfg.grpo.shared_prefix)
-    group = cfg.grpo.group_size
+        sampled = engine.generate(prompts, cfg.grpo.group_size, cfg.grpo.sampling, ctx.eos_ids, seed)
+    rollout, group = sampled.rollout, cfg.grpo.group_size
     with timer("reward"):
         rewards = torch.tensor(group_rewards(rollout.texts, records, group, cfg.rewards.weights))
         advantages, stats = group_advantages(rewards, group, cfg.grpo.loss.scale_rewards)
+    weights = None
+    if sampled.sampler_logprobs is not None:  # another engine sampled: measure and correct the mismatch
+        correction, weights = sampler_correction(ctx.model, rollout, sampled.sampler_logprobs,
+                                                 rollout.temperature, cfg.grpo.rollout)
+        stats |= correction
     tasks = row_tasks(records, group)
-    return Draw(rollout, list(records), rewards, advantages, stats | task_reward_stats(rewards, tasks))
+    return Draw(rollout, list(records), rewards, advantages, stats | task_reward_stats(rewards, tasks), weights)
 
 
 def _stored_logprobs(ctx: StepContext, inputs: RolloutInputs, adapter: bool) -> torch.Tensor:
@@ -137,7 +146,9 @@ def prepare_batch(ctx: StepContext, sampled: Draw) -> ScoredBatch:
     tasks = row_tasks(sampled.records, rollout.group_size)
     rows = {t: torch.tensor([i for i, x in enumerate(tasks) if x == t], dtype=torch.long, device=device)
             for t in TASKS}
-    return ScoredBatch(inputs, sampled.advantages.to(device), old, ref, {t: r for t, r in rows.items() if len(r)})
+    weights = None if sampled.is_weights is None else sampled.is_weights.to(device)
+    return ScoredBatch(inputs, sampled.advantages.to(device), old, ref, {t: r for t, r in rows.items() if len(r)},
+                       weights)
 
 
 def global_totals(ctx: StepContext, batch: ScoredBatch) -> Totals:
@@ -185,6 +196,7 @@ def _task_losses(ctx: StepContext, batch: ScoredBatch, totals: Totals, subset: t
             logprobs, old, ref, batch.advantages[idx], batch.completion_mask[idx], scored.entropy[here].float(),
             epsilon_low=loss_cfg.epsilon_low, epsilon_high=loss_cfg.epsilon_high,
             loss_type=loss_cfg.loss_type, max_completion_length=ctx.cfg.grpo.sampling.max_new_tokens,
+            token_weights=None if batch.is_weights is None else batch.is_weights[idx],
         )
         out[task] = TaskLoss(LossTerms(*(term * share for term in terms)))
         # The statistics are token means over this part: weighted by its share of the task's tokens

@@ -29,6 +29,7 @@ from grpo.health.metrics import MetricsWriter
 from grpo.health.monitor import Monitor, raise_if_stop
 from grpo.locks import writes
 from grpo.model.device import make_accelerator
+from grpo.model.engines import make_engine
 from grpo.model.modeling import save_model
 from grpo.model.rollout import stop_ids
 from grpo.provenance.gate import require_preflight
@@ -102,9 +103,11 @@ def _shard(cfg: Config, by_task: dict, step: int, attempt: int, accelerator: Acc
 
 def _context(cfg: Config, policy: Policy, accelerator: Accelerator) -> StepContext:
     eos_ids = stop_ids(policy.model, policy.tokenizer, cfg.model.extra_stop_tokens)
+    engine = make_engine(cfg.grpo.rollout, policy.model, policy.tokenizer, seed=cfg.seed,
+                         shared_prefill=cfg.grpo.shared_prefix)
     return StepContext(cfg=cfg, model=policy.model, tokenizer=policy.tokenizer, optimizer=policy.optimizer,
                        scheduler=policy.scheduler, eos_ids=eos_ids, accelerator=accelerator,
-                       reference=policy.reference)
+                       reference=policy.reference, engine=engine)
 
 
 def watch(monitor: Monitor, step: int, result: StepResult) -> None:
@@ -135,6 +138,7 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
             result = grpo_step(context, _shard(cfg, by_task, step, 0, accelerator), step,
                                lambda attempt, step=step: _shard(cfg, by_task, step, attempt, accelerator))
             watch(monitor, step, result)  # before saving: a collapsed state never becomes a checkpoint
+            context.engine.sync_weights(policy.model)  # vLLM samples the next step from the new weights
             history.append({"step": step, **result.metrics})
             writer.log(step, result.metrics)
             bar.set_postfix(reward=f"{result.metrics['reward']:.2f}", entropy=f"{result.metrics['entropy']:.2f}",

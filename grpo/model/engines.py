@@ -1,0 +1,70 @@
+"""Rollout engines: one interface over Hugging Face ``generate`` and vLLM (``grpo.rollout.engine``).
+
+An engine turns prompt ids into a ``Rollout`` (token ids, completion masks by position, decoded texts,
+I3–I6) and, when it samples with other kernels than the trainer, reports the log-probs it sampled
+with, so the step can measure the mismatch and correct it (``grpo/core/importance.py``). The HF
+engine is the trainer's own model: its sampled distribution is the trainer's (I10), it reports none.
+The vLLM engine lives in ``vllm_engine.py`` and is imported only when chosen: vLLM is an optional
+extra that needs CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from grpo.config import RolloutConfig, SamplingConfig
+from grpo.model.rollout import Rollout, generate_rollout
+
+
+@dataclass(frozen=True)
+class EngineRollout:
+    rollout: Rollout
+    sampler_logprobs: torch.Tensor | None  # [N, C] log-probs the engine sampled with; None: the trainer's
+
+
+class RolloutEngine(Protocol):
+    """What the step asks of a generation engine."""
+
+    name: str
+
+    def generate(self, prompts: Sequence[Sequence[int]], group_size: int, sampling: SamplingConfig,
+                 eos_ids: Sequence[int], seed: int) -> EngineRollout:
+        """``group_size`` completions per prompt (ids from ``chat.render_prompt``), seeded by ``seed``."""
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Make the engine sample from ``model``'s current weights (after every optimizer step)."""
+
+
+class HFEngine:
+    """``model.generate`` on the trainer's own model (``rollout.generate_rollout``): nothing to sync."""
+
+    name = "hf"
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                 shared_prefill: bool = False) -> None:
+        self.model, self.tokenizer, self.shared_prefill = model, tokenizer, shared_prefill
+
+    def generate(self, prompts: Sequence[Sequence[int]], group_size: int, sampling: SamplingConfig,
+                 eos_ids: Sequence[int], seed: int) -> EngineRollout:
+        rollout = generate_rollout(self.model, self.tokenizer, prompts, group_size, sampling, eos_ids, seed,
+                                   shared_prefill=self.shared_prefill)
+        return EngineRollout(rollout, None)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        if model is not self.model:
+            raise ValueError("HFEngine samples from the trainer's model itself; build a new engine for another")
+
+
+def make_engine(cfg: RolloutConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                max_model_len: int = 4096, seed: int = 0, shared_prefill: bool = False) -> RolloutEngine:
+    """The engine ``grpo.rollout.engine`` names, built around the trainer's ``model``."""
+    if cfg.engine == "hf":
+        return HFEngine(model, tokenizer, shared_prefill=shared_prefill)
+    from grpo.model.vllm_engine import VLLMEngine  # optional extra, CUDA only: imported when chosen
+
+    return VLLMEngine(cfg, model, tokenizer, max_model_len=max_model_len, seed=seed)

@@ -1,0 +1,101 @@
+"""grpo/model/architectures.py: published presets, shrunk copies with the real tokenizers, the base stage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.config import ConfigError, ModelConfig, config_from_dict
+from grpo.data.prompts import example_messages
+from grpo.model.architectures import PRESETS, build_architecture, count_parameters, meta_model
+from grpo.model.chat import render_prompt
+from grpo.model.modeling import ModelLoadError, load_model, load_tokenizer
+from tests.conftest import SHARED_TOKENIZERS, shared_tokenizer_path
+
+# Shrunk to seconds on CPU; the vocabulary (the real tokenizer's) stays published.
+SHRINK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2}
+LLAMA_SHRINK = SHRINK | {"head_dim": 16}
+
+PUBLISHED = [
+    # name,          hidden, layers, heads, kv, intermediate, vocab,  parameters
+    ("qwen2.5-0.5b", 896, 24, 14, 2, 4864, 151936, 494_032_768),
+    ("qwen2.5-1.5b", 1536, 28, 12, 2, 8960, 151936, 1_543_714_304),
+    ("llama-3.2-1b", 2048, 16, 32, 8, 8192, 128256, 1_235_814_400),
+    ("llama-3.2-3b", 3072, 28, 24, 8, 8192, 128256, 3_212_749_824),
+]
+
+
+@pytest.mark.parametrize("name, hidden, layers, heads, kv, intermediate, vocab, parameters", PUBLISHED)
+def test_full_size_presets_have_the_published_numbers(name, hidden, layers, heads, kv, intermediate, vocab,
+                                                       parameters):
+    """The config numbers and the parameter count of each model card (built on the meta device)."""
+    model = meta_model(name)
+    config = model.config
+    got = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+           config.num_key_value_heads, config.intermediate_size, config.vocab_size)
+    assert got == (hidden, layers, heads, kv, intermediate, vocab)
+    assert count_parameters(model) == parameters
+    assert config.tie_word_embeddings
+
+
+def _cfg(name: str) -> ModelConfig:
+    overrides = LLAMA_SHRINK if name.startswith("llama") else SHRINK
+    return ModelConfig(architecture=name, architecture_overrides=overrides, tokenizers_dir=str(SHARED_TOKENIZERS))
+
+
+@pytest.mark.parametrize("name, model_class, end_of_turn", [
+    ("qwen2.5-0.5b", "Qwen2ForCausalLM", "<|im_end|>"),
+    ("llama-3.2-1b", "LlamaForCausalLM", "<|eot_id|>"),
+])
+def test_shrunk_preset_builds_with_the_real_tokenizer(name, model_class, end_of_turn):
+    shared_tokenizer_path(PRESETS[name].tokenizer)
+    model, tokenizer = build_architecture(_cfg(name), seed=3)
+    assert type(model).__name__ == model_class
+    assert model.config.num_hidden_layers == 2 and model.config.vocab_size == PRESETS[name].config["vocab_size"]
+    assert model.config._attn_implementation == "sdpa"
+    assert tokenizer.padding_side == "left" and len(tokenizer) > 100_000
+    assert tokenizer.convert_tokens_to_ids(end_of_turn) in model.generation_config.eos_token_id
+    record = {"task": "hallucination", "context": "Elbrook was founded in 1821.", "question": "When?",
+              "answer": "1821", "answerable": True}
+    ids = render_prompt(tokenizer, example_messages(record))
+    logits = model(input_ids=torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), model.config.vocab_size) and torch.isfinite(logits).all()
+    again, _ = build_architecture(_cfg(name), seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+
+
+def test_base_stage_writes_a_preset_that_loads_like_a_pretrained_folder(tmp_path):
+    """`grpo base --set model.architecture=qwen2.5-0.5b` (shrunk): a local folder every stage loads."""
+    shared_tokenizer_path("qwen2.5-0.5b-instruct")
+    from grpo.model.base import run
+
+    tree = {"paths": {"models_dir": str(tmp_path / "models"), "data_dir": str(tmp_path / "data")},
+            "model": {"architecture": "qwen2.5-0.5b", "architecture_overrides": SHRINK,
+                      "tokenizers_dir": str(SHARED_TOKENIZERS)}}
+    cfg = config_from_dict(tree)
+    assert run(cfg) == 0
+    out = tmp_path / "models" / "base"
+    assert (out / "model.safetensors").is_file() and (out / "lineage.json").is_file()
+    model, tokenizer = load_model(out, cfg.model), load_tokenizer(out, cfg.model)
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.hidden_size == 64
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in model.generation_config.eos_token_id
+
+
+def test_unknown_override_names_the_key_and_the_choices():
+    with pytest.raises(ModelLoadError, match=r"architecture_overrides: \['num_layers'\].*num_hidden_layers"):
+        build_architecture(ModelConfig(architecture="qwen2.5-0.5b", architecture_overrides={"num_layers": 2},
+                                       tokenizers_dir=str(SHARED_TOKENIZERS)), seed=0)
+
+
+def test_missing_tokenizers_dir_names_the_folder_and_the_fix(tmp_path):
+    cfg = ModelConfig(architecture="llama-3.2-1b", tokenizers_dir=str(tmp_path / "nowhere"))
+    with pytest.raises(ModelLoadError, match=r"nowhere/llama-3.2-instruct.*set model.tokenizers_dir"):
+        build_architecture(cfg, seed=0)
+
+
+def test_architecture_and_name_or_path_together_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.*architecture .*name_or_path.*set one to null"):
+        config_from_dict({"model": {"architecture": "qwen2.5-0.5b", "name_or_path": str(tmp_path)}})
+    with pytest.raises(ConfigError, match=r"model.architecture.*qwen2.5-0.5b"):
+        config_from_dict({"model": {"architecture": "qwen-7b"}})

@@ -1,0 +1,71 @@
+"""grpo/train/mismatch.py through the GRPO step: rollouts from another engine are measured against
+the trainer's scoring and their policy term is reweighted by truncated importance sampling."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from grpo.config import config_from_dict
+from grpo.data.prepare import build_records
+from grpo.model.engines import EngineRollout, HFEngine
+from grpo.train.mismatch import trainer_logprobs
+from grpo.train.step import draw, prepare_batch
+from tests.test_step import combined_gradient, make_context
+
+
+@pytest.fixture(scope="module")
+def one_per_task() -> list[dict]:
+    train = [r.model_dump(mode="json") for r in build_records(config_from_dict({"data": {"n_train": 8}}))["train"]]
+    return [next(r for r in train if r["task"] == task) for task in ("fairness", "hallucination")]
+
+
+class ShiftedEngine:
+    """The HF engine, but it reports sampler log-probs ``log(shift)`` below the trainer's: every
+    sampled token looks ``shift`` times likelier to the trainer than to the sampler."""
+
+    name = "shifted"
+
+    def __init__(self, model, tokenizer, shift: float) -> None:
+        self.hf, self.shift = HFEngine(model, tokenizer), shift
+
+    def generate(self, prompts, group_size, sampling, eos_ids, seed) -> EngineRollout:
+        rollout = self.hf.generate(prompts, group_size, sampling, eos_ids, seed).rollout
+        trainer = trainer_logprobs(self.hf.model, rollout, sampling.temperature)
+        return EngineRollout(rollout, (trainer - math.log(self.shift)) * rollout.completion_mask)
+
+    def sync_weights(self, model) -> None:
+        pass
+
+
+def _gradient(tiny_model, tiny_tokenizer, one_per_task, shift: float | None, **rollout) -> tuple[torch.Tensor, dict]:
+    """The combined gradient of one step (sum mode, policy term only) and the draw's stats."""
+    ctx = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "sum"},
+                       loss={"beta": 0.0}, rollout=rollout)
+    if shift is not None:
+        ctx.engine = ShiftedEngine(ctx.model, tiny_tokenizer, shift)
+    sampled = draw(ctx, one_per_task, seed=11)
+    signal = dataclasses.replace(sampled, advantages=torch.linspace(-1, 1, len(sampled.rewards)))
+    return combined_gradient(ctx, prepare_batch(ctx, signal)), sampled.stats
+
+
+@pytest.mark.parametrize("shift, cap, factor", [(1.5, 2.0, 1.5), (3.0, 2.0, 2.0)])
+def test_policy_gradient_is_reweighted_and_truncated(tiny_model, tiny_tokenizer, one_per_task, shift, cap, factor):
+    """Weights min(p_trainer / p_sampler, cap) = min(shift, cap) on every token scale the gradient."""
+    plain, plain_stats = _gradient(tiny_model, tiny_tokenizer, one_per_task, None)
+    weighted, stats = _gradient(tiny_model, tiny_tokenizer, one_per_task, shift, tis_cap=cap)
+    assert plain.abs().max() > 0 and "sampling/kl" not in plain_stats
+    torch.testing.assert_close(weighted, factor * plain, rtol=1e-4, atol=1e-7)
+    assert stats["sampling/sampling_logp_difference/mean"] == pytest.approx(math.log(shift), abs=1e-5)
+    assert stats["sampling/importance_sampling_weight/mean"] == pytest.approx(factor, abs=1e-5)
+
+
+def test_mismatch_under_the_threshold_leaves_the_gradient_alone(tiny_model, tiny_tokenizer, one_per_task):
+    plain, _ = _gradient(tiny_model, tiny_tokenizer, one_per_task, None)
+    small, stats = _gradient(tiny_model, tiny_tokenizer, one_per_task, 1.01, tis_threshold=0.05)
+    torch.testing.assert_close(small, plain, rtol=1e-5, atol=1e-8)
+    assert stats["sampling/sampling_logp_difference/mean"] == pytest.approx(math.log(1.01), abs=1e-5)

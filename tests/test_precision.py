@@ -1,0 +1,105 @@
+"""grpo/model/precision.py: bf16 autocast over fp32 master weights, SDPA, gradient checkpointing (on CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo.config import LoraConfig, ModelConfig, config_from_dict
+from grpo.core.batching import sft_batch
+from grpo.core.logprobs import score_completions
+from grpo.data.prompts import example_messages, sft_target
+from grpo.model.chat import render_sft
+from grpo.model.modeling import load_model, save_model, wrap_lora
+from grpo.model.precision import apply_memory_settings, bf16_autocast, describe
+from grpo.train.sft import sft_loss
+
+RECORDS = [
+    {"task": "hallucination", "context": "Elbrook was founded in 1821 by Mara Venn.", "question": "Who founded it?",
+     "answer": "Mara Venn", "answerable": True},
+    {"task": "hallucination", "context": "The river town is known for glass.", "question": "When was it founded?",
+     "answer": None, "answerable": False},
+]
+CPU = torch.device("cpu")
+
+
+def _batch(tokenizer):
+    examples = [render_sft(tokenizer, example_messages(r), sft_target(r)) for r in RECORDS]
+    return sft_batch(examples, tokenizer.pad_token_id)
+
+
+def test_autocast_is_off_on_cpu_and_bf16_when_forced(tiny_model, tiny_tokenizer):
+    batch = _batch(tiny_tokenizer)
+    with bf16_autocast(CPU, bf16=True):  # CPU: no autocast, the default path stays fp32
+        assert tiny_model(input_ids=batch.input_ids).logits.dtype == torch.float32
+    with bf16_autocast(CPU, bf16=True, force=True):
+        assert tiny_model(input_ids=batch.input_ids).logits.dtype == torch.bfloat16
+    with bf16_autocast(CPU, bf16=False, force=False):
+        assert tiny_model(input_ids=batch.input_ids).logits.dtype == torch.float32
+
+
+def test_bf16_step_keeps_fp32_master_weights_and_optimizer_state(tiny_model, tiny_tokenizer):
+    """The stated choice: bf16 compute, fp32 weights, gradients and Adam moments; the loss is close."""
+    batch = _batch(tiny_tokenizer)
+    tiny_model.train()
+    full, _ = sft_loss(tiny_model, batch)
+    with bf16_autocast(CPU, bf16=True, force=True):
+        loss, _ = sft_loss(tiny_model, batch)
+    assert loss.dtype == torch.float32 and abs(loss.item() - full.item()) < 5e-2 * full.item()
+    optimizer = torch.optim.AdamW(tiny_model.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in tiny_model.parameters()]
+    loss.backward()
+    optimizer.step()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in tiny_model.parameters())
+    moments = [s["exp_avg"] for s in optimizer.state.values()]
+    assert moments and all(m.dtype == torch.float32 for m in moments)
+    assert any(not torch.equal(a, p) for a, p in zip(before, tiny_model.parameters(), strict=True))
+
+
+def _scored(model, tokenizer):
+    batch = _batch(tokenizer)
+    return score_completions(model, batch.input_ids, batch.attention_mask, 8, temperature=1.0).logprobs
+
+
+def test_sdpa_is_loaded_and_scores_like_eager(tiny_model, tiny_tokenizer, tmp_path):
+    save_model(tiny_model, tiny_tokenizer, tmp_path)
+    sdpa = load_model(tmp_path, ModelConfig()).eval()
+    eager = load_model(tmp_path, ModelConfig(attn_implementation="eager")).eval()
+    assert sdpa.config._attn_implementation == "sdpa" and eager.config._attn_implementation == "eager"
+    with torch.no_grad():
+        torch.testing.assert_close(_scored(sdpa, tiny_tokenizer), _scored(eager, tiny_tokenizer),
+                                   atol=1e-5, rtol=1e-5)
+    assert "attention sdpa" in describe(sdpa, CPU, bf16=True) and "compute float32" in describe(sdpa, CPU, True)
+
+
+def _lora_grads(model, tokenizer) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    policy = wrap_lora(model, LoraConfig(r=4))
+    for name, param in policy.named_parameters():  # lora_B starts at 0: give it a value so A gets a gradient
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1, generator=torch.Generator().manual_seed(1))
+    policy.train()
+    loss, _ = sft_loss(policy, _batch(tokenizer))
+    loss.backward()
+    return {n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad}
+
+
+def test_gradient_checkpointing_gives_the_same_lora_gradients(tiny_tokenizer, tiny_sizes):
+    """Non-reentrant checkpointing reaches a LoRA adapter on frozen weights, with identical gradients."""
+    from grpo.model.modeling import build_tiny_model
+
+    plain = _lora_grads(build_tiny_model(tiny_tokenizer, tiny_sizes, seed=0), tiny_tokenizer)
+    model = apply_memory_settings(build_tiny_model(tiny_tokenizer, tiny_sizes, seed=0),
+                                  ModelConfig(gradient_checkpointing=True))
+    assert model.is_gradient_checkpointing
+    checkpointed = _lora_grads(model, tiny_tokenizer)
+    assert plain.keys() == checkpointed.keys() and len(plain) > 0
+    for name, grad in plain.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(checkpointed[name], grad, atol=1e-6, rtol=1e-5)
+
+
+def test_precision_fields_are_config_with_defaults():
+    cfg = config_from_dict({})
+    assert cfg.model.attn_implementation == "sdpa" and not cfg.model.gradient_checkpointing
+    assert cfg.sft.bf16 and cfg.grpo.bf16
+    assert config_from_dict({"model": {"gradient_checkpointing": True}}).model.gradient_checkpointing
