@@ -167,7 +167,8 @@ def test_too_few_records_error_and_validation_report_list_the_skips(tmp_path):
 
 
 def test_a_path_left_with_a_synthetic_source_names_both_keys(tmp_path):
-    with pytest.raises(ValueError, match=r"data.fairness_path is set .*data.fairness_source is 'synthetic'"):
+    with pytest.raises(ValueError, match=r"data.fairness_path is set but data.fairness_source is 'synthetic'.*"
+                                         r"\(got '/nonexistent'\)"):
         _cfg(tmp_path, fairness_path="/nonexistent")
 
 
