@@ -95,6 +95,17 @@ class DataConfig(Section):
     checks: DataChecksConfig = Field(default_factory=DataChecksConfig)
     """Bounds and tolerances of ``grpo validate``."""
 
+    @field_validator("fairness_path", "hallucination_path")
+    @classmethod
+    def _no_path_for_synthetic(cls, value: str | None, info: ValidationInfo) -> str | None:
+        task = info.field_name.removesuffix("_path")
+        if value and info.data.get(f"{task}_source") == "synthetic":  # the source is declared above the path
+            raise ValueError(
+                f"is set but data.{task}_source is 'synthetic', which reads no file: set "
+                f"data.{task}_source to the dataset's format, or data.{task}_path to null"
+            )
+        return value
+
     @model_validator(mode="after")
     def _path_for_published_sources(self) -> DataConfig:
         for task in ("fairness", "hallucination"):
@@ -103,11 +114,6 @@ class DataConfig(Section):
                 raise ValueError(
                     f"needs {task}_path when {task}_source is {source!r}: set data.{task}_path to the "
                     f"local file or folder of the {source} dataset, or data.{task}_source to synthetic"
-                )
-            if source == "synthetic" and path:
-                raise ValueError(
-                    f"data.{task}_path is set ({path!r}) but data.{task}_source is 'synthetic', which reads "
-                    f"no file: set data.{task}_source to the dataset's format or data.{task}_path to null"
                 )
         return self
 

@@ -6,7 +6,8 @@ folder's absolute path under ``<tmp>/grpo-locks/`` (outside the project, so outp
 stay byte-identical and a stage writes nothing when it is refused): it
 is released when the process ends, however it ends (``kill -9`` included), so a crash never leaves
 a stale lock. The file names the holder's PID, command and start time for the error of the second
-writer.
+writer. A distributed run (``torchrun``, ``accelerate launch``) is one writer: its rank 0 holds the
+lock for all its processes.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def _one_lock(folder: Path) -> Iterator[None]:
 def folder_lock(*folders: str | Path) -> Iterator[None]:
     """Hold the write lock of every folder (in a fixed order, so two stages cannot deadlock)."""
     with ExitStack() as stack:
+        if os.environ.get("RANK", "0") != "0":  # another process of a distributed run: rank 0 holds it
+            folders = ()
         for folder in sorted({Path(folder).resolve() for folder in folders}):
             stack.enter_context(_one_lock(folder))
         yield

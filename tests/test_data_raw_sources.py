@@ -167,5 +167,30 @@ def test_too_few_records_error_and_validation_report_list_the_skips(tmp_path):
 
 
 def test_a_path_left_with_a_synthetic_source_names_both_keys(tmp_path):
-    with pytest.raises(ValueError, match=r"data.fairness_path is set .*data.fairness_source is 'synthetic'"):
+    with pytest.raises(ValueError, match=r"data.fairness_path is set but data.fairness_source is 'synthetic'.*"
+                                         r"\(got '/nonexistent'\)"):
         _cfg(tmp_path, fairness_path="/nonexistent")
+
+
+def test_a_squad_source_with_no_usable_question_fails_with_the_reasons(tmp_path):
+    document = json.loads(SQUAD.read_text())
+    for article in document["data"]:
+        for paragraph in article["paragraphs"]:
+            for qa in paragraph["qas"]:
+                qa.update(is_impossible=False, answers=[])
+    (tmp_path / "empty.json").write_text(json.dumps(document))
+    with pytest.raises(DataSourceError, match=r"empty.json: 0 of 12 squad2 items usable; skipped: 4 x empty.json "
+                                              r"\[\w+\]: answerable question without answers"):
+        load_squad2(tmp_path / "empty.json", 0.2, 0)
+
+
+def test_the_record_schema_rejects_an_option_index_outside_the_three_choices():
+    from pydantic import ValidationError
+
+    from grpo.data.schema import Record, make_record
+    from grpo.data.synthetic_fairness import generate_fairness
+
+    record = make_record(generate_fairness(1, "train", 0)[0], "train").model_dump(mode="json")
+    for field in ("label", "unknown_idx", "target_idx"):
+        with pytest.raises(ValidationError, match=field):
+            Record.model_validate({**record, field: -1})

@@ -89,3 +89,14 @@ def test_each_writing_stage_refuses_a_folder_another_process_writes(tmp_path, mo
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_distributed_run_is_one_writer_whose_rank_0_holds_the_lock(holder, monkeypatch):
+    folder, proc = holder  # plays rank 0 of the same run
+    monkeypatch.setenv("RANK", "1")
+    with folder_lock(folder):  # the other ranks do not take it
+        pass
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(FolderLockedError, match=f"PID {proc.pid}"):
+        with folder_lock(folder):
+            pass
