@@ -181,7 +181,7 @@ def test_probe_shapes_and_task_mix(project, fresh):
 )
 def test_collapse_thresholds(project, policy, reference, status):
     """ratio >= 0.5 pass; 0.2 <= ratio < 0.5 warn; ratio < 0.2 or entropy < 0.05 fail."""
-    check = check_collapse(project, policy, reference)
+    check = check_collapse(project, policy, reference, temperature=1.0)
     assert check.status == status and check.value == policy
     assert bool(check.hint) == (status != "pass")
 
