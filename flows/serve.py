@@ -4,6 +4,10 @@ Run it from the project root with ``PREFECT_API_URL`` pointing at a server; then
 ``prefect deployment run full-retrain/full-retrain`` triggers a run and the cron (``schedule.cron``
 in ``schedule.timezone``) starts one every night. ``limit=1``: this runner never starts a second run
 while one is going (DVC could not run two anyway; see tasks/dvc_stage.py).
+
+The runs depend on this one foreground process: stopping it pauses the deployment's schedule until it
+is started again. For production use ``python -m flows.deploy`` (a work pool served by
+``prefect worker start``) instead.
 """
 
 from __future__ import annotations

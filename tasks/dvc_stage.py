@@ -106,8 +106,11 @@ def _wait(proc: subprocess.Popen, poll: Callable[[], None] | None, kill_once: bo
 
 
 def command_line(project: Path, cmd: list[str]) -> str:
-    """The stage's command as a line a user can paste into a shell (quoted; cwd included)."""
-    return f"cd {shlex.quote(str(project))} && {shlex.join(cmd)}"
+    """The stage's command as a line a user can paste into any shell: folder, code path and tools included."""
+    env = stage_env(project)
+    tools = shlex.quote(str(Path(sys.executable).parent))
+    return (f"cd {shlex.quote(str(project))} && PATH={tools}:\"$PATH\" PYTHONPATH={shlex.quote(env['PYTHONPATH'])} "
+            f"{shlex.join(cmd)}")
 
 
 def _run_dvc(

@@ -19,6 +19,7 @@ import yaml
 from grpo.cli import COMMANDS
 from grpo.provenance import stages
 from grpo.provenance.fingerprint import import_closure
+from tests.browser import CHROMIUM, browser
 from tests.project_copy import ROOT, clone, dvc, missing_stage_modules, stages_run, write_params
 
 pytest.importorskip("dvc")
@@ -218,4 +219,8 @@ def test_metrics_are_small_and_plots_render_offline(project):
     html = (project / "dvc_plots" / "index.html").read_text(encoding="utf-8")
     assert "<script" not in html and not re.search(r"(src|href)=[\"']?https?://", html), html[:2000]
     images = re.findall(r"<img[^>]+src=\"([^\"]+)\"", html)
-    assert images and all((project / "dvc_plots" / src).is_file() for src in images), images
+    assert len(images) == 2 and all((project / "dvc_plots" / src).is_file() for src in images), images
+    if CHROMIUM is not None:  # and a browser with no network shows both
+        with browser() as page:
+            page.goto((project / "dvc_plots" / "index.html").as_uri())
+            assert page.wait_for("[...document.images].filter(i => i.complete && i.naturalWidth > 0).length") == 2

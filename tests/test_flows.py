@@ -21,7 +21,7 @@ from prefect.logging.handlers import APILogWorker
 from prefect.testing.utilities import prefect_test_harness
 
 from flows.full_retrain import full_retrain
-from tasks.dvc_stage import FAIL_ONCE_ENV, stage_env
+from tasks.dvc_stage import FAIL_ONCE_ENV
 from tasks.train import Progress, train
 from tasks.workspace import WORKSPACES_DIR
 from tests.prefect_runs import ARTIFACT_KEYS, artifact_keys, task_runs
@@ -77,8 +77,8 @@ def test_full_retrain_runs_end_to_end_and_retries_a_transient_failure(harness, t
             assert all(not refs for key, refs in inputs.items() if key != "wait_for"), (stage, inputs)
         logs = _logs(client, flow_run_id)
         errors = [log.message for log in logs if log.level >= logging.ERROR]
-        bars = [log.message for log in logs if re.match(r"(sft|grpo):\s+\d+%\|", log.message)]
-        assert 2 <= len(bars) <= 4, bars  # start and end of each bar, nothing per step (TQDM_MININTERVAL=10)
+        bars = [log.message for log in logs if re.match(r"sft:\s+\d+%\|", log.message)]
+        assert len(bars) == 2, bars  # SFT's 2 steps take < 10 s (TQDM_MININTERVAL): its first and last line only
         assert any("stage evaluate failed on attempt 1" in m and "killed by signal 9 (SIGKILL)" in m
                    and "transient" in m for m in errors), errors
     assert (project / "models" / "grpo" / "lineage.json").is_file()
@@ -102,8 +102,8 @@ def test_full_retrain_runs_end_to_end_and_retries_a_transient_failure(harness, t
         commands = [m.removeprefix("$ ") for m in (log.message for log in _logs(client, again.state_details.flow_run_id))
                     if m.startswith("$ cd ")]
     assert len(commands) == len(STAGES)
-    pasted = subprocess.run(["bash", "-c", commands[-1]], env=stage_env(project), capture_output=True, text=True,
-                            timeout=300)  # the logged line, pasted into a shell as it is
+    pasted = subprocess.run(["bash", "-c", commands[-1]], env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+                            capture_output=True, text=True, timeout=300)  # pasted into a bare shell as it is
     assert pasted.returncode == 0 and "didn't change, skipping" in pasted.stdout + pasted.stderr, pasted
 
 
@@ -134,7 +134,7 @@ def test_force_retrains_grpo_from_scratch(harness, built_project, tmp_path):
 
     @flow
     def forced_grpo() -> bool:
-        return train(str(project), True)
+        return train(str(project), True, return_state=True).result()
 
     state = forced_grpo(return_state=True)
     assert state.is_completed() and state.result() is True, state.message

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from tasks.artifacts import _cells, flatten
+from tasks.artifacts import _cells, flatten, readable_tables
 from tasks.dvc_stage import stage_env
 
 
@@ -31,3 +31,14 @@ def test_metrics_and_rows_flatten_to_table_cells():
     assert flatten({"sft": {"greedy": {"acc": 0.5}}, "steps": 2}) == {"sft.greedy.acc": 0.5, "steps": 2}
     assert _cells({"name": "I7", "numbers": {"d": 1.0}, "passed": True}) == {
         "name": "I7", "numbers": '{"d": 1.0}', "passed": True}
+
+
+def test_wide_tables_become_lists_that_wrap_and_narrow_ones_stay():
+    wide = "| rule | column | result | detail |\n| --- | --- | --- | --- |\n" + (
+        "| balance.ambig.train | ambig_train | pass | observed 0.5, expected between 0.19381378215210276 and "
+        "0.8061862178478972 |\n")
+    narrow = "| metric | value |\n| --- | --- |\n| loss | 0.5 |\n"
+    out = readable_tables(f"# Report\n\n{wide}\nafter\n\n{narrow}")
+    assert "- **balance.ambig.train** · column: ambig_train · result: pass · detail: observed 0.5" in out
+    assert "| balance.ambig.train" not in out and narrow in out and out.startswith("# Report\n\n")
+    assert out.rstrip().endswith("| loss | 0.5 |") and "\nafter\n" in out

@@ -1,0 +1,50 @@
+"""grpo/eval/keymetrics.py: each stage's full report becomes a handful of flat numbers (fast)."""
+
+from __future__ import annotations
+
+import json
+
+from grpo.eval.keymetrics import KEY_METRICS, key_metrics_path, write_key_metrics
+
+from grpo.config import config_from_dict
+from grpo.eval.metrics import KEY_ROWS
+
+
+def _cfg(tmp_path):
+    return config_from_dict({"paths": {"metrics_dir": str(tmp_path / "metrics"),
+                                       "reports_dir": str(tmp_path / "reports")}})
+
+
+def test_eval_key_file_is_flat_and_names_model_and_row(tmp_path):
+    cfg = _cfg(tmp_path)
+    full = {model: {"greedy": {**dict.fromkeys(KEY_ROWS, 0.25), "nested": {"deep": [1, 2, 3]}},
+                    "sampled": dict.fromkeys(KEY_ROWS, 0.5)} for model in ("base", "sft", "grpo")}
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "eval.json").write_text(json.dumps(full))
+    out = write_key_metrics(cfg, "evaluate")
+    key = json.loads(out.read_text())
+    assert out == key_metrics_path(cfg, "evaluate") and len(key) == 3 * len(KEY_ROWS)
+    assert key["grpo.hallucination/over_abstention_rate"] == 0.25
+    assert all(isinstance(v, float) for v in key.values())
+
+
+def test_every_stage_with_a_report_keeps_only_scalars(tmp_path):
+    cfg = _cfg(tmp_path)
+    reports = {
+        "validate": {"success": True, "n_rows": 24, "n_rules": 74, "n_failed": 0, "rules": [{"rule": "x"}] * 74},
+        "sft": {"loss_first": 5.7, "loss_final": 5.6, "token_accuracy_final": 0.0, "steps": 2, "examples": 16,
+                "wall_time_s": 2.3},
+        "preflight": {"passed": True, "checks": [{"name": "I1", "passed": True}, {"name": "I7", "passed": False}],
+                      "lineage": {"code_fingerprint": "abc"}},
+        "grpo": {"reward": -1.0, "reward_std": 0.0, "frac_reward_zero_std": 1.0, "entropy": 5.7, "kl": 0.0,
+                 "steps": 2, "reward_first": -1.0, "process_weight_digests": ["f" * 64]},
+    }
+    for stage, report in reports.items():
+        field, name, _ = KEY_METRICS[stage]
+        folder = tmp_path / field.removesuffix("_dir")
+        folder.mkdir(exist_ok=True)
+        (folder / name).write_text(json.dumps(report))
+        key = json.loads(write_key_metrics(cfg, stage).read_text())
+        assert key and all(isinstance(v, int | float | bool) for v in key.values()), (stage, key)
+    assert json.loads(key_metrics_path(cfg, "preflight").read_text()) == {"passed": True, "checks": 2, "failed": 1}
+    assert write_key_metrics(cfg, "prepare") is None  # no report, no key file
