@@ -9,9 +9,9 @@ import torch
 from accelerate import Accelerator
 
 from grpo.config import config_from_dict
+from grpo.core.multitask import MultitaskError
 from grpo.data.prepare import build_records
 from grpo.model.modeling import wrap_lora
-from grpo.core.multitask import MultitaskError
 from grpo.model.rollout import stop_ids
 from grpo.train.step import StepContext, draw, grpo_step, prepare_batch, update
 

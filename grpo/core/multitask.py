@@ -15,8 +15,8 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from grpo.errors import GrpoError
 from grpo.core.losses import LossTerms, total_loss
+from grpo.errors import GrpoError
 
 Mode = Literal["sum", "pcgrad", "cagrad"]
 MODES = ("sum", "pcgrad", "cagrad")

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from grpo.config import SamplingConfig
 from grpo.core.batching import PaddedBatch, completion_ids_from_generated, completion_mask, left_pad
 from grpo.core.prefix import prefilled_cache
 from grpo.model.chat import end_of_turn_ids
-from grpo.config import SamplingConfig
 from grpo.model.sampling import EosSuppressor, build_logits_processors
 
 

@@ -16,19 +16,19 @@ from typing import Any
 
 import torch
 
+from grpo.config import Config
 from grpo.core.advantages import group_advantages
 from grpo.core.batching import join_prompt_completion
-from grpo.model.chat import example_messages, render_prompt
-from grpo.config import Config
-from grpo.train.dynamic_sampling import Draw, sample_groups
-from grpo.errors import GrpoError
 from grpo.core.logprobs import score_completions
 from grpo.core.losses import LossTerms, policy_loss_terms
-from grpo.health.metrics import completion_stats, task_reward_stats
 from grpo.core.multitask import TaskLoss, multitask_backward
 from grpo.core.timing import PhaseTimer, untimed
-from grpo.rewards import group_rewards
+from grpo.errors import GrpoError
+from grpo.health.metrics import completion_stats, task_reward_stats
+from grpo.model.chat import example_messages, render_prompt
 from grpo.model.rollout import generate_rollout
+from grpo.rewards import group_rewards
+from grpo.train.dynamic_sampling import Draw, sample_groups
 from grpo.train.task_mix import TASKS
 
 

@@ -20,16 +20,16 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from grpo.train import checkpoint as ckpt
+from grpo.checks.preflight import require_preflight
 from grpo.config import Config, config_to_dict
 from grpo.data.jsonl import read_records
 from grpo.errors import GrpoError
-from grpo.provenance.lineage import is_stale, make_lineage, write_lineage
 from grpo.health.metrics import MetricsWriter
-from grpo.model.modeling import save_model, wrap_lora
 from grpo.health.monitor import Monitor, raise_if_stop
-from grpo.checks.preflight import require_preflight
+from grpo.model.modeling import save_model, wrap_lora
 from grpo.model.rollout import stop_ids
+from grpo.provenance.lineage import is_stale, make_lineage, write_lineage
+from grpo.train import checkpoint as ckpt
 from grpo.train.sft import load_sft, sft_dir
 from grpo.train.step import StepContext, grpo_step
 from grpo.train.task_mix import sample_step, split_by_task
