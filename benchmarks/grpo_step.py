@@ -6,9 +6,10 @@
 Same work for every variant: the project's SFT model, its own prompts of both tasks, 8 prompts x 4
 completions, up to 32 new tokens, beta 0.04, loss ``grpo``, LoRA r 8 on q/k/v/o, sampling at
 temperature 1 without top-k/top-p. Each (repetition, variant) runs in a fresh process from the
-same SFT weights and a fresh adapter, variants interleaved within each repetition, so machine load
-drifts hit every variant alike. TRL (``pip install -e .[bench]``) runs when it is installed, in fp32
-and with its default bf16 autocast; its faster one is the reference of ``speedup_vs_trl``.
+same SFT weights and a fresh adapter, variants interleaved within each repetition (the order
+rotating from one repetition to the next), so machine load drifts hit every variant alike. TRL
+(``pip install -e .[bench]``) runs when it is installed, in fp32 and with its default bf16
+autocast; its faster one is the reference of ``speedup_vs_trl``.
 ``--full-length`` forces every completion to the full 32 tokens (eos suppressed before that).
 """
 
@@ -142,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     names = variants(args)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for rep in range(args.reps):
-        for name in names:
+        # Each repetition starts one variant later: no variant always runs first (cold caches) or
+        # always right after the memory-hungry TRL runs.
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
             print(f"bench: repetition {rep + 1}/{args.reps}: {name}", flush=True)
             runs[name].append(run_worker(params.parent, name, args.steps, args.warmup, args.full_length))
     out = results({name: summarise(r) for name, r in runs.items()}, args, info)

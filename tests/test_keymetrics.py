@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-from grpo.eval.keymetrics import KEY_METRICS, key_metrics_path, write_key_metrics
-
 from grpo.config import config_from_dict
+from grpo.eval.keymetrics import KEY_METRICS, key_metrics_path, write_key_metrics
 from grpo.eval.metrics import KEY_ROWS
 
 

@@ -111,3 +111,21 @@ def test_shared_prefill_samples_the_plain_generates_tokens(tiny_model, tiny_toke
     assert shared.eos_suppressed_frac == plain.eos_suppressed_frac
     width = plain.prompt_ids.shape[1]
     assert calls[:2] == [(2, width - 1), (2 * G, 1)]  # the prompts once, then only their last column
+
+
+def test_prefilled_cache_gives_the_plain_forwards_next_token_logits(tiny_model, tiny_tokenizer):
+    """The last prompt column run against the repeated cache scores the next token exactly as a plain
+    forward over the whole left-padded prompt does, for every copy of every prompt."""
+    from grpo.core.batching import position_ids_from_mask
+    from grpo.core.prefix import prefilled_cache
+
+    input_ids, attention_mask, _ = grouped_batch(tiny_tokenizer.pad_token_id)
+    width = input_ids.shape[1] - WIDTH
+    ids, mask = input_ids[:, :width], attention_mask[:, :width]  # [N, P] prompts, G copies each
+    positions = position_ids_from_mask(mask)
+    with torch.no_grad():
+        plain = tiny_model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+        cache = prefilled_cache(tiny_model, ids[::G], mask[::G], G)
+        fast = tiny_model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions[:, -1:],
+                          past_key_values=cache).logits[:, -1]
+    torch.testing.assert_close(fast, plain, rtol=0, atol=1e-5)

@@ -209,6 +209,13 @@ def _add(into: dict[str, _TaskGrads], task: str, grads: _TaskGrads) -> None:
     into[task] = _TaskGrads(old.combined + grads.combined, regulariser, old.loss + grads.loss)
 
 
+def _checked(losses: dict[str, TaskLoss], asked: tuple[str, ...]) -> dict[str, TaskLoss]:
+    extra = sorted(set(losses) - set(asked))
+    if extra:
+        raise MultitaskError(f"compute_losses returned tasks {extra} that were not asked for ({asked})")
+    return losses
+
+
 def _gather_task_grads(
     params: list[torch.nn.Parameter],
     compute_losses: Callable[[tuple[str, ...], int], dict[str, TaskLoss]],
@@ -222,17 +229,11 @@ def _gather_task_grads(
 ) -> dict[str, _TaskGrads]:
     """Per-task gradients, summed over micro-batches; per micro-batch one shared graph, or one graph
     per task (low_memory). Each graph is freed before the next one is built."""
-    def checked(losses: dict[str, TaskLoss], asked: tuple[str, ...]) -> dict[str, TaskLoss]:
-        extra = sorted(set(losses) - set(asked))
-        if extra:
-            raise MultitaskError(f"compute_losses returned tasks {extra} that were not asked for ({asked})")
-        return losses
-
     out: dict[str, _TaskGrads] = {}
     for micro in range(micro_batches):
         subsets = [(task,) for task in tasks] if low_memory else [tasks]
         for subset in subsets:
-            losses = checked(compute_losses(subset, micro), subset)
+            losses = _checked(compute_losses(subset, micro), subset)
             for task in subset:
                 if task in losses:
                     retain = not low_memory and task != subset[-1]
@@ -338,10 +339,7 @@ def _summed_backward(
     direction = torch.cat([torch.zeros(p.numel(), device=p.device) for p in params])  # [P]
     losses: dict[str, float] = {}
     for micro in range(micro_batches):
-        by_task = compute_losses(tasks, micro)
-        extra = sorted(set(by_task) - set(tasks))
-        if extra:
-            raise MultitaskError(f"compute_losses returned tasks {extra} that were not asked for ({tasks})")
+        by_task = _checked(compute_losses(tasks, micro), tasks)
         if not by_task:
             continue
         totals = {task: total_loss(loss.terms, beta, entropy_coef) for task, loss in by_task.items()}
