@@ -9,7 +9,7 @@ import pytest
 from grpo.cli import COMMANDS, build_parser, main, resolve
 from grpo.provenance import stages
 
-NON_STAGE = ("plot-entropy", "diagnose", "fingerprint", "pipeline")
+NON_STAGE = ("plot-entropy", "diagnose", "fingerprint", "status", "pipeline", "seeds")
 
 
 @pytest.fixture

@@ -289,7 +289,7 @@ def test_evaluate_report_has_headline_baselines_and_intervals(evaluated):
 
 
 def test_evaluate_without_grpo_has_no_intervals(project):
-    assert run(project, None) == 0
+    assert run(project) == 0
     compare = json.loads((Path(project.paths.metrics_dir) / "eval_compare.json").read_text())
     assert compare["grpo_minus_sft"] is None and set(compare["baselines"]) == {"abstain", "random"}
     assert "bootstrap intervals" not in (Path(project.paths.reports_dir) / "eval.md").read_text()

@@ -17,11 +17,11 @@ from grpo.offline import OFFLINE_ENV
 ROOT = Path(__file__).parents[1]
 PROBE = (
     "import os, sys\nfrom grpo import cli\n"
-    "def probe(cfg, args):\n"
+    "def probe(cfg, **options):\n"
     "    import huggingface_hub.constants as c\n"
     "    print(os.environ.get('HF_HUB_OFFLINE'), os.environ.get('TRANSFORMERS_OFFLINE'), c.HF_HUB_OFFLINE)\n"
     "    return 0\n"
-    "cli._resolve = lambda target: probe\n"
+    "cli.resolve = lambda entry: probe\n"
     "raise SystemExit(cli.main(sys.argv[1:]))\n"
 )
 

@@ -182,7 +182,7 @@ def test_lora_off_trains_every_weight_against_the_frozen_sft_model(project, tmp_
     batch = prepare_batch(ctx, draw(ctx, records, seed=3))
     width, mask = batch.completion_mask.shape[1], batch.completion_mask
     with torch.no_grad():
-        expected = score_completions(sft, batch.input_ids, batch.attention_mask, width, 1.0).logprobs
-        moved = score_completions(policy.model, batch.input_ids, batch.attention_mask, width, 1.0).logprobs
+        expected = score_completions(sft, batch.inputs.input_ids, batch.inputs.attention_mask, width, 1.0).logprobs
+        moved = score_completions(policy.model, batch.inputs.input_ids, batch.inputs.attention_mask, width, 1.0).logprobs
     torch.testing.assert_close(batch.ref_logprobs[mask], expected[mask], rtol=0, atol=1e-5)
     assert (moved[mask] - expected[mask]).abs().max() > 1e-4, "the reference would equal the moving policy"

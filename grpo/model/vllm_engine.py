@@ -169,7 +169,7 @@ def assemble(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Sequence[int]
     sequences = torch.cat([prompt.input_ids, body], dim=1)  # [N, P + C], as generate() returns
     # vLLM applies min_tokens itself and does not count suppressions: the metric reads 0 here.
     suppressor = EosSuppressor(prompt.input_ids.shape[1], eos_ids, sampling.min_new_tokens)
-    rollout = rollout_from_sequences(tokenizer, prompt, sequences, eos_ids, suppressor, group_size)
+    rollout = rollout_from_sequences(tokenizer, prompt, sequences, eos_ids, suppressor, group_size, sampling)
     return EngineRollout(rollout, sampler * rollout.completion_mask)
 
 
