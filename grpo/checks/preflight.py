@@ -35,6 +35,7 @@ from grpo.model.modeling import wrap_lora
 from grpo.model.rollout import generate_rollout, stop_ids
 from grpo.model.sampling import CompletionPenalty, EosSuppressor
 from grpo.provenance.gate import REPORT_NAME, PreflightError, preflight_lineage
+from grpo.seeding import derive_seed
 from grpo.train.step import header_tokens
 
 
@@ -152,7 +153,7 @@ def check_penalty_scope(s: Subject) -> Check:
 
 def _sampled_batch(s: Subject):
     rollout = generate_rollout(s.policy, s.tokenizer, s.prompts[:1], max(2, s.cfg.grpo.group_size),
-                               s.cfg.grpo.sampling, s.eos_ids, s.cfg.seed + 1)
+                               s.cfg.grpo.sampling, s.eos_ids, derive_seed(s.cfg.seed, ("preflight_batch", 1)))
     joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
                                     rollout.completion_mask)
     return to_device(model_device(s.policy), joined.input_ids, joined.attention_mask, rollout.completion_mask)

@@ -31,6 +31,13 @@ class TaskLoss(NamedTuple):
     terms: LossTerms  # the loss terms of one task's rows only
 
 
+ComputeLosses = Callable[[tuple[str, ...], int], dict[str, TaskLoss]]
+"""``compute_losses(subset, micro)``: the forward on micro-batch ``micro`` of the rows of the tasks in
+``subset`` -> a ``TaskLoss`` per task that has rows there (already scaled by its share)."""
+ReduceFn = Callable[[torch.Tensor], torch.Tensor]
+"""Averages a flat per-task gradient ``[P]`` over processes (identity with one process)."""
+
+
 # --------------------------------------------------------------------------- pure combinations
 
 
@@ -211,7 +218,7 @@ def _add(into: dict[str, _TaskGrads], task: str, grads: _TaskGrads) -> None:
 
 def _gather_task_grads(
     params: list[torch.nn.Parameter],
-    compute_losses: Callable[[tuple[str, ...], int], dict[str, TaskLoss]],
+    compute_losses: ComputeLosses,
     tasks: tuple[str, ...],
     *,
     reward_only: bool,
@@ -243,7 +250,7 @@ def _gather_task_grads(
 
 def multitask_backward(
     params: list[torch.nn.Parameter],
-    compute_losses: Callable[[tuple[str, ...], int], dict[str, TaskLoss]],
+    compute_losses: ComputeLosses,
     tasks: tuple[str, ...],
     *,
     mode: Mode,
@@ -253,7 +260,7 @@ def multitask_backward(
     low_memory: bool,
     beta: float,
     entropy_coef: float,
-    reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    reduce_fn: ReduceFn | None = None,
     micro_batches: int = 1,
 ) -> Stats:
     """Combine per-task gradients and ADD the result to ``p.grad`` (like ``backward``; zero_grad first).

@@ -51,6 +51,7 @@ from grpo.model.device import make_accelerator, model_device, to_device
 from grpo.model.load import check_grpo, check_sft, load_base, load_grpo, load_sft
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
 from grpo.rewards import fairness_outcome, hallucination_outcome, weighted_reward
+from grpo.seeding import derive_seed
 
 MODELS = ("base", "sft", "grpo")
 LABELS = {"base": "base", "sft": "SFT", "grpo": "GRPO"}
@@ -193,7 +194,7 @@ def evaluate_model(
         batch = prompts[start : start + size]
         greedy.add(generate_rollout(model, tokenizer, batch, 1, sampling, eos_ids, cfg.seed, greedy=True))
         # Seeded by batch index, not by model: every model draws from the same random stream.
-        rollout = generate_rollout(model, tokenizer, batch, group, sampling, eos_ids, seed=cfg.seed + index)
+        rollout = generate_rollout(model, tokenizer, batch, group, sampling, eos_ids, seed=derive_seed(cfg.seed, ("eval_batch", index)))
         sampled.add(rollout, entropy_sum(model, rollout, sampling.temperature))
     repeated = per_row(records, group)
     return {

@@ -10,7 +10,7 @@ import math
 import re
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,7 @@ from grpo.model.chat import render_prompt
 from grpo.model.rollout import generate_rollout
 from grpo.rewards import group_rewards
 from grpo.seeding import derive_seed
-from grpo.train.dynamic_sampling import Draw, sample_groups
+from grpo.train.dynamic_sampling import Draw, MoreRecordsFn, sample_groups
 
 
 class NonFiniteError(GrpoError):
@@ -215,7 +215,7 @@ def _mean_stats(task_stats: dict[str, dict[str, float]], batch: ScoredBatch) -> 
 
 
 def grpo_step(ctx: StepContext, records: list[dict], step: int,
-              more_records: Callable[[int], list[dict]]) -> StepResult:
+              more_records: MoreRecordsFn) -> StepResult:
     """Everything one step does; ``records`` are this process's prompts, ``more_records(attempt)``
     fresh ones for dynamic resampling."""
     started = time.perf_counter()
