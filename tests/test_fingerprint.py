@@ -175,14 +175,18 @@ def test_every_real_stage_has_a_fingerprint_of_its_own_code():
         assert fp["stage"] == name
         assert "grpo/config.py" not in fp["modules"], name  # values enter through the params hash
         assert len(fp["fingerprint"]) == 64
-    assert "grpo/core/losses.py" in stage_fingerprint("grpo")["modules"]
-    assert "grpo/core/losses.py" not in stage_fingerprint("sft")["modules"]
+    assert "grpo/core/multitask.py" in stage_fingerprint("grpo")["modules"]
+    assert "grpo/core/multitask.py" not in stage_fingerprint("sft")["modules"]
+    # A change to the monitor or the step reruns training, never evaluation.
+    for module in ("grpo/health/monitor.py", "grpo/train/step.py", "grpo/train/checkpoint.py", "grpo/checks/preflight.py"):
+        assert module not in stage_fingerprint("evaluate")["modules"], module
     assert "grpo/model/chat.py" in stage_fingerprint("sft")["modules"]
 
 
 def test_bookkeeping_modules_are_in_no_stage_closure():
     bookkeeping = {f"{name.replace('.', '/')}.py" for name in stages.BOOKKEEPING_MODULES}
-    assert bookkeeping == {"grpo/provenance/stages.py", "grpo/provenance/fingerprint.py", "grpo/provenance/lineage.py", "grpo/config.py"}
+    assert bookkeeping == {"grpo/provenance/stages.py", "grpo/provenance/fingerprint.py", "grpo/provenance/lineage.py",
+                           "grpo/provenance/gate.py", "grpo/config.py"}
     for name in stages.STAGES:
         assert not bookkeeping & set(stage_fingerprint(name)["modules"]), name
 
