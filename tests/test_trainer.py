@@ -130,7 +130,9 @@ def test_two_processes_end_with_identical_weights(project, tmp_path):
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     done = subprocess.run(
         [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "grpo.cli", "train", "--params", str(params),
-         "--set", "grpo.steps=2", "--set", "grpo.multitask.mode=cagrad"],
+         "--set", "grpo.steps=2", "--set", "grpo.multitask.mode=cagrad",
+         # An entropy bonus: the weights move even when every group of the two draws has equal rewards.
+         "--set", "grpo.loss.entropy_coef=0.01"],
         capture_output=True, text=True, timeout=600, env=os.environ | {"OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
