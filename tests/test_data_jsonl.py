@@ -26,16 +26,6 @@ def test_read_rows_names_each_bad_line(tmp_path):
     assert [p.rule for p in missing] == ["read.missing_file"]
 
 
-def test_write_is_all_or_nothing(tmp_path):
-    good, blocked = tmp_path / "train.jsonl", tmp_path / "file" / "eval.jsonl"
-    good.write_text("old\n")
-    (tmp_path / "file").write_text("a file where a folder should be")
-    with pytest.raises(OSError):
-        write_atomically({good: "new\n", blocked: "new\n"})
-    assert good.read_text() == "old\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "train.jsonl"]  # no temp file left
-
-
 def test_load_records_round_trip_and_errors(tmp_path):
     record = make_record(ROW, "train")
     path = tmp_path / "train.jsonl"

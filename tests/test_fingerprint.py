@@ -177,6 +177,9 @@ def test_every_real_stage_has_a_fingerprint_of_its_own_code():
         assert len(fp["fingerprint"]) == 64
     assert "grpo/core/multitask.py" in stage_fingerprint("grpo")["modules"]
     assert "grpo/core/multitask.py" not in stage_fingerprint("sft")["modules"]
+    # A change to the monitor or the step reruns training, never evaluation.
+    for module in ("grpo/health/monitor.py", "grpo/train/step.py", "grpo/train/checkpoint.py", "grpo/checks/preflight.py"):
+        assert module not in stage_fingerprint("evaluate")["modules"], module
     assert "grpo/model/chat.py" in stage_fingerprint("sft")["modules"]
 
 

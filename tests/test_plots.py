@@ -110,6 +110,15 @@ def test_discovery_keeps_same_name_in_two_folders(tmp_path):
     assert sorted(discover_entropy_files(tmp_path)) == ["sum (a)", "sum (b)"]
 
 
+def test_a_cut_last_line_is_skipped_by_the_plot_and_the_trainer_alike(tmp_path):
+    """A run killed while writing leaves one cut line at the end: both read the steps before it."""
+    from grpo.health.metrics import read_metrics
+
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in METRICS) + '{"step": 3, "rew', encoding="utf-8")
+    assert load_metrics_jsonl(path) == METRICS == read_metrics(path)
+
+
 def test_load_metrics_skips_blank_lines(tmp_path):
     path = tmp_path / "steps.jsonl"
     path.write_text(json.dumps(METRICS[0]) + "\n\n" + json.dumps(METRICS[1]) + "\n", encoding="utf-8")

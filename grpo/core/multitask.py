@@ -31,6 +31,13 @@ class TaskLoss(NamedTuple):
     terms: LossTerms  # the loss terms of one task's rows only
 
 
+ComputeLosses = Callable[[tuple[str, ...], int], dict[str, TaskLoss]]
+"""``compute_losses(subset, micro)``: the forward on micro-batch ``micro`` of the rows of the tasks in
+``subset`` -> a ``TaskLoss`` per task that has rows there (already scaled by its share)."""
+ReduceFn = Callable[[torch.Tensor], torch.Tensor]
+"""Averages a flat per-task gradient ``[P]`` over processes (identity with one process)."""
+
+
 # --------------------------------------------------------------------------- pure combinations
 
 
@@ -218,7 +225,7 @@ def _checked(losses: dict[str, TaskLoss], asked: tuple[str, ...]) -> dict[str, T
 
 def _gather_task_grads(
     params: list[torch.nn.Parameter],
-    compute_losses: Callable[[tuple[str, ...], int], dict[str, TaskLoss]],
+    compute_losses: ComputeLosses,
     tasks: tuple[str, ...],
     *,
     reward_only: bool,
@@ -244,7 +251,7 @@ def _gather_task_grads(
 
 def multitask_backward(
     params: list[torch.nn.Parameter],
-    compute_losses: Callable[[tuple[str, ...], int], dict[str, TaskLoss]],
+    compute_losses: ComputeLosses,
     tasks: tuple[str, ...],
     *,
     mode: Mode,
@@ -254,7 +261,7 @@ def multitask_backward(
     low_memory: bool,
     beta: float,
     entropy_coef: float,
-    reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    reduce_fn: ReduceFn | None = None,
     micro_batches: int = 1,
     task_stats: bool = True,
 ) -> Stats:

@@ -59,6 +59,7 @@ from grpo.model.load import check_grpo, check_sft, load_base, load_grpo, load_sf
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
 from grpo.model.scoring import rollout_inputs, score_inputs
 from grpo.rewards import weighted_reward
+from grpo.seeding import derive_seed
 
 MODELS = ("base", "sft", "grpo")
 LABELS = {"base": "base", "sft": "SFT", "grpo": "GRPO"}
@@ -188,7 +189,8 @@ def evaluate_model(
         batch = prompts[start : start + size]
         greedy.add(generate_rollout(model, tokenizer, batch, 1, sampling, eos_ids, cfg.seed, greedy=True))
         # Seeded by batch index, not by model: every model draws from the same random stream.
-        rollout = generate_rollout(model, tokenizer, batch, group, sampling, eos_ids, seed=cfg.seed + index)
+        rollout = generate_rollout(model, tokenizer, batch, group, sampling, eos_ids,
+                                   seed=derive_seed(cfg.seed, ("eval_batch", index)))
         sampled.add(rollout, entropy_sum(model, rollout))
     repeated = per_row(records, group)
     if texts is not None:

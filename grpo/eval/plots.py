@@ -11,6 +11,7 @@ backend switch, nothing kept alive in pyplot's registry when many plots are draw
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections import Counter
@@ -25,6 +26,7 @@ from grpo import paths
 from grpo.config import Config
 from grpo.errors import GrpoError
 from grpo.eval.metrics import KEY_ROWS
+from grpo.files import write_atomically
 from grpo.health.metrics import MetricsError, read_metrics
 
 ENTROPY_PREFIX = "entropy_history_"
@@ -236,11 +238,13 @@ def build_entropy_figure(
 def plot_entropy(
     histories: dict[str, list[dict]], out: Path, with_stats: bool = False, metrics: list[dict] | None = None
 ) -> Path:
-    """Draw ``build_entropy_figure`` into the PNG ``out`` (parent folders created); returns ``out``."""
+    """Draw ``build_entropy_figure`` into the PNG ``out`` (written atomically, parent folders created);
+    returns ``out``."""
     out = Path(out)
     fig = build_entropy_figure(histories, with_stats=with_stats, metrics=metrics)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=DPI)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=DPI)
+    write_atomically({out: png.getvalue()})
     return out
 
 

@@ -20,6 +20,11 @@ import torch
 from grpo.core.advantages import group_rows
 from grpo.model.rollout import Rollout, concat_rollouts, select_groups
 
+DrawFn = Callable[[list[dict], int], "Draw"]
+"""``draw(records, attempt)``: roll out and score ``records`` (``attempt`` 0 is the step's first draw)."""
+MoreRecordsFn = Callable[[int], list[dict]]
+"""``more_records(attempt)``: fresh prompts for the ``attempt``-th resample (a pure function of it)."""
+
 
 @dataclass(frozen=True)
 class Draw:
@@ -47,9 +52,9 @@ class Draw:
 
 
 def sample_groups(
-    draw: Callable[[list[dict], int], Draw],
+    draw: DrawFn,
     records: list[dict],
-    more_records: Callable[[int], list[dict]],
+    more_records: MoreRecordsFn,
     mode: Literal["none", "filter", "resample"],
     max_resample: int,
     pad_id: int,

@@ -33,7 +33,7 @@ from grpo.model.engines import HFEngine, RolloutEngine
 from grpo.model.scoring import RolloutInputs, rollout_inputs, score_inputs
 from grpo.rewards import group_rewards
 from grpo.seeding import derive_seed
-from grpo.train.dynamic_sampling import Draw, sample_groups
+from grpo.train.dynamic_sampling import Draw, MoreRecordsFn, sample_groups
 from grpo.train.mismatch import sampler_correction
 
 
@@ -271,7 +271,7 @@ def _mean_stats(task_stats: dict[str, dict[str, float]], totals: Totals) -> dict
 
 
 def grpo_step(ctx: StepContext, records: list[dict], step: int,
-              more_records: Callable[[int], list[dict]]) -> StepResult:
+              more_records: MoreRecordsFn) -> StepResult:
     """Everything one step does; ``records`` are this process's prompts, ``more_records(attempt)``
     fresh ones for dynamic resampling. The result describes the global batch (all processes)."""
     started, timer = time.perf_counter(), PhaseTimer()
