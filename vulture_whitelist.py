@@ -33,3 +33,7 @@ _.pre_tokenizer  # attribute in grpo/model/modeling.py
 defect  # variable in tests/test_data_validate.py
 harness  # function in tests/test_flows.py
 pytestmark  # variable in tests/test_flows.py
+_._no_path_for_synthetic  # method in grpo/config.py
+_._one_model_source  # method in grpo/config.py
+_._loadable_offline  # method in grpo/config.py
+_._vllm_installed  # method in grpo/config.py

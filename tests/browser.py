@@ -25,8 +25,6 @@ from websockets.sync.client import connect
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
-
 
 class Page:
     """One browser tab: ``goto``, ``wait_for``, ``evaluate``, ``screenshot``."""

@@ -13,7 +13,6 @@ from grpo.data.splits import assign_groups
 
 Pools = dict[str, list[dict[str, Any]]]
 
-SkipKey = tuple[str, str, str]
 """``(file, category, reason)``: one kind of skipped raw item."""
 
 
