@@ -67,7 +67,7 @@ def test_stage_inputs_are_what_each_artifact_is_made_from(tmp_path):
     assert paths.stage_inputs(cfg, "base") == {"train": paths.data_file(cfg, "train")}
     assert paths.stage_inputs(cfg, "sft") == {"base": paths.model_dir(cfg, "base"), "train": paths.data_file(cfg, "train")}
     assert paths.stage_inputs(cfg, "grpo") == {"sft": paths.model_dir(cfg, "sft"), "train": paths.data_file(cfg, "train")}
-    assert paths.stage_inputs(cfg, "preflight") == {"sft": paths.model_dir(cfg, "sft")}
+    assert paths.stage_inputs(cfg, "preflight") == {"base": paths.model_dir(cfg, "base"), "sft": paths.model_dir(cfg, "sft")}
     real = config_from_dict({"model": {"name_or_path": str(tmp_path)}})
     assert paths.stage_inputs(real, "base") == {}  # a resolved real model reads nothing of ours
     with pytest.raises(ValueError, match="records no lineage inputs"):

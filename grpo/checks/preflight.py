@@ -34,13 +34,17 @@ def report_path(cfg: Config) -> Path:
 
 
 def run_checks_on(subject: Subject) -> list[Check]:
-    """Every check; one that raises a project error counts as failed, with the error as its detail."""
+    """Every check; one that raises (a project error, or a crash of the stage code it drives) counts as
+    failed, with the error as its detail, so the report is always written and names every check."""
     checks = []
     for check in CHECKS:
         try:
             checks.append(check(subject))
         except GrpoError as exc:
             checks.append(Check(check.__name__.removeprefix("check_"), "fail", None, str(exc), "see the error"))
+        except Exception as exc:  # noqa: BLE001 - a check that crashes on the stage code is a failed check
+            checks.append(Check(check.__name__.removeprefix("check_"), "fail", None,
+                                f"the check raised {type(exc).__name__}: {exc}", "the stage code it drives broke"))
     return checks
 
 
