@@ -11,11 +11,13 @@ and a last row that says in how many seeds each difference went the wanted way b
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from grpo import pipeline
 from grpo.config import Config
+from grpo.files import write_text
 
 COLUMNS: dict[str, int] = {
     "reward": 1,
@@ -83,20 +85,19 @@ def seeds_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(cfg: Config, args: Any = None) -> int:
+def run(cfg: Config, seeds: Sequence[int] = (1, 2, 3)) -> int:
     """``grpo seeds --seeds 1 2 3``: the pipeline per seed, then the table (printed and in seeds.md)."""
     rows = []
-    for seed in args.seeds:
+    for seed in seeds:
         seeded = seed_config(cfg, seed)
         print(f"seeds: seed {seed} -> {Path(seeded.paths.runs_dir).parent}")
-        code = pipeline.run(seeded, args)
+        code = pipeline.run(seeded)
         if code:
             print(f"seeds: seed {seed} stopped with exit code {code}; later seeds not run")
             return code
         rows.append(seed_row(seeded))
     table = seeds_table(rows)
     out = Path(cfg.paths.reports_dir) / "seeds.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("# GRPO − SFT across seeds (greedy, 95 % paired-bootstrap intervals)\n\n" + table)
+    write_text(out, "# GRPO − SFT across seeds (greedy, 95 % paired-bootstrap intervals)\n\n" + table)
     print(table + f"seeds: table written to {out}")
     return 0

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
 
-from grpo.cli import COMMANDS, build_parser, main, resolve
+from grpo.cli import COMMANDS, COMMON, build_parser, main, resolve
 from grpo.provenance import stages
 
 NON_STAGE = ("plot-entropy", "diagnose", "fingerprint", "status", "pipeline", "seeds")
@@ -30,6 +31,28 @@ def test_every_stage_has_its_command_from_the_table_and_nothing_else_is_a_stage(
 def test_every_entry_resolves_to_a_function():
     for name, command in COMMANDS.items():
         assert callable(resolve(command.entry)), name
+
+
+def test_every_entry_takes_its_commands_options_by_keyword():
+    """``main`` calls ``entry(cfg, **options)``: each command's parsed options must bind to its entry's
+    signature (a stage left with an ``args`` parameter would raise TypeError only when run)."""
+    parser = build_parser()
+    for name, command in COMMANDS.items():
+        argv = [name, "TARGET"] if name == "diagnose" else [name]
+        options = {k: v for k, v in vars(parser.parse_args(argv)).items() if k not in COMMON}
+        inspect.signature(resolve(command.entry)).bind(object(), **options)
+
+
+def test_grpo_seeds_runs_the_pipeline_per_seed_through_the_cli(tmp_path, monkeypatch, capsys):
+    from grpo import seeds
+
+    ran = []
+    monkeypatch.setattr(seeds.pipeline, "run", lambda cfg: ran.append(cfg.seed) or 3)
+    params = tmp_path / "params.yaml"
+    params.write_text(f"paths:\n  runs_dir: {tmp_path / 'runs'}\n", encoding="utf-8")
+    assert main(["seeds", "--seeds", "5", "6", "--params", str(params)]) == 3
+    assert ran == [5]  # the first seed's failure stops the others
+    assert "seed 5 stopped with exit code 3" in capsys.readouterr().out
 
 
 def test_help_lists_every_command(capsys):

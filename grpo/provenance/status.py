@@ -14,7 +14,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -100,7 +99,7 @@ def report(stale: dict[str, list[str]]) -> str:
     return "\n".join(lines)
 
 
-def run(cfg: Config, args: Any = None) -> int:
+def run(cfg: Config) -> int:
     """``grpo status`` in the current directory (the project root)."""
     print(report(status(Path.cwd())))
     return 0
