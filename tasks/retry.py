@@ -8,7 +8,9 @@ DVC's errors (a missing dependency, an invalid dvc.yaml) and any other crash.
 
 DVC runs the stage command in a child process and exits 255 whatever happened to it; its last
 ``ERROR`` line holds the command's own exit status (``failed to run: grpo sft, exited with -9``), so
-that is the cause reported, not DVC's 255.
+that is the cause reported, not DVC's 255. DVC runs the command through ``$SHELL``; a shell that
+does not exec its last command (dash as ``/bin/sh``) reports a child killed by signal N as 128 + N
+(and prints "Killed"), so such a status is read as the signal, the same cause bash reports as -N.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from prefect import Task
 from prefect.client.schemas.objects import State, TaskRun
 
 _COMMAND_EXIT = re.compile(r"failed to run: .*, exited with (-?\d+)\s*$")
+_SHELL_SIGNAL_BASE = 128
 TRANSIENT_ERRORS = ("OutOfMemoryError", "CUDA error", "NCCL", "ConnectionError", "TimeoutError")
 """Exception names in a stage's traceback that a retry can get past (a neighbour's memory, a network)."""
 
@@ -64,6 +67,8 @@ def exit_cause(returncode: int, output: Iterable[str]) -> ExitCause:
     lines = list(output)
     codes = [int(m.group(1)) for line in lines if (m := _COMMAND_EXIT.search(line))]
     code, of = (codes[-1], "stage command") if codes else (returncode, "dvc")
+    if of == "stage command" and _SHELL_SIGNAL_BASE < code <= _SHELL_SIGNAL_BASE + signal.NSIG:
+        code = _SHELL_SIGNAL_BASE - code  # the shell's 128 + N: killed by signal N
     text = "\n".join(lines)
     transient = code < 0 or any(name in text for name in TRANSIENT_ERRORS)
     return ExitCause(code=code, of=of, transient=transient)

@@ -53,6 +53,15 @@ def test_exit_cause_is_the_stage_commands_not_dvcs(dvc_failures):
     assert cause.describe() == "the stage command was killed by signal 9 (SIGKILL)"
 
 
+def test_a_shells_128_plus_n_status_is_signal_n():
+    """dash as ``$SHELL`` reports the killed child as 137 and prints "Killed"; bash reports -9."""
+    line = "ERROR: failed to reproduce 'grpo': failed to run: grpo grpo, exited with {}"
+    assert exit_cause(255, ["Killed", line.format(137)]) == exit_cause(255, [line.format(-9)])
+    assert exit_cause(255, [line.format(137)]).describe() == "the stage command was killed by signal 9 (SIGKILL)"
+    assert exit_cause(255, [line.format(2)]).code == 2  # an ordinary exit status stays what it is
+    assert exit_cause(137, ["ERROR: bad dvc.yaml"]).code == 137  # only the stage command's status is a shell's
+
+
 def test_deterministic_failures_are_not_transient(dvc_failures):
     cause = exit_cause(*dvc_failures["error"])
     assert (cause.code, cause.transient) == (1, False)
