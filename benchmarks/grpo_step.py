@@ -9,7 +9,8 @@ temperature 1 without top-k/top-p. Each (repetition, variant) runs in a fresh pr
 same SFT weights and a fresh adapter, variants interleaved within each repetition (the order
 rotating from one repetition to the next), so machine load drifts hit every variant alike. TRL
 (``pip install -e .[bench]``) runs when it is installed, in fp32 and with its default bf16
-autocast; its faster one is the reference of ``speedup_vs_trl``.
+autocast; its faster one is the reference of ``speedup_vs_trl``. The project runs as params.yaml ships
+it (``grpo.bf16``: bf16 autocast on a CPU with native bf16); ``project-sum-fp32`` shows the fp32 step.
 ``--full-length`` forces every completion to the full 32 tokens (eos suppressed before that).
 """
 
@@ -27,10 +28,12 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.workers import WORKLOAD, cpu_supports_bf16
+from benchmarks.workers import WORKLOAD
+from grpo.model.precision import cpu_has_native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_VARIANTS = ("project-sum", "project-cagrad")
+FP32_VARIANTS = ("project-sum-fp32",)
 PLAIN_VARIANTS = ("plain-sum", "plain-cagrad")
 
 
@@ -82,7 +85,7 @@ def machine() -> dict:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"cpu": model, "cores": os.cpu_count(), "cpu_bf16": cpu_supports_bf16(), "python": platform.python_version(),
+    return {"cpu": model, "cores": os.cpu_count(), "cpu_bf16": cpu_has_native_bf16(), "python": platform.python_version(),
             "load_average_at_start": [round(x, 2) for x in load]}
 
 
@@ -114,11 +117,13 @@ def print_table(out: dict) -> None:
 
 
 def variants(args: argparse.Namespace) -> list[str]:
-    chosen = list(PROJECT_VARIANTS) + ([] if args.smoke or args.no_plain else list(PLAIN_VARIANTS))
+    chosen = list(PROJECT_VARIANTS)
+    if not (args.smoke or args.no_plain):
+        chosen += list(PLAIN_VARIANTS) + (list(FP32_VARIANTS) if cpu_has_native_bf16() else [])
     if importlib.util.find_spec("trl") is None:
         print("bench: trl is not installed (pip install -e .[bench]): TRL variants skipped", flush=True)
     elif not args.smoke or args.with_trl:
-        chosen += ["trl-fp32"] + (["trl-bf16"] if cpu_supports_bf16() else [])
+        chosen += ["trl-fp32"] + (["trl-bf16"] if cpu_has_native_bf16() else [])
     return chosen
 
 

@@ -17,11 +17,13 @@ from pathlib import Path
 import torch
 
 WORKLOAD = {"prompts": 8, "group_size": 4, "rows": 32, "max_new_tokens": 32, "beta": 0.04, "loss_type": "grpo",
-            "lora_r": 8, "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"], "dtype": "float32 weights"}
+            "lora_r": 8, "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"],
+            "dtype": "float32 weights; bf16 autocast where the CPU has native bf16 (grpo.bf16, TRL's bf16)"}
 PLAIN = {"grpo.shared_prefix=false", "grpo.multitask.low_memory=false", "grpo.multitask.task_stats=true"}
 VARIANTS = {
     "project-sum": {"grpo.multitask.mode=sum"},
     "project-cagrad": {"grpo.multitask.mode=cagrad"},
+    "project-sum-fp32": {"grpo.multitask.mode=sum", "grpo.bf16=false"},
     "plain-sum": {"grpo.multitask.mode=sum"} | PLAIN,
     "plain-cagrad": {"grpo.multitask.mode=cagrad"} | PLAIN,
     "trl-fp32": set(),
@@ -29,16 +31,8 @@ VARIANTS = {
 }
 
 
-def cpu_supports_bf16() -> bool:
-    """True where oneDNN has native bf16 kernels on this CPU (avx512_bf16 or AMX)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def workload_overrides(full_length: bool) -> list[str]:
-    sets = [f"grpo.prompts_per_step={WORKLOAD['prompts']}", f"grpo.group_size={WORKLOAD['group_size']}",
+    sets = ["grpo.bf16=true", f"grpo.prompts_per_step={WORKLOAD['prompts']}", f"grpo.group_size={WORKLOAD['group_size']}",
             f"grpo.sampling.max_new_tokens={WORKLOAD['max_new_tokens']}", f"grpo.loss.beta={WORKLOAD['beta']}",
             f"grpo.loss.loss_type={WORKLOAD['loss_type']}", f"model.lora.r={WORKLOAD['lora_r']}",
             "grpo.sampling.temperature=1.0", "grpo.sampling.top_p=1.0", "grpo.sampling.top_k=0",

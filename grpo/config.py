@@ -239,8 +239,9 @@ class SftConfig(Section):
     lora: bool = False
     """SFT through a LoRA adapter (sizes from model.lora) merged into the weights afterwards: the SFT
     model is full weights either way. Independent of model.lora.enabled, which decides how GRPO trains."""
-    bf16: bool = True
-    """bf16 autocast of the forward pass on GPU over fp32 master weights and optimizer state (ignored on CPU)."""
+    bf16: bool = False
+    """bf16 autocast of the forward pass over fp32 master weights and optimizer state, on GPU and on a CPU
+    with native bf16 (AVX512-BF16/AMX; elsewhere fp32, see grpo/model/precision.py). params.yaml sets it."""
 
 
 
@@ -352,8 +353,9 @@ class GrpoConfig(Section):
     """Zero-variance groups: keep them (advantage 0), drop them, or draw new prompts (DAPO)."""
     max_resample: int = Field(2, ge=0)
     """Extra rollouts per step when dynamic_sampling is resample."""
-    bf16: bool = True
-    """bf16 autocast for forward passes on GPU (ignored on CPU)."""
+    bf16: bool = False
+    """bf16 autocast of generation and scoring over fp32 master weights, on GPU and on a CPU with native
+    bf16 (AVX512-BF16/AMX; elsewhere fp32); log-probs, entropy, losses and KL in fp32. params.yaml sets it."""
     shared_prefix: bool = True
     """Score each distinct prompt once and its G completions against its key/value cache (the same
     log-probs, entropy and gradients as a forward over every row, without recomputing the prompt)."""

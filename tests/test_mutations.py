@@ -23,7 +23,9 @@ from tests.project_copy import ROOT, copy_project
 
 pytestmark = pytest.mark.slow
 
-PARAMS = {"grpo": {"multitask": {"mode": "cagrad", "reward_only": True}}}
+# grpo.bf16 as params.yaml ships it: the gate runs the step's bf16 path with its bf16 bounds (fp32 on a
+# CPU without native bf16), and must still catch every injected bug.
+PARAMS = {"grpo": {"bf16": True, "multitask": {"mode": "cagrad", "reward_only": True}}}
 
 DRIVER = """
 import json, sys

@@ -14,6 +14,7 @@ from grpo.config import config_from_dict, load_config
 from grpo.data.prepare import build_records
 from grpo.model.chat import ChatError
 from grpo.model.modeling import wrap_lora
+from grpo.model.precision import cpu_has_native_bf16
 from grpo.provenance.gate import PreflightError, require_preflight
 from tests.tiny_project import prepared_project
 
@@ -62,6 +63,22 @@ def test_every_check_passes_on_every_tokenizer(any_tokenizer, records):
     failed = {c.name: (c.detail, c.value) for c in checks if not c.passed}
     assert failed == {}
     assert all(c.bound is not None for c in checks), "every check reports the bound it compared with"
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="this CPU has no native bf16: grpo.bf16 runs fp32 here")
+def test_every_check_passes_under_bf16_autocast_with_its_bound(tiny_tokenizer, records):
+    """``grpo.bf16`` on a bf16 CPU: the checks run the step's bf16 path and compare with the bf16 bound."""
+    cfg = config_from_dict({**CFG.model_dump(mode="json"), "grpo": {**CFG.grpo.model_dump(mode="json"), "bf16": True}})
+    subject = subject_for(cfg, random_model_for(tiny_tokenizer), tiny_tokenizer, records)
+    assert subject.tolerance() == 5e-2 and subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer,
+                                                       records).tolerance() == 1e-4
+    with subject.ctx.autocast():
+        assert subject.policy(input_ids=torch.tensor([subject.prompts[0]])).logits.dtype == torch.bfloat16
+    checks = run_checks_on(subject)
+    assert {c.name: (c.detail, c.value) for c in checks if not c.passed} == {}
+    temperature = next(c for c in checks if c.name == "temperature")
+    assert 0 < temperature.value <= temperature.bound  # bf16 noise is there, and within the bound
+    assert temperature.bound < 0.5  # ... which stays far below what a missing division moves (tests/mutations.py)
 
 
 def test_template_drift_fails_render_parity(tiny_tokenizer, records):

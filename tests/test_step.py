@@ -12,6 +12,7 @@ from grpo.config import config_from_dict
 from grpo.core.multitask import MultitaskError
 from grpo.data.prepare import build_records
 from grpo.model.modeling import wrap_lora
+from grpo.model.precision import cpu_has_native_bf16
 from grpo.model.rollout import stop_ids
 from grpo.train.step import StepContext, draw, grpo_step, prepare_batch, update
 
@@ -180,6 +181,30 @@ def test_fast_path_gives_the_plain_paths_numbers(tiny_model, tiny_tokenizer, rec
     fast_grads = torch.cat([p.grad.flatten() for p in fast.model.parameters() if p.requires_grad])
     assert plain_grads.abs().max() > 1e-3
     torch.testing.assert_close(fast_grads, plain_grads, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="this CPU has no native bf16: grpo.bf16 runs fp32 here")
+def test_bf16_step_computes_in_bf16_and_keeps_fp32_weights_and_statistics(tiny_model, tiny_tokenizer, records):
+    """``grpo.bf16`` on a bf16 CPU: the forward passes run in bf16 (generation included), the log-probs,
+    entropy, losses and the update stay fp32 and close to the fp32 step's on the same completions."""
+    fp32 = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"beta": 0.04})
+    bf16 = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"beta": 0.04}, bf16=True)
+    with bf16.autocast():
+        assert bf16.model(input_ids=torch.tensor([[1, 2, 3]])).logits.dtype == torch.bfloat16
+    with fp32.autocast():
+        assert fp32.model(input_ids=torch.tensor([[1, 2, 3]])).logits.dtype == torch.float32
+    sampled = with_advantages(draw(fp32, records, seed=11), torch.linspace(-1, 1, 2 * len(records)))
+    low, full = prepare_batch(bf16, sampled), prepare_batch(fp32, sampled)
+    assert low.ref_logprobs.dtype == torch.float32
+    gap = (low.ref_logprobs - full.ref_logprobs).abs()[low.completion_mask].max()
+    assert 0 < gap < 5e-2  # bf16 was used, and is close
+    got, expected = update(bf16, low), update(fp32, full)
+    for key in ("loss", "entropy", "kl"):
+        assert got[key] == pytest.approx(expected[key], abs=5e-2), key
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
+               for p in bf16.model.parameters() if p.requires_grad)
+    grads = [torch.cat([p.grad.flatten() for p in c.model.parameters() if p.requires_grad]) for c in (bf16, fp32)]
+    assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.99
 
 
 def test_step_reports_the_time_of_every_phase(tiny_model, tiny_tokenizer, records):

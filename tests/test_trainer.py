@@ -167,7 +167,7 @@ def test_lora_off_trains_every_weight_against_the_frozen_sft_model(project, tmp_
     assert not cfg.model.lora.enabled and cfg.grpo.loss.beta == 0.1
     run_stages(params, "sft")  # model.* is part of the SFT lineage: rebuilt under these params
     sft, _ = load_sft(cfg)
-    accelerator = make_accelerator(cfg)
+    accelerator = make_accelerator()
     policy = trainer.build_policy(cfg, accelerator.device)
     assert not any("lora" in name for name, _ in policy.model.named_parameters())
     assert all(p.requires_grad for p in policy.model.parameters())

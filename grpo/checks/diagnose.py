@@ -149,7 +149,7 @@ def load_target(cfg: Config, path: str | Path) -> Target:
             ckpt.load_checkpoint(path, model=model, optimizer=None, scheduler=None)
             tokenizer = load_tokenizer(paths.model_dir(cfg, "sft"), cfg.model)
         target = Target(model, tokenizer, kind, path, fresh_adapter=False, stale=stale)
-    target.model.to(make_accelerator(cfg).device).eval()
+    target.model.to(make_accelerator().device).eval()
     return target
 
 

@@ -192,7 +192,7 @@ def check_penalty_scope(s: Subject) -> Check:
 def _fresh_gap(s: Subject, model: torch.nn.Module, inputs: RolloutInputs, ref: torch.Tensor) -> float:
     """Max |ref - log-probs of ``model``| over the completion tokens, scored as the step scores."""
     model.to(inputs.input_ids.device).eval()
-    with torch.no_grad(), s.ctx.accelerator.autocast():
+    with torch.no_grad(), s.ctx.autocast():
         other = score_inputs(model, inputs, shared_prefix=s.cfg.grpo.shared_prefix).logprobs.float()
     return float((ref - other).abs()[inputs.completion_mask].max())
 
@@ -242,15 +242,18 @@ def check_ratio_kl_reference(s: Subject) -> Check:
                  "I8, I9", bound)
 
 
-def _manual(s: Subject, inputs: RolloutInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropy of ``softmax(z / T)`` written out from a plain forward: [N, C] each."""
+def _manual(s: Subject, inputs: RolloutInputs) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Log-probs and entropy of ``softmax(z / T)`` written out from a plain forward: [N, C] each, and
+    max |z / T| over the completion (the bf16 bound scales with it); the
+    logits computed in the step's precision (bf16 under ``grpo.bf16``) so the gap measures the formula."""
     width = inputs.completion_mask.shape[1]
-    with torch.no_grad():
+    with torch.no_grad(), s.ctx.autocast():
         logits = s.policy(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
                           position_ids=position_ids_from_mask(inputs.attention_mask)).logits
-    logp = torch.log_softmax(logits[:, -width - 1 : -1].double() / inputs.temperature, dim=-1)
+    scaled = logits[:, -width - 1 : -1].double() / inputs.temperature
+    logp = torch.log_softmax(scaled, dim=-1)
     chosen = logp.gather(-1, inputs.input_ids[:, -width:].unsqueeze(-1)).squeeze(-1)
-    return chosen, -(logp.exp() * logp).sum(-1)
+    return chosen, -(logp.exp() * logp).sum(-1), float(scaled[inputs.completion_mask].abs().max())
 
 
 def check_temperature(s: Subject) -> Check:
@@ -258,7 +261,7 @@ def check_temperature(s: Subject) -> Check:
     records the temperature it sampled at, and the step's stored log-probs and the scorer's entropy
     are those of ``softmax(z / T)`` (perturbed adapter, so the policy is not the SFT model)."""
     temperatures = sorted({s.cfg.grpo.sampling.temperature, 0.5 if s.cfg.grpo.sampling.temperature == 1 else 1.0})
-    gaps, wrong_record = {}, []
+    gaps, wrong_record, scale = {}, [], 0.0
     with perturbed_adapter(s.policy, s.cfg.seed):
         for t in temperatures:
             batch, sampled = step_batch(s, s.cfg.seed + 2, num_iterations=2, sampling={"temperature": t})
@@ -266,13 +269,14 @@ def check_temperature(s: Subject) -> Check:
                 wrong_record.append(t)
             with torch.no_grad():
                 entropy = score_inputs(s.policy, batch.inputs).entropy
-            logp, manual_entropy = _manual(s, batch.inputs)
+            logp, manual_entropy, t_scale = _manual(s, batch.inputs)
             mask = batch.completion_mask
             gaps[f"T={t}"] = max(float((batch.old_logprobs.double() - logp).abs()[mask].max()),
                                  float((entropy.double() - manual_entropy).abs()[mask].max()))
+            scale = max(scale, t_scale)
     worst = max(gaps.values())
-    detail = f"max |scored - manual| of log-probs and entropy: {gaps}"
-    check = bounded("temperature", "I10", worst, s.tolerance(), detail,
+    detail = f"max |scored - manual| of log-probs and entropy: {gaps}; max |z / T| {scale:.3g}"
+    check = bounded("temperature", "I10", worst, s.tolerance(scale), detail,
                     "divide the logits by the rollout's temperature before log-softmax AND entropy")
     if wrong_record:
         return Check(check.name, "fail", worst, detail + f"; the rollout did not record T={wrong_record}",

@@ -16,6 +16,7 @@ from accelerate import Accelerator
 from grpo.config import Config
 from grpo.data.prompts import example_messages
 from grpo.model.chat import render_prompt
+from grpo.model.precision import autocast_enabled
 from grpo.model.rollout import stop_ids
 from grpo.train.step import ScoredBatch, StepContext, draw, prepare_batch
 
@@ -50,9 +51,16 @@ class Subject:
         kwargs = self.cfg.model.chat_template_kwargs
         return [render_prompt(self.tokenizer, example_messages(r), **kwargs) for r in self.records]
 
-    def tolerance(self) -> float:
-        """Log-prob agreement expected of two scorings of the same ids (fp32 vs low precision)."""
-        return 1e-4 if next(self.policy.parameters()).dtype == torch.float32 else 5e-2
+    def tolerance(self, logit_scale: float = 0.0) -> float:
+        """Log-prob agreement expected of two scorings of the same ids: 1e-4 in fp32. Where the step
+        computes in bf16 (bf16 weights, or ``grpo.bf16`` autocast) a logit z is known to |z| * 2^-8 (8
+        mantissa bits) and two kernel paths round differently: 5e-2, or 4 such steps of the largest
+        scaled logit ``logit_scale`` = max |z / T| when that is more; still far below what a wrong
+        temperature, position or reference moves."""
+        fp32 = next(self.policy.parameters()).dtype == torch.float32
+        if fp32 and not autocast_enabled(self.ctx.accelerator.device, self.cfg.grpo.bf16):
+            return 1e-4
+        return max(5e-2, 4 * 2**-8 * logit_scale)
 
 
 def with_grpo(ctx: StepContext, **grpo: Any) -> StepContext:

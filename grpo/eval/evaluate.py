@@ -274,7 +274,7 @@ def evaluate(
         check_grpo(cfg)
     elif "sft" in present:
         check_sft(cfg)
-    results, device = {}, make_accelerator(cfg).device
+    results, device = {}, make_accelerator().device
     for name in present:
         model, tokenizer = load_eval_model(cfg, name)
         model = model.to(device).eval()

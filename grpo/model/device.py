@@ -1,9 +1,9 @@
 """The one device and precision path: SFT, GRPO, evaluation and the checks all place models and
 batches through here.
 
-``accelerate`` decides the device (the process's GPU when there is one, else the CPU) and the
-precision (bf16 autocast on GPU when ``grpo.bf16``; accelerate allows one precision per process, so
-SFT and GRPO share the setting when ``grpo pipeline`` runs them in one process).
+``accelerate`` decides the device (the process's GPU when there is one, else the CPU); the precision
+is the stage's own (``precision.bf16_autocast``: bf16 over fp32 master weights where it pays),
+so SFT (``sft.bf16``) and GRPO (``grpo.bf16``) may differ even in one process.
 """
 
 from __future__ import annotations
@@ -11,15 +11,10 @@ from __future__ import annotations
 import torch
 from accelerate import Accelerator
 
-from grpo.config import Config
 
-
-def make_accelerator(cfg: Config, bf16: bool | None = None) -> Accelerator:
-    """The process's ``Accelerator``: GPU if present, bf16 autocast there when ``bf16`` (default
-    ``grpo.bf16``; SFT passes ``sft.bf16``: in one process, as ``grpo pipeline`` runs, keep them equal)."""
-    cuda = torch.cuda.is_available()
-    bf16 = cfg.grpo.bf16 if bf16 is None else bf16
-    return Accelerator(cpu=not cuda, mixed_precision="bf16" if bf16 and cuda else "no")
+def make_accelerator() -> Accelerator:
+    """The process's ``Accelerator``: its GPU if present, else the CPU (precision: ``precision.bf16_autocast``)."""
+    return Accelerator(cpu=not torch.cuda.is_available())
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -30,7 +30,7 @@ from grpo.model.chat import SftExample, render_sft
 from grpo.model.device import make_accelerator, to_device
 from grpo.model.load import load_base
 from grpo.model.modeling import save_model, wrap_lora
-from grpo.model.precision import apply_memory_settings
+from grpo.model.precision import apply_memory_settings, bf16_autocast
 from grpo.provenance.lineage import make_lineage, write_lineage
 
 
@@ -97,7 +97,7 @@ def train_sft(
         for start in range(0, len(order), cfg.batch_size):
             batch = sft_batch([examples[i] for i in order[start : start + cfg.batch_size]], pad_id)
             batch = SftBatch(*to_device(accelerator.device, *batch))
-            with accelerator.autocast():  # bf16 on GPU when sft.bf16, over fp32 master weights
+            with bf16_autocast(accelerator.device, cfg.bf16):  # over fp32 master weights
                 loss, stats = sft_loss(model, batch)
             if not torch.isfinite(loss):
                 raise GrpoError(f"sft: loss is {loss.item()} at step {len(history) + 1}; lower sft.lr")
@@ -125,7 +125,7 @@ def run(cfg: Config) -> int:
         torch.manual_seed(cfg.seed)  # LoRA init draws from the global generator
         model = wrap_lora(model, cfg.model.lora)
     started = time.perf_counter()
-    history = train_sft(model, examples, tokenizer.pad_token_id, cfg.sft, cfg.seed, make_accelerator(cfg, bf16=cfg.sft.bf16))
+    history = train_sft(model, examples, tokenizer.pad_token_id, cfg.sft, cfg.seed, make_accelerator())
     wall = time.perf_counter() - started
     if cfg.sft.lora:
         model = model.merge_and_unload()

@@ -6,6 +6,7 @@ model, optimizer and config, a list of records, and returns the step's metrics.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
@@ -30,6 +31,7 @@ from grpo.errors import GrpoError
 from grpo.health.metrics import completion_stats, merge_process_metrics, task_reward_stats
 from grpo.model.chat import render_prompt
 from grpo.model.engines import HFEngine, RolloutEngine
+from grpo.model.precision import bf16_autocast
 from grpo.model.scoring import RolloutInputs, rollout_inputs, score_inputs
 from grpo.rewards import group_rewards
 from grpo.seeding import derive_seed
@@ -57,6 +59,10 @@ class StepContext:
     """The frozen SFT model (full fine-tuning), or None: the policy with its adapter disabled (I9)."""
     engine: RolloutEngine | None = None
     """What samples the completions (``grpo/model/engines.py``); None: HF generate on ``model``."""
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward passes' precision (``grpo.bf16``): bf16 autocast over fp32 weights where it pays."""
+        return bf16_autocast(self.accelerator.device, self.cfg.grpo.bf16)
 
 
 @dataclass(frozen=True)
@@ -112,7 +118,7 @@ def draw(ctx: StepContext, records: list[dict], seed: int, timer: Callable = unt
     prompts = [render_prompt(ctx.tokenizer, example_messages(r), **cfg.model.chat_template_kwargs)
                for r in records]
     engine = ctx.engine or HFEngine(ctx.model, ctx.tokenizer, shared_prefill=cfg.grpo.shared_prefix)
-    with timer("generate"):
+    with timer("generate"), ctx.autocast():
         sampled = engine.generate(prompts, cfg.grpo.group_size, cfg.grpo.sampling, ctx.eos_ids, seed)
     rollout, group = sampled.rollout, cfg.grpo.group_size
     with timer("reward"):
@@ -129,7 +135,7 @@ def draw(ctx: StepContext, records: list[dict], seed: int, timer: Callable = unt
 
 def _stored_logprobs(ctx: StepContext, inputs: RolloutInputs, adapter: bool) -> torch.Tensor:
     """Log-probs kept fixed through the update: the old policy's, or the reference's (adapter off, I9)."""
-    with torch.no_grad(), ctx.accelerator.autocast():
+    with torch.no_grad(), ctx.autocast():
         shared = ctx.cfg.grpo.shared_prefix
         if not adapter and ctx.reference is not None:  # I9 under full fine-tuning: the frozen SFT weights
             return score_inputs(ctx.reference, inputs, shared_prefix=shared).logprobs.float()
@@ -183,7 +189,7 @@ def _task_losses(ctx: StepContext, batch: ScoredBatch, totals: Totals, subset: t
     if not parts:
         return {}
     rows = torch.cat([p[0] for p in parts.values()])
-    with ctx.accelerator.autocast():
+    with ctx.autocast():
         scored = score_inputs(ctx.model, batch.inputs.rows(rows), shared_prefix=ctx.cfg.grpo.shared_prefix)
     out, offset = {}, 0
     for task, (idx, share) in parts.items():

@@ -122,7 +122,7 @@ def watch(monitor: Monitor, step: int, result: StepResult) -> None:
 def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> list[dict]:
     """Run (or resume) GRPO; returns the metric history. Raises TrainingStopped on a collapse."""
     require_preflight(cfg)
-    accelerator = make_accelerator(cfg)
+    accelerator = make_accelerator()
     policy = build_policy(cfg, accelerator.device)
     lineage = make_lineage("grpo", cfg, paths.stage_inputs(cfg, "grpo"))
     start, history = resume(cfg, policy)
