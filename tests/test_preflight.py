@@ -70,8 +70,9 @@ def test_every_check_passes_under_bf16_autocast_with_its_bound(tiny_tokenizer, r
     """``grpo.bf16`` on a bf16 CPU: the checks run the step's bf16 path and compare with the bf16 bound."""
     cfg = config_from_dict({**CFG.model_dump(mode="json"), "grpo": {**CFG.grpo.model_dump(mode="json"), "bf16": True}})
     subject = subject_for(cfg, random_model_for(tiny_tokenizer), tiny_tokenizer, records)
-    assert subject.tolerance() == 5e-2 and subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer,
-                                                       records).tolerance() == 1e-4
+    fp32 = subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, records)
+    assert subject.tolerance() == fp32.tolerance() == fp32.tolerance(15.0) == 1e-4  # fp32 scorings: fp32 bound
+    assert subject.tolerance(15.0) == pytest.approx(2 * 15.0 / 256) and subject.tolerance(0.1) == 1e-3
     with subject.ctx.autocast():
         assert subject.policy(input_ids=torch.tensor([subject.prompts[0]])).logits.dtype == torch.bfloat16
     checks = run_checks_on(subject)
