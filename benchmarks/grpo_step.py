@@ -117,9 +117,8 @@ def print_table(out: dict) -> None:
 
 
 def variants(args: argparse.Namespace) -> list[str]:
-    chosen = list(PROJECT_VARIANTS)
-    if not (args.smoke or args.no_plain):
-        chosen += list(PLAIN_VARIANTS) + (list(FP32_VARIANTS) if cpu_has_native_bf16() else [])
+    chosen = list(PROJECT_VARIANTS) + ([] if args.smoke or args.no_plain else list(PLAIN_VARIANTS))
+    chosen += list(FP32_VARIANTS) if cpu_has_native_bf16() and not args.smoke else []
     if importlib.util.find_spec("trl") is None:
         print("bench: trl is not installed (pip install -e .[bench]): TRL variants skipped", flush=True)
     elif not args.smoke or args.with_trl:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from grpo.config import LoraConfig, ModelConfig, config_from_dict, load_config
@@ -16,6 +17,7 @@ from grpo.model.precision import (
     apply_memory_settings,
     autocast_enabled,
     bf16_autocast,
+    cast_frozen_weights_once,
     cpu_has_native_bf16,
     describe,
 )
@@ -122,3 +124,37 @@ def test_precision_fields_are_config_with_defaults():
     shipped = load_config(ROOT / "params.yaml")
     assert shipped.sft.bf16 and shipped.grpo.bf16  # the project's params ask for bf16 where it pays
     assert config_from_dict({"model": {"gradient_checkpointing": True}}).model.gradient_checkpointing
+
+
+def _casts(fn) -> int:
+    """How many dtype casts (``aten::_to_copy``) ``fn`` runs."""
+    with torch.profiler.profile() as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+
+
+def test_frozen_weights_are_cast_once_per_block_with_the_same_numbers(tiny_model, tiny_tokenizer):
+    """Autocast re-casts frozen (requires_grad False) weights at every forward; inside
+    ``cast_frozen_weights_once`` each is cast once, the outputs are bit-equal and the flags come back."""
+    policy = wrap_lora(tiny_model, LoraConfig(r=4))
+    frozen = {n for n, p in policy.named_parameters() if not p.requires_grad}
+    ids = _batch(tiny_tokenizer).input_ids[:1, :8]
+
+    def forwards(out):
+        for _ in range(5):
+            out.append(policy(input_ids=ids).logits)
+
+    plain, once = [], []
+    with torch.no_grad(), bf16_autocast(CPU, bf16=True, force=True):
+        plain_casts = _casts(lambda: forwards(plain))
+    with torch.no_grad(), bf16_autocast(CPU, bf16=True, force=True), cast_frozen_weights_once(policy):
+        once_casts = _casts(lambda: forwards(once))
+    assert all(torch.equal(a, b) for a, b in zip(plain, once, strict=True))
+    n_linear = sum(1 for n in frozen if n.endswith(".weight") and "embed" not in n and "norm" not in n)
+    assert plain_casts - once_casts >= 4 * n_linear  # 4 of the 5 forwards no longer cast the frozen weights
+    assert {n for n, p in policy.named_parameters() if not p.requires_grad} == frozen
+    with pytest.raises(RuntimeError), cast_frozen_weights_once(policy):
+        raise RuntimeError("a failing block")
+    assert {n for n, p in policy.named_parameters() if not p.requires_grad} == frozen
+    with cast_frozen_weights_once(policy):  # outside autocast: nothing to cache, nothing touched
+        assert {n for n, p in policy.named_parameters() if not p.requires_grad} == frozen

@@ -108,3 +108,29 @@ def test_stop_ids_add_the_models_own_generation_eos(tiny_model, tiny_tokenizer):
     own = tiny_model.generation_config.eos_token_id
     assert set(own if isinstance(own, list) else [own]) <= set(ids)
     assert len(ids) == len(set(ids))
+
+
+def test_bf16_rollout_casts_frozen_weights_once_and_samples_the_same_tokens(tiny_model, tiny_tokenizer, prompts,
+                                                                             monkeypatch):
+    """Under bf16 autocast the rollout of a LoRA policy casts its frozen weights once per call
+    (``precision.cast_frozen_weights_once``), not at every decode step: same tokens, fewer casts."""
+    import contextlib
+
+    from grpo.config import LoraConfig
+    from grpo.model import rollout as rollout_module
+    from grpo.model.modeling import wrap_lora
+
+    policy = wrap_lora(tiny_model, LoraConfig(r=4))
+    sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=6)  # every row decodes 6 steps
+
+    def run() -> tuple[torch.Tensor, int]:
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.profiler.profile() as prof:
+            out = rollout(policy, tiny_tokenizer, prompts, seed=3, sampling=sampling)
+        return out.completion_ids, sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+
+    once, once_casts = run()
+    monkeypatch.setattr(rollout_module, "cast_frozen_weights_once", lambda model: contextlib.nullcontext())
+    every, every_casts = run()
+    assert torch.equal(once, every)
+    n_frozen_matrices = sum(1 for p in policy.parameters() if not p.requires_grad and p.dim() == 2)
+    assert every_casts - once_casts >= 4 * n_frozen_matrices  # at least 4 decode steps saved their casts

@@ -20,6 +20,7 @@ stage it checks) from choosing theirs in one process.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from transformers import PreTrainedModel
@@ -42,6 +43,30 @@ def bf16_autocast(device: torch.device, bf16: bool, force: bool = False) -> cont
     if not (force or autocast_enabled(device, bf16)):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+@contextlib.contextmanager
+def cast_frozen_weights_once(model: torch.nn.Module) -> Iterator[None]:
+    """Inside a CPU autocast region, let autocast cast each frozen weight to bf16 once, not per call.
+
+    Autocast caches its bf16 copy of a weight only for leaves that require grad; the frozen weights
+    (LoRA's base, the reference) are cast again at every forward, which in a decode loop of a few
+    rows per step costs about as much as the matmuls themselves. For the span of the block (run it
+    under ``torch.no_grad``, as generation is: no graph is built) the frozen floating-point weights
+    are marked as requiring grad, so each is cast once; the flags are restored on exit. The values
+    are those autocast computes anyway (the same rounding of the same fp32 weight). CPU only: on a
+    GPU the cast is cheap and the cached copy would cost memory.
+    """
+    frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point() and p.device.type == "cpu"]
+    if not torch.is_autocast_enabled("cpu"):
+        frozen = []
+    for param in frozen:
+        param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for param in frozen:
+            param.requires_grad_(False)
 
 
 def apply_memory_settings(model: PreTrainedModel, cfg: ModelConfig) -> PreTrainedModel:

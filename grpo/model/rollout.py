@@ -19,6 +19,7 @@ from grpo.core.batching import PaddedBatch, completion_ids_from_generated, compl
 from grpo.core.prefix import prefilled_cache
 from grpo.errors import GrpoError
 from grpo.model.chat import end_of_turn_ids
+from grpo.model.precision import cast_frozen_weights_once
 from grpo.model.sampling import EosSuppressor, build_logits_processors
 
 
@@ -119,7 +120,8 @@ def generate_rollout(
     model.eval()
     # The seed is an argument: sampling never depends on (or moves) the global generator.
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    # A bf16 CPU decode casts each weight once, not at every token (``cast_frozen_weights_once``).
+    with torch.random.fork_rng(devices=devices), cast_frozen_weights_once(model):
         torch.manual_seed(seed)
         if shared_prefill and prompt.input_ids.shape[1] > 1:
             distinct = prompt.input_ids[::group_size].to(device), prompt.attention_mask[::group_size].to(device)
