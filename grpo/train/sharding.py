@@ -23,23 +23,33 @@ What sharding means for each part of a step:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, parse_flag_from_env
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from grpo.config import Config, ConfigError
 from grpo.core.grad_space import REPLICATED, GradSpace, ShardedGradSpace
 
 
 def fsdp_requested(accelerator: Accelerator) -> bool:
-    """Whether this launch asks for FSDP (accelerate's FSDP plugin is active)."""
-    return accelerator.distributed_type == DistributedType.FSDP
+    """Whether this launch asks for FSDP: accelerate's FSDP plugin is active, or its launch variable is
+    set (accelerate keeps it off for CPU processes; the CPU tests set it under torchrun)."""
+    return accelerator.distributed_type == DistributedType.FSDP or parse_flag_from_env("ACCELERATE_USE_FSDP")
+
+
+def policy_sharder(cfg: Config, accelerator: Accelerator) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
+    """What ``build_policy`` applies to the policy before its optimizer sees the parameters: FSDP2
+    sharding when the launch asks for it, else nothing."""
+    if not fsdp_requested(accelerator):
+        return None
+    check_supported(cfg)
+    return lambda model: shard_model(model, accelerator.num_processes, accelerator.device)
 
 
 def check_supported(cfg: Config) -> None:
@@ -93,18 +103,19 @@ def grad_space(model: torch.nn.Module, accelerator: Accelerator) -> GradSpace:
 
 @contextmanager
 def _gathered(model: torch.nn.Module) -> Iterator[None]:
-    inner = [module for module in _fsdp_modules(model) if module is not model]
-    for module in inner:
+    # HF generate enters below the root (peft's generate calls the inner model's): without the root's
+    # lazy init having run, the first decoder layer would make itself a root and reshard the others.
+    model._get_fsdp_state()._lazy_init()
+    modules = _fsdp_modules(model)
+    for module in modules:
         module.set_reshard_after_forward(False, recurse=False)
-    for module in _fsdp_modules(model):
         module.unshard()
     try:
         yield
     finally:
-        for module in _fsdp_modules(model):
+        for module in modules:
             module.reshard()
-        for module in inner:
-            module.set_reshard_after_forward(True, recurse=False)
+            module.set_reshard_after_forward(True, recurse=False)  # as shard_model wrapped them
 
 
 def gathered(model: torch.nn.Module):
@@ -117,3 +128,26 @@ def gathered(model: torch.nn.Module):
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a shard (a collective: every process calls it), or ``tensor`` itself."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` cut as ``param`` is sharded (this process's chunk, no communication), or ``full``."""
+    if not isinstance(param, DTensor):
+        return full
+    return distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a sharded tensor (a view: writing into it writes the shard), or ``tensor``."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def whole_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The state dict to save of a sharded model as whole CPU tensors (a collective: every process
+    calls it); a LoRA policy gathers only its adapter. None for an unsharded model (it saves itself)."""
+    if not is_sharded(model):
+        return None
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    adapter_only = hasattr(model, "peft_config")
+    return {name: full_tensor(value.detach()).cpu() for name, value in model.state_dict().items()
+            if not adapter_only or name in trainable}
