@@ -16,6 +16,10 @@ configurations of ``FSDP_CONFIGS``; the test compares it with the unsharded one-
 processes see it, so both stop (``trainer.watch``); a process that stopped alone would leave the
 other waiting in the all-reduce below.
 ``nan``: process 1 alone has a NaN reward; every process must raise.
+
+``resume_state <params> <out_dir>``: the trainer's policy (sharded under ``ACCELERATE_USE_FSDP=true``)
+resumed from the run's latest checkpoint, then its weights and optimizer state gathered whole, the
+scheduler state, step and history written by the main process: what the resumed run starts from.
 """
 
 from __future__ import annotations
@@ -29,13 +33,16 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
-from grpo.config import TinyModelConfig, config_from_dict
+from grpo.config import TinyModelConfig, config_from_dict, load_config
 from grpo.data.prepare import build_records
 from grpo.data.select import split_by_task
 from grpo.health.monitor import Monitor, TrainingStopped
+from grpo.model.device import make_accelerator
 from grpo.model.modeling import build_tiny_model, build_tiny_tokenizer, wrap_lora
 from grpo.model.rollout import stop_ids
-from grpo.train.sharding import full_tensor, shard_model
+from grpo.train import checkpoint as ckpt
+from grpo.train.policy import build_policy
+from grpo.train.sharding import full_tensor, is_sharded, policy_sharder, shard_model
 from grpo.train.step import (
     NonFiniteError,
     StepContext,
@@ -48,7 +55,7 @@ from grpo.train.step import (
     update,
 )
 from grpo.train.task_mix import sample_step, shard_indices
-from grpo.train.trainer import watch
+from grpo.train.trainer import resume, watch
 from tests.conftest import TINY_TEXTS
 
 STEPS = 3
@@ -162,6 +169,22 @@ def run_nan() -> None:
     print(f"rank {rank} CONTINUED", flush=True)
 
 
+def run_resume_state(params: Path, out: Path) -> None:
+    cfg = load_config(params)
+    accelerator = make_accelerator(cfg)
+    policy = build_policy(cfg, accelerator.device, shard=policy_sharder(cfg, accelerator))
+    step, history = resume(cfg, policy)
+    state = ckpt.full_state(policy.model, policy.optimizer)  # every process: a gather under FSDP
+    if accelerator.is_main_process:
+        save_file(state.weights, str(out / "weights.safetensors"))
+        torch.save(state.optimizer, out / "optimizer.pt")
+        torch.save(policy.scheduler.state_dict(), out / "scheduler.pt")
+        (out / "resumed.json").write_text(json.dumps({"step": step, "history": history,
+                                                      "sharded": is_sharded(policy.model),
+                                                      "processes": accelerator.num_processes}))
+    accelerator.wait_for_everyone()
+
+
 if __name__ == "__main__":
     scenario = sys.argv[1]
     if scenario in ("equal", "equal_fsdp"):
@@ -170,5 +193,7 @@ if __name__ == "__main__":
         run_monitor()
     elif scenario == "nan":
         run_nan()
+    elif scenario == "resume_state":
+        run_resume_state(Path(sys.argv[2]), Path(sys.argv[3]))
     else:
-        raise SystemExit(f"unknown scenario {scenario!r}: equal, equal_fsdp, monitor or nan")
+        raise SystemExit(f"unknown scenario {scenario!r}: equal, equal_fsdp, monitor, nan or resume_state")
