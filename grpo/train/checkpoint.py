@@ -242,7 +242,8 @@ def _load_trainable(model: torch.nn.Module, path: Path) -> None:
 def _write_contents(tmp: Path, step: int, state: FullState, scheduler, rng, history, lineage) -> None:
     save_file(state.weights, tmp / WEIGHTS, metadata={"step": str(step)})
     _fsync_file(tmp / WEIGHTS)
-    for name, obj in ((OPTIMIZER, state.optimizer), (SCHEDULER, scheduler and scheduler.state_dict())):
+    scheduler_state = None if scheduler is None else scheduler.state_dict()
+    for name, obj in ((OPTIMIZER, state.optimizer), (SCHEDULER, scheduler_state)):
         if obj is not None:
             with open(tmp / name, "wb") as handle:
                 torch.save(obj, handle)
