@@ -41,7 +41,7 @@ from grpo.model.device import make_accelerator
 from grpo.model.modeling import build_tiny_model, build_tiny_tokenizer, wrap_lora
 from grpo.model.rollout import stop_ids
 from grpo.train import checkpoint as ckpt
-from grpo.train.policy import build_policy
+from grpo.train.policy import build_policy, frozen_copy
 from grpo.train.sharding import full_tensor, is_sharded, policy_sharder, shard_model
 from grpo.train.step import (
     NonFiniteError,
@@ -74,28 +74,35 @@ CONFIGS = {  # name -> (prompts per step, fairness_fraction, grpo overrides)
 }
 # Under FSDP: every mode, the shared graph (reward_only takes two backwards from one graph), micro-batches
 # where a process has no rows of a task (placeholder backward), token_mean, and clipping that bites.
+# ``cagrad_full_weights``: no LoRA, every weight trains and the KL reference is a frozen SFT copy (I9).
 FSDP_CONFIGS = ("sum", "pcgrad", "cagrad", "cagrad_reward_only", "cagrad_grad_accum_2",
-                "sum_token_mean_fraction_0.625_accum_2", "cagrad_clipped")
+                "sum_token_mean_fraction_0.625_accum_2", "cagrad_clipped", "cagrad_full_weights")
 CONFIGS["cagrad_clipped"] = (6, 0.5, {"multitask": {"mode": "cagrad"}, "max_grad_norm": 0.02})
+CONFIGS["cagrad_full_weights"] = (6, 0.5, {"multitask": {"mode": "cagrad"}})
+FULL_WEIGHTS = {"cagrad_full_weights"}
 
 
-def make_context(accelerator: Accelerator, tokenizer, base, grpo: dict, fsdp: bool = False) -> StepContext:
+def make_context(accelerator: Accelerator, tokenizer, base, grpo: dict, fsdp: bool = False,
+                 lora: bool = True) -> StepContext:
     """The tiny policy with a LoRA adapter drawn from one seed; SGD, so a wrong gradient SCALE shows in
     the weights (Adam would hide it), and no clipping for the same reason (except ``cagrad_clipped``).
-    ``fsdp``: the policy sharded over the processes before the optimizer sees its parameters."""
+    ``fsdp``: the policy sharded over the processes before the optimizer sees its parameters; ``lora``
+    off: every weight trains against a frozen copy of ``base`` (I9), with a smaller step."""
     loss = {"beta": 0.04, "entropy_coef": 0.01} | grpo.get("loss", {})
     cfg = config_from_dict({
         "grpo": {"group_size": 4, "max_grad_norm": 1e6, "sampling": {"max_new_tokens": 6}} | grpo | {"loss": loss},
-        "model": {"lora": {"r": 2, "alpha": 4}},
+        "model": {"lora": {"r": 2, "alpha": 4, "enabled": lora}},
     })
     torch.manual_seed(0)
-    model = wrap_lora(copy.deepcopy(base), cfg.model.lora)
+    model = wrap_lora(copy.deepcopy(base), cfg.model.lora) if lora else copy.deepcopy(base).requires_grad_(True)
+    reference = None if lora else frozen_copy(base)
     if fsdp:
         model = shard_model(model, accelerator.num_processes, accelerator.device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=0.5)
+    optimizer = torch.optim.SGD(params, lr=0.5 if lora else 0.05)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    return StepContext(cfg, model, tokenizer, optimizer, scheduler, stop_ids(model, tokenizer), accelerator)
+    return StepContext(cfg, model, tokenizer, optimizer, scheduler, stop_ids(model, tokenizer), accelerator,
+                       reference=reference)
 
 
 def global_draws(ctx: StepContext, by_task: dict, n_prompts: int, fraction: float) -> list:
@@ -107,6 +114,11 @@ def global_draws(ctx: StepContext, by_task: dict, n_prompts: int, fraction: floa
         advantages = torch.randn(len(sampled.rewards), generator=torch.Generator().manual_seed(step))
         draws.append(type(sampled)(sampled.rollout, sampled.records, sampled.rewards, advantages, sampled.stats))
     return draws
+
+
+def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Whole copies of the trainable weights (every process calls it: gathering a shard is a collective)."""
+    return {k: full_tensor(v.detach()).clone().contiguous() for k, v in model.named_parameters() if v.requires_grad}
 
 
 def run_equal(out: Path, fsdp: bool = False) -> None:
@@ -123,7 +135,8 @@ def run_equal(out: Path, fsdp: bool = False) -> None:
         if (n_prompts, fraction) not in cache:  # sampled from the unsharded initial policy
             cache[n_prompts, fraction] = global_draws(make_context(accelerator, tokenizer, base, grpo),
                                                       by_task, n_prompts, fraction)
-        ctx = make_context(accelerator, tokenizer, base, grpo, fsdp)
+        ctx = make_context(accelerator, tokenizer, base, grpo, fsdp, lora=name not in FULL_WEIGHTS)
+        initial = trainable_weights(ctx.model)
         history = []
         for step, whole in enumerate(cache[n_prompts, fraction], 1):
             mine = shard_indices([r["task"] for r in whole.records], accelerator.process_index,
@@ -132,9 +145,9 @@ def run_equal(out: Path, fsdp: bool = False) -> None:
             stats = update(ctx, prepare_batch(ctx, local))
             result = step_result(ctx, local.records, local, local.stats, stats, elapsed=1.0)
             history.append({"step": step, **result.metrics, "n_completions": len(result.raw_texts)})
-        weights = {k: full_tensor(v.detach()).contiguous() for k, v in ctx.model.named_parameters()
-                   if v.requires_grad}  # every process: gathering a shard is a collective
+        weights = trainable_weights(ctx.model)
         if accelerator.is_main_process:
+            history[-1]["max_update"] = max(float((weights[k] - initial[k]).abs().max()) for k in weights)
             save_file(weights, str(out / f"{name}.safetensors"))
             (out / f"{name}.json").write_text(json.dumps(history))
         accelerator.wait_for_everyone()
