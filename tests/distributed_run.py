@@ -9,10 +9,17 @@ global batches are sampled once, in every process, from the initial policy with 
 real run, so its samples depend on the split). The advantages are fixed random numbers, so every
 group carries a policy gradient.
 
+``equal_fsdp``: the same with the policy sharded by FSDP2 (``grpo/train/sharding.py``) for the
+configurations of ``FSDP_CONFIGS``; the test compares it with the unsharded one-process run.
+
 ``monitor``: process 1 alone has a completion holding a chat header; ``global_result`` makes both
 processes see it, so both stop (``trainer.watch``); a process that stopped alone would leave the
 other waiting in the all-reduce below.
 ``nan``: process 1 alone has a NaN reward; every process must raise.
+
+``resume_state <params> <out_dir>``: the trainer's policy (sharded under ``ACCELERATE_USE_FSDP=true``)
+resumed from the run's latest checkpoint, then its weights and optimizer state gathered whole, the
+scheduler state, step and history written by the main process: what the resumed run starts from.
 """
 
 from __future__ import annotations
@@ -26,12 +33,16 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
-from grpo.config import TinyModelConfig, config_from_dict
+from grpo.config import TinyModelConfig, config_from_dict, load_config
 from grpo.data.prepare import build_records
 from grpo.data.select import split_by_task
 from grpo.health.monitor import Monitor, TrainingStopped
+from grpo.model.device import make_accelerator
 from grpo.model.modeling import build_tiny_model, build_tiny_tokenizer, wrap_lora
 from grpo.model.rollout import stop_ids
+from grpo.train import checkpoint as ckpt
+from grpo.train.policy import build_policy, frozen_copy
+from grpo.train.sharding import full_tensor, is_sharded, policy_sharder, shard_model
 from grpo.train.step import (
     NonFiniteError,
     StepContext,
@@ -44,7 +55,7 @@ from grpo.train.step import (
     update,
 )
 from grpo.train.task_mix import sample_step, shard_indices
-from grpo.train.trainer import watch
+from grpo.train.trainer import resume, watch
 from tests.conftest import TINY_TEXTS
 
 STEPS = 3
@@ -61,22 +72,37 @@ CONFIGS = {  # name -> (prompts per step, fairness_fraction, grpo overrides)
     "sum_token_mean_fraction_0.625_accum_2": (8, 0.625, {"multitask": {"mode": "sum"}, "grad_accum": 2,
                                                          "loss": {"loss_type": "token_mean"}}),
 }
+# Under FSDP: every mode, the shared graph (reward_only takes two backwards from one graph), micro-batches
+# where a process has no rows of a task (placeholder backward), token_mean, and clipping that bites.
+# ``cagrad_full_weights``: no LoRA, every weight trains and the KL reference is a frozen SFT copy (I9).
+FSDP_CONFIGS = ("sum", "pcgrad", "cagrad", "cagrad_reward_only", "cagrad_grad_accum_2",
+                "sum_token_mean_fraction_0.625_accum_2", "cagrad_clipped", "cagrad_full_weights")
+CONFIGS["cagrad_clipped"] = (6, 0.5, {"multitask": {"mode": "cagrad"}, "max_grad_norm": 0.02})
+CONFIGS["cagrad_full_weights"] = (6, 0.5, {"multitask": {"mode": "cagrad"}})
+FULL_WEIGHTS = {"cagrad_full_weights"}
 
 
-def make_context(accelerator: Accelerator, tokenizer, base, grpo: dict) -> StepContext:
+def make_context(accelerator: Accelerator, tokenizer, base, grpo: dict, fsdp: bool = False,
+                 lora: bool = True) -> StepContext:
     """The tiny policy with a LoRA adapter drawn from one seed; SGD, so a wrong gradient SCALE shows in
-    the weights (Adam would hide it), and no clipping for the same reason."""
+    the weights (Adam would hide it), and no clipping for the same reason (except ``cagrad_clipped``).
+    ``fsdp``: the policy sharded over the processes before the optimizer sees its parameters; ``lora``
+    off: every weight trains against a frozen copy of ``base`` (I9), with a smaller step."""
     loss = {"beta": 0.04, "entropy_coef": 0.01} | grpo.get("loss", {})
     cfg = config_from_dict({
-        "grpo": {"group_size": 4, "max_grad_norm": 1e6, "sampling": {"max_new_tokens": 6}, **grpo, "loss": loss},
-        "model": {"lora": {"r": 2, "alpha": 4}},
+        "grpo": {"group_size": 4, "max_grad_norm": 1e6, "sampling": {"max_new_tokens": 6}} | grpo | {"loss": loss},
+        "model": {"lora": {"r": 2, "alpha": 4, "enabled": lora}},
     })
     torch.manual_seed(0)
-    model = wrap_lora(copy.deepcopy(base), cfg.model.lora)
+    model = wrap_lora(copy.deepcopy(base), cfg.model.lora) if lora else copy.deepcopy(base).requires_grad_(True)
+    reference = None if lora else frozen_copy(base)
+    if fsdp:
+        model = shard_model(model, accelerator.num_processes, accelerator.device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=0.5)
+    optimizer = torch.optim.SGD(params, lr=0.5 if lora else 0.05)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    return StepContext(cfg, model, tokenizer, optimizer, scheduler, stop_ids(model, tokenizer), accelerator)
+    return StepContext(cfg, model, tokenizer, optimizer, scheduler, stop_ids(model, tokenizer), accelerator,
+                       reference=reference)
 
 
 def global_draws(ctx: StepContext, by_task: dict, n_prompts: int, fraction: float) -> list:
@@ -90,7 +116,12 @@ def global_draws(ctx: StepContext, by_task: dict, n_prompts: int, fraction: floa
     return draws
 
 
-def run_equal(out: Path) -> None:
+def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Whole copies of the trainable weights (every process calls it: gathering a shard is a collective)."""
+    return {k: full_tensor(v.detach()).clone().contiguous() for k, v in model.named_parameters() if v.requires_grad}
+
+
+def run_equal(out: Path, fsdp: bool = False) -> None:
     accelerator = Accelerator(cpu=True)
     tokenizer = build_tiny_tokenizer(TINY_TEXTS * 4, vocab_size=400)
     sizes = TinyModelConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -99,10 +130,13 @@ def run_equal(out: Path) -> None:
     data = config_from_dict({"data": {"n_train": 32, "n_eval": 4}})
     by_task = split_by_task([r.model_dump(mode="json") for r in build_records(data)["train"]])
     cache: dict[tuple[int, float], list] = {}
-    for name, (n_prompts, fraction, grpo) in CONFIGS.items():
-        ctx = make_context(accelerator, tokenizer, base, grpo)
-        if (n_prompts, fraction) not in cache:
-            cache[n_prompts, fraction] = global_draws(ctx, by_task, n_prompts, fraction)
+    for name in FSDP_CONFIGS if fsdp else CONFIGS:
+        n_prompts, fraction, grpo = CONFIGS[name]
+        if (n_prompts, fraction) not in cache:  # sampled from the unsharded initial policy
+            cache[n_prompts, fraction] = global_draws(make_context(accelerator, tokenizer, base, grpo),
+                                                      by_task, n_prompts, fraction)
+        ctx = make_context(accelerator, tokenizer, base, grpo, fsdp, lora=name not in FULL_WEIGHTS)
+        initial = trainable_weights(ctx.model)
         history = []
         for step, whole in enumerate(cache[n_prompts, fraction], 1):
             mine = shard_indices([r["task"] for r in whole.records], accelerator.process_index,
@@ -111,8 +145,9 @@ def run_equal(out: Path) -> None:
             stats = update(ctx, prepare_batch(ctx, local))
             result = step_result(ctx, local.records, local, local.stats, stats, elapsed=1.0)
             history.append({"step": step, **result.metrics, "n_completions": len(result.raw_texts)})
+        weights = trainable_weights(ctx.model)
         if accelerator.is_main_process:
-            weights = {k: v.detach().contiguous() for k, v in ctx.model.named_parameters() if v.requires_grad}
+            history[-1]["max_update"] = max(float((weights[k] - initial[k]).abs().max()) for k in weights)
             save_file(weights, str(out / f"{name}.safetensors"))
             (out / f"{name}.json").write_text(json.dumps(history))
         accelerator.wait_for_everyone()
@@ -147,13 +182,31 @@ def run_nan() -> None:
     print(f"rank {rank} CONTINUED", flush=True)
 
 
+def run_resume_state(params: Path, out: Path) -> None:
+    cfg = load_config(params)
+    accelerator = make_accelerator()
+    policy = build_policy(cfg, accelerator.device, shard=policy_sharder(cfg, accelerator))
+    step, history = resume(cfg, policy)
+    state = ckpt.full_state(policy.model, policy.optimizer)  # every process: a gather under FSDP
+    if accelerator.is_main_process:
+        save_file(state.weights, str(out / "weights.safetensors"))
+        torch.save(state.optimizer, out / "optimizer.pt")
+        torch.save(policy.scheduler.state_dict(), out / "scheduler.pt")
+        (out / "resumed.json").write_text(json.dumps({"step": step, "history": history,
+                                                      "sharded": is_sharded(policy.model),
+                                                      "processes": accelerator.num_processes}))
+    accelerator.wait_for_everyone()
+
+
 if __name__ == "__main__":
     scenario = sys.argv[1]
-    if scenario == "equal":
-        run_equal(Path(sys.argv[2]))
+    if scenario in ("equal", "equal_fsdp"):
+        run_equal(Path(sys.argv[2]), fsdp=scenario == "equal_fsdp")
     elif scenario == "monitor":
         run_monitor()
     elif scenario == "nan":
         run_nan()
+    elif scenario == "resume_state":
+        run_resume_state(Path(sys.argv[2]), Path(sys.argv[3]))
     else:
-        raise SystemExit(f"unknown scenario {scenario!r}: equal, monitor or nan")
+        raise SystemExit(f"unknown scenario {scenario!r}: equal, equal_fsdp, monitor, nan or resume_state")

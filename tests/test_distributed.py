@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed_run import CONFIGS
+from tests.distributed_run import CONFIGS, FSDP_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -44,12 +44,13 @@ def torchrun(nproc: int, *args: str, timeout: float = 600) -> subprocess.Complet
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[int, Path]:
-    """Every configuration trained on 1 and on 2 processes on the same global batches."""
+def runs(tmp_path_factory) -> dict[int | str, Path]:
+    """Every configuration trained on 1 and on 2 processes on the same global batches; ``"fsdp"``: those
+    of FSDP_CONFIGS on 2 processes with the policy sharded by FSDP2."""
     out = {}
-    for nproc in (1, 2):
-        out[nproc] = tmp_path_factory.mktemp(f"nproc{nproc}")
-        done = torchrun(nproc, "equal", str(out[nproc]))
+    for key, nproc, scenario in ((1, 1, "equal"), (2, 2, "equal"), ("fsdp", 2, "equal_fsdp")):
+        out[key] = tmp_path_factory.mktemp(f"run-{key}")
+        done = torchrun(nproc, scenario, str(out[key]))
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out
 
@@ -58,12 +59,30 @@ def runs(tmp_path_factory) -> dict[int, Path]:
 def test_two_processes_train_like_one(runs, name):
     """After 3 SGD steps the weights moved and equal the one-process weights to fp32 tolerance, and
     the logged metrics (rewards, lengths, losses, entropy, KL, gradient norms) are the global batch's."""
-    one, two = (load_file(str(runs[n] / f"{name}.safetensors")) for n in (1, 2))
+    assert_same_training(runs[1], runs[2], name)
+
+
+@pytest.mark.parametrize("name", FSDP_CONFIGS)
+def test_two_fsdp_processes_train_like_one_unsharded(runs, name):
+    """The policy sharded by FSDP2 on 2 processes (each holds a shard of every task gradient; CAGrad's
+    and PCGrad's dot products and the clipping norm are summed over shards) ends where one unsharded
+    process ends, with the same metrics."""
+    assert_same_training(runs[1], runs["fsdp"], name)
+
+
+def test_clipping_bites_in_the_clipped_configuration(runs):
+    """``cagrad_clipped`` tests the clipping only if a gradient norm exceeds its max_grad_norm."""
+    norms = [step["grad_norm"] for step in json.loads((runs[1] / "cagrad_clipped.json").read_text())]
+    assert max(norms) > CONFIGS["cagrad_clipped"][2]["max_grad_norm"], norms
+
+
+def assert_same_training(dir_one: Path, dir_two: Path, name: str) -> None:
+    one, two = (load_file(str(d / f"{name}.safetensors")) for d in (dir_one, dir_two))
     assert one.keys() == two.keys()
-    assert any(t.abs().max() > 1e-3 for k, t in one.items() if "lora_B" in k), "training did not move"
+    assert json.loads((dir_one / f"{name}.json").read_text())[-1]["max_update"] > 1e-3, "training did not move"
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
-    logs = [json.loads((runs[n] / f"{name}.json").read_text()) for n in (1, 2)]
+    logs = [json.loads((d / f"{name}.json").read_text()) for d in (dir_one, dir_two)]
     for step_one, step_two in zip(*logs, strict=True):
         assert step_one.keys() == step_two.keys()
         for key in step_one.keys() - set(PER_PROCESS):

@@ -42,3 +42,33 @@ def test_accelerate_config_files_load(name, distributed_type):
     if distributed_type == "FSDP":
         assert config.fsdp_config["fsdp_version"] == 2
         assert config.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+
+
+# --------------------------------------------------------------------------- the trainer's switch
+
+
+def test_the_trainer_shards_when_accelerate_launches_fsdp(monkeypatch):
+    """``accelerate launch --config_file configs/accelerate/fsdp.yaml`` sets ACCELERATE_USE_FSDP in
+    each process; that, or accelerate's FSDP distributed type, is what makes the trainer shard."""
+    from accelerate import Accelerator
+
+    from grpo.train.sharding import fsdp_requested
+
+    accelerator = Accelerator(cpu=True)
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert not fsdp_requested(accelerator)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert fsdp_requested(accelerator)
+
+
+def test_fsdp_refuses_the_vllm_engine_with_the_fix():
+    """vLLM reads whole weights from the trainer's model: refused before any weight is loaded."""
+    from grpo.config import ConfigError, config_from_dict
+    from grpo.train.sharding import check_supported
+
+    cfg = config_from_dict({})
+    check_supported(cfg)  # the default hf engine shards
+    rollout = cfg.grpo.rollout.model_copy(update={"engine": "vllm"})  # vLLM itself is not installed here
+    cfg = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"rollout": rollout})})
+    with pytest.raises(ConfigError, match=r"grpo\.rollout\.engine is 'vllm'.*Set grpo\.rollout\.engine: hf"):
+        check_supported(cfg)

@@ -15,12 +15,20 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from grpo.core.grad_space import REPLICATED, GradSpace
 from grpo.core.losses import LossTerms, total_loss
 from grpo.errors import GrpoError
 
 Mode = Literal["sum", "pcgrad", "cagrad"]
 MODES = ("sum", "pcgrad", "cagrad")
 Stats = dict[str, float | list[float]]
+Inner = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``inner(a [K, P], b [M, P]) -> [K, M]``: dot products over the WHOLE gradient (under sharding, the
+local partial products summed over processes; ``grpo/core/grad_space.py``)."""
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a @ b.T
 
 
 class MultitaskError(GrpoError, ValueError):
@@ -41,7 +49,7 @@ ReduceFn = Callable[[torch.Tensor], torch.Tensor]
 # --------------------------------------------------------------------------- pure combinations
 
 
-def pcgrad(grads: torch.Tensor) -> torch.Tensor:
+def pcgrad(grads: torch.Tensor, inner: Inner = _matmul) -> torch.Tensor:
     """PCGrad (Yu et al., arXiv 2001.06782): grads [K, P] -> sum of projected gradients [P].
 
     Each task's gradient is projected onto the normal plane of every other task's ORIGINAL
@@ -49,12 +57,12 @@ def pcgrad(grads: torch.Tensor) -> torch.Tensor:
     paper's random shuffle, so a step is reproducible.
     """
     projected = grads.clone()  # [K, P]
-    sq_norms = (grads * grads).sum(dim=-1)  # [K]
+    sq_norms = inner(grads, grads).diagonal()  # [K]
     for i in range(grads.shape[0]):
         for j in range(grads.shape[0]):
             if i == j or sq_norms[j] == 0:
                 continue
-            dot = projected[i] @ grads[j]
+            dot = inner(projected[i : i + 1], grads[j : j + 1])[0, 0]
             if dot < 0:
                 projected[i] -= (dot / sq_norms[j]) * grads[j]
     return projected.sum(dim=0)
@@ -107,7 +115,8 @@ def _cagrad_weights(gram: torch.Tensor, c: float, iters: int = 300) -> torch.Ten
     return w
 
 
-def cagrad(grads: torch.Tensor, c: float, rescale: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cagrad(grads: torch.Tensor, c: float, rescale: int,
+           inner: Inner = _matmul) -> tuple[torch.Tensor, torch.Tensor]:
     """CAGrad (Liu et al., arXiv 2110.14048): grads [K, P] -> (d [P], weights [K]).
 
     ``d = g0 + sqrt(phi) / ||g_w|| * g_w`` with g0 the MEAN gradient, ``phi = c^2 ||g0||^2`` and
@@ -117,7 +126,7 @@ def cagrad(grads: torch.Tensor, c: float, rescale: int) -> tuple[torch.Tensor, t
     """
     if rescale not in (0, 1, 2):
         raise MultitaskError(f"grpo.multitask.cagrad_rescale must be 0, 1 or 2 (got {rescale})")
-    gram = (grads @ grads.T).double().cpu()  # [K, K]: the dual is solved on the CPU, it is tiny
+    gram = inner(grads, grads).double().cpu()  # [K, K]: the dual is solved on the CPU, it is tiny
     weights = _cagrad_weights(gram, c)
     k = grads.shape[0]
     b = torch.full((k,), 1.0 / k, dtype=torch.float64)
@@ -137,6 +146,7 @@ def combine(
     c: float = 0.5,
     rescale: int = 1,
     names: Sequence[str] | None = None,
+    inner: Inner = _matmul,
 ) -> tuple[torch.Tensor, Stats]:
     """One update direction [P] from K task gradients, and statistics.
 
@@ -145,37 +155,30 @@ def combine(
     about 1/K of ``sum``'s). Stats: ``grad_norm/<name>``, ``grad_cos`` (for K >= 2: the smallest
     pairwise cosine, i.e. the cosine of the two task gradients when K = 2), ``cagrad/weights``;
     they describe the gradients given (the policy gradients only, under ``reward_only``).
+    ``inner``: how dot products are taken (summed over shards under FSDP); every norm and cosine
+    comes from one Gram matrix ``inner(grads, grads)``.
     """
     if mode not in MODES:
         raise MultitaskError(f"grpo.multitask.mode must be one of {MODES} (got {mode!r})")
     names = [str(i) for i in range(grads.shape[0])] if names is None else list(names)
-    norms = grads.norm(dim=-1)  # [K]
+    gram = inner(grads, grads)  # [K, K]
+    norms = gram.diagonal().clamp(min=0.0).sqrt()  # [K]
     stats: Stats = {f"grad_norm/{name}": float(norm) for name, norm in zip(names, norms, strict=True)}
     if grads.shape[0] >= 2:
-        unit = grads / norms.clamp(min=1e-30).unsqueeze(-1)
-        cos = unit @ unit.T  # [K, K]
+        scale = norms.clamp(min=1e-30)
+        cos = gram / scale.unsqueeze(-1) / scale.unsqueeze(0)  # [K, K]
         off_diagonal = ~torch.eye(grads.shape[0], dtype=torch.bool, device=grads.device)
         stats["grad_cos"] = float(cos[off_diagonal].min())
     if mode == "sum":
         return grads.sum(dim=0), stats
     if mode == "pcgrad":
-        return pcgrad(grads), stats
-    d, weights = cagrad(grads, c, rescale)
+        return pcgrad(grads, inner), stats
+    d, weights = cagrad(grads, c, rescale, inner)
     stats["cagrad/weights"] = [float(w) for w in weights]
     return d, stats
 
 
 # --------------------------------------------------------------------------- backward driver
-
-
-def _flat_grad(loss: torch.Tensor, params: list[torch.nn.Parameter], retain: bool) -> torch.Tensor:
-    """d loss / d params as one fp32 vector [P]; parameters the loss does not reach get 0."""
-    if not loss.requires_grad:
-        return torch.cat([torch.zeros(p.numel(), device=p.device) for p in params])
-    grads = torch.autograd.grad(loss, params, retain_graph=retain, allow_unused=True)
-    return torch.cat(
-        [(torch.zeros_like(p) if g is None else g).reshape(-1).float() for g, p in zip(grads, params, strict=True)]
-    )
 
 
 class _TaskGrads(NamedTuple):
@@ -186,20 +189,20 @@ class _TaskGrads(NamedTuple):
 
 def _task_grads(
     params: list[torch.nn.Parameter], task_loss: TaskLoss, beta: float, entropy_coef: float,
-    reward_only: bool, retain: bool,
+    reward_only: bool, retain: bool, space: GradSpace,
 ) -> _TaskGrads:
     terms = task_loss.terms
     whole = total_loss(terms, beta, entropy_coef)
     if not reward_only:
-        return _TaskGrads(_flat_grad(whole, params, retain), None, float(whole.detach()))
+        return _TaskGrads(space.flat_grad(whole, params, retain), None, float(whole.detach()))
     # The KL/entropy part, written through total_loss with the policy term zeroed (I7: one formula).
     regulariser = total_loss(terms._replace(policy=torch.zeros_like(terms.policy)), beta, entropy_coef)
-    policy = _flat_grad(terms.policy, params, retain=True)
-    return _TaskGrads(policy, _flat_grad(regulariser, params, retain), float(whole.detach()))
+    policy = space.flat_grad(terms.policy, params, retain=True)
+    return _TaskGrads(policy, space.flat_grad(regulariser, params, retain), float(whole.detach()))
 
 
-def _check_finite(grad: torch.Tensor, what: str) -> None:
-    if not torch.isfinite(grad).all():
+def _check_finite(grad: torch.Tensor, what: str, space: GradSpace) -> None:
+    if not space.is_finite(grad):
         raise MultitaskError(
             f"multitask_backward: the gradient of {what} holds NaN/Inf; nothing was written into p.grad. "
             "Check that task's rewards, advantages and log-probs, or lower the learning rate"
@@ -233,6 +236,7 @@ def _gather_task_grads(
     beta: float,
     entropy_coef: float,
     micro_batches: int,
+    space: GradSpace,
 ) -> dict[str, _TaskGrads]:
     """Per-task gradients, summed over micro-batches; per micro-batch one shared graph, or one graph
     per task (low_memory). Each graph is freed before the next one is built."""
@@ -244,7 +248,8 @@ def _gather_task_grads(
             for task in subset:
                 if task in losses:
                     retain = not low_memory and task != subset[-1]
-                    _add(out, task, _task_grads(params, losses[task], beta, entropy_coef, reward_only, retain))
+                    _add(out, task, _task_grads(params, losses[task], beta, entropy_coef, reward_only, retain,
+                                                space))
             del losses
     return out
 
@@ -264,6 +269,7 @@ def multitask_backward(
     reduce_fn: ReduceFn | None = None,
     micro_batches: int = 1,
     task_stats: bool = True,
+    space: GradSpace = REPLICATED,
 ) -> Stats:
     """Combine per-task gradients and ADD the result to ``p.grad`` (like ``backward``; zero_grad first).
 
@@ -282,6 +288,11 @@ def multitask_backward(
       batch, so the sum is the one-process gradient) is applied to each task gradient BEFORE combining:
       the combination is nonlinear, so it must see global gradients. It is then called for every task
       of ``tasks`` (zeros where this process has no rows) so all processes make the same calls.
+    - ``space``: whole gradients on every process (default), or under FSDP each process's shard of
+      them (``ShardedGradSpace``: FSDP has already summed them over processes, so ``reduce_fn`` must
+      be None; dot products and norms are summed over shards, the direction written into the shards).
+      Every process must then return a TaskLoss with a graph for every task asked (zero-weighted where
+      it has no rows): each backward is a collective.
     - a task whose (reduced) gradient is exactly zero (no rows anywhere, or nothing to learn) is left
       out of the combination: it would only shrink CAGrad's mean and pin its worst-task bound at 0.
 
@@ -292,14 +303,17 @@ def multitask_backward(
     naming the task before anything is written.
     """
     params = [p for p in params if p.requires_grad]
+    if space.sharded and reduce_fn is not None:
+        raise MultitaskError("multitask_backward: sharded gradients are already summed over processes; "
+                             "pass reduce_fn=None with a sharded GradSpace")
     if mode == "sum" and not task_stats:
         return _summed_backward(params, compute_losses, tasks, beta=beta, entropy_coef=entropy_coef,
-                                reduce_fn=reduce_fn, micro_batches=micro_batches)
+                                reduce_fn=reduce_fn, micro_batches=micro_batches, space=space)
     grads = _gather_task_grads(
         params, compute_losses, tasks, reward_only=reward_only, low_memory=low_memory,
-        beta=beta, entropy_coef=entropy_coef, micro_batches=micro_batches,
+        beta=beta, entropy_coef=entropy_coef, micro_batches=micro_batches, space=space,
     )
-    zeros = torch.cat([torch.zeros(p.numel(), device=p.device) for p in params])  # [P]
+    zeros = space.zeros(params)  # [P]
     names, rows = [], []
     for task in tasks:
         grad = grads[task].combined if task in grads else None
@@ -307,18 +321,18 @@ def multitask_backward(
             grad = reduce_fn(torch.zeros_like(zeros) if grad is None else grad)
         if grad is None:
             continue
-        _check_finite(grad, f"task {task!r}")
-        if grad.any():
+        _check_finite(grad, f"task {task!r}", space)
+        if space.any(grad):
             names.append(task)
             rows.append(grad)
-    direction, stats = combine(torch.stack(rows), mode, c, rescale, names) if rows else (zeros, {})
+    direction, stats = combine(torch.stack(rows), mode, c, rescale, names, space.inner) if rows else (zeros, {})
     if reward_only:
         regulariser = sum((g.regulariser for g in grads.values()), torch.zeros_like(zeros))
         regulariser = reduce_fn(regulariser) if reduce_fn is not None else regulariser
-        _check_finite(regulariser, "the KL and entropy terms")
+        _check_finite(regulariser, "the KL and entropy terms", space)
         direction = direction + regulariser
-    _check_finite(direction, f"the {mode} combination")
-    _write_grads(params, direction)
+    _check_finite(direction, f"the {mode} combination", space)
+    space.write(params, direction)
     # Every task reports a gradient norm, 0 when it took no part (no rows or an exactly-zero
     # gradient), so the metric stream keeps its columns; the cosine with a zero vector is reported as 0.
     for task in tasks:
@@ -339,37 +353,26 @@ def _summed_backward(
     entropy_coef: float,
     reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None,
     micro_batches: int,
+    space: GradSpace,
 ) -> Stats:
     """``sum`` mode at the cost of one backward: the gradient of the summed task losses, per micro-batch
     one graph over every task's rows. ``reward_only`` changes nothing here: policy plus KL/entropy
     summed over tasks is the whole loss summed over tasks."""
-    direction = torch.cat([torch.zeros(p.numel(), device=p.device) for p in params])  # [P]
+    direction = space.zeros(params)  # [P]
     losses: dict[str, float] = {}
     for micro in range(micro_batches):
         by_task = _checked(compute_losses(tasks, micro), tasks)
         if not by_task:
             continue
         totals = {task: total_loss(loss.terms, beta, entropy_coef) for task, loss in by_task.items()}
-        direction += _flat_grad(sum(totals.values()), params, retain=False)
+        direction += space.flat_grad(sum(totals.values()), params, retain=False)
         for task, value in totals.items():
             losses[task] = losses.get(task, 0.0) + float(value.detach())
         del by_task, totals
     direction = reduce_fn(direction) if reduce_fn is not None else direction
     bad = sorted(task for task, value in losses.items() if not math.isfinite(value)) or sorted(losses)
-    _check_finite(direction, f"the summed loss (task(s) {bad})")
-    _write_grads(params, direction)
+    _check_finite(direction, f"the summed loss (task(s) {bad})", space)
+    space.write(params, direction)
     stats: Stats = {f"loss/{task}": value for task, value in losses.items()}
     stats["multitask/tasks_combined"] = float(len(losses))
     return stats
-
-
-def _write_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-    """Add slices of ``flat`` [P] to each parameter's ``.grad`` (created when absent)."""
-    offset = 0
-    for p in params:
-        piece = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
-        offset += p.numel()
-        if p.grad is None:
-            p.grad = piece.clone()
-        else:
-            p.grad.add_(piece)

@@ -205,11 +205,13 @@ def load_model(name_or_path: str | Path, cfg: ModelConfig) -> PreTrainedModel:
     return model
 
 
-def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> None:
-    """Save weights (safetensors) and tokenizer side by side."""
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path,
+               state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Save weights (safetensors) and tokenizer side by side; ``state_dict``: the weights to write
+    instead of the model's own (whole tensors gathered from a sharded model)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    model.save_pretrained(out_dir, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(out_dir)
 
 

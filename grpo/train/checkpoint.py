@@ -11,6 +11,11 @@ Contents (no pickle anywhere, DESIGN.md "Reliability"):
 - ``optimizer.pt`` / ``scheduler.pt``: state dicts, read back with ``torch.load(weights_only=True)``;
 - ``rng.json`` + ``rng.safetensors``: python, numpy, torch CPU/CUDA and named ``torch.Generator`` states;
 - ``history.json``: the per-step metric dicts so far; ``lineage.json``: what produced the run.
+
+Several processes: the main process writes, every process loads the same files. Weights and optimizer
+state are always whole tensors under their unsharded names and indices: with FSDP2 they are gathered
+from the shards before the save (``full_state``, a collective) and cut into this process's shard at
+load, so a checkpoint loads on any number of processes, sharded or not.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from grpo.errors import GrpoError
 from grpo.files import file_sha256, write_json
+from grpo.train.sharding import full_tensor, local_part, shard_like
 
 FORMAT_VERSION = 1
 MARKER = "state.json"
@@ -46,6 +52,15 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d{8,})$")
 
 class CheckpointError(GrpoError):
     """A checkpoint is incomplete, corrupt or does not fit the model it is loaded into."""
+
+
+class FullState(NamedTuple):
+    """Whole tensors of what trains, as a checkpoint holds them."""
+
+    weights: dict[str, torch.Tensor]
+    """``trainable_state``: name -> CPU tensor."""
+    optimizer: dict[str, Any] | None
+    """``optimizer.state_dict()`` with whole CPU tensors; None without an optimizer."""
 
 
 class Restored(NamedTuple):
@@ -166,7 +181,7 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     safetensors never sees two names for one storage.
     """
     state = {
-        name: param.detach().cpu().contiguous()
+        name: full_tensor(param.detach()).cpu().contiguous()
         for name, param in model.named_parameters()
         if param.requires_grad
     }
@@ -176,6 +191,30 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             "(full fine-tune) or wrap the model with a LoRA adapter before training"
         )
     return state
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> FullState:
+    """Trainable weights and optimizer state as whole CPU tensors. Under FSDP2 every process must call
+    it (each shard is gathered); unsharded it only copies."""
+    weights = trainable_state(model)
+    if optimizer is None:
+        return FullState(weights, None)
+    state = optimizer.state_dict()
+    whole = {index: {key: full_tensor(value).cpu() if isinstance(value, torch.Tensor) else value
+                     for key, value in per_param.items()}
+             for index, per_param in state["state"].items()}
+    return FullState(weights, {**state, "state": whole})
+
+
+def _shard_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """A whole optimizer state cut like the parameters it belongs to (each process's shard under FSDP2)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    cut = {}
+    for index, per_param in state["state"].items():
+        param = params[int(index)]
+        cut[index] = {key: shard_like(value, param) if isinstance(value, torch.Tensor) and value.shape == param.shape
+                      else value for key, value in per_param.items()}
+    return {**state, "state": cut}
 
 
 def _load_trainable(model: torch.nn.Module, path: Path) -> None:
@@ -194,19 +233,20 @@ def _load_trainable(model: torch.nn.Module, path: Path) -> None:
                     f"{path}: {name} has shape {tuple(saved[name].shape)}, the model has "
                     f"{tuple(param.shape)}; load it into the model it was trained with"
                 )
-            param.copy_(saved[name])
+            local_part(param).copy_(local_part(shard_like(saved[name], param)))
 
 
 # --------------------------------------------------------------------------- save
 
 
-def _write_contents(tmp: Path, step: int, model, optimizer, scheduler, rng, history, lineage) -> None:
-    save_file(trainable_state(model), tmp / WEIGHTS, metadata={"step": str(step)})
+def _write_contents(tmp: Path, step: int, state: FullState, scheduler, rng, history, lineage) -> None:
+    save_file(state.weights, tmp / WEIGHTS, metadata={"step": str(step)})
     _fsync_file(tmp / WEIGHTS)
-    for name, obj in ((OPTIMIZER, optimizer), (SCHEDULER, scheduler)):
+    scheduler_state = None if scheduler is None else scheduler.state_dict()
+    for name, obj in ((OPTIMIZER, state.optimizer), (SCHEDULER, scheduler_state)):
         if obj is not None:
             with open(tmp / name, "wb") as handle:
-                torch.save(obj.state_dict(), handle)
+                torch.save(obj, handle)
                 handle.flush()
                 os.fsync(handle.fileno())
     tensors: dict[str, torch.Tensor] = {}
@@ -235,10 +275,13 @@ def save_checkpoint(
     history: list[dict[str, Any]],
     lineage: dict[str, Any],
     keep_last: int,
+    state: FullState | None = None,
 ) -> Path:
     """Write a complete checkpoint of ``step`` atomically, prune old ones, return its path.
 
     Pass the unwrapped model (not a DDP/accelerate wrapper) so parameter names match at load time.
+    ``state``: ``full_state(model, optimizer)`` taken on every process beforehand (FSDP2: a gather the
+    writing process cannot do alone); None: taken here.
     """
     if keep_last < 1:
         raise CheckpointError(f"checkpoint.keep_last must be >= 1 (got {keep_last}): fix it in params.yaml")
@@ -248,7 +291,7 @@ def save_checkpoint(
     tmp = run_dir / f"{TMP_PREFIX}{step:08d}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        _write_contents(tmp, step, model, optimizer, scheduler, rng, history, lineage)
+        _write_contents(tmp, step, state or full_state(model, optimizer), scheduler, rng, history, lineage)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -341,7 +384,8 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     scheduler: Any | None,
 ) -> Restored:
-    """Restore weights, optimizer and scheduler in place; return step, RNG states, history, lineage."""
+    """Restore weights, optimizer and scheduler in place; return step, RNG states, history, lineage.
+    Under FSDP2 each process keeps its shard of the saved whole tensors."""
     path = Path(path)
     problem = _problem(path) if _step_of(path) is not None else "not a checkpoint-XXXXXXXX directory"
     if problem is not None:
@@ -352,7 +396,8 @@ def load_checkpoint(
             continue
         if not (path / name).is_file():
             raise CheckpointError(f"{path} has no {name}: it was saved without one; pass None to skip it")
-        obj.load_state_dict(_load_state_dict(path / name))
+        saved = _load_state_dict(path / name)
+        obj.load_state_dict(_shard_optimizer_state(obj, saved) if obj is optimizer else saved)
     tensors = load_file(path / RNG_TENSORS, device="cpu")
     rng = _join_tensors(json.loads((path / RNG_JSON).read_text(encoding="utf-8")), tensors)
     history = json.loads((path / HISTORY).read_text(encoding="utf-8"))

@@ -6,6 +6,7 @@ copy of the SFT model as the reference. One builder, so the gate checks exactly 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +37,12 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return reference
 
 
-def build_policy(cfg: Config, device: torch.device) -> Policy:
+def build_policy(cfg: Config, device: torch.device,
+                 shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> Policy:
     """The policy on the SFT weights: a LoRA adapter (``model.lora.enabled``; every process draws the
-    same adapter init from ``cfg.seed``), or all weights with a frozen SFT copy as the reference (I9)."""
+    same adapter init from ``cfg.seed``), or all weights with a frozen SFT copy as the reference (I9).
+    ``shard``: applied to the policy (not the reference copy) before the optimizer takes its
+    parameters (FSDP2, ``grpo/train/sharding.py``)."""
     model, tokenizer = load_sft(cfg)
     apply_memory_settings(model, cfg.model)
     reference = None
@@ -48,6 +52,8 @@ def build_policy(cfg: Config, device: torch.device) -> Policy:
     elif cfg.grpo.loss.beta > 0:
         reference = frozen_copy(model).to(device)
     model = model.to(device)
+    if shard is not None:
+        model = shard(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.grpo.lr, weight_decay=0.0)
     warmup = cfg.grpo.warmup_steps

@@ -37,6 +37,7 @@ from grpo.rewards import group_rewards
 from grpo.seeding import derive_seed
 from grpo.train.dynamic_sampling import Draw, MoreRecordsFn, sample_groups
 from grpo.train.mismatch import sampler_correction
+from grpo.train.sharding import gathered, grad_space
 
 
 class NonFiniteError(GrpoError):
@@ -182,10 +183,15 @@ def _micro_rows(batch: ScoredBatch, totals: Totals, task: str, micro: int, n_mic
 
 def _task_losses(ctx: StepContext, batch: ScoredBatch, totals: Totals, subset: tuple[str, ...], micro: int,
                  stats_out: dict[str, dict[str, float]]) -> dict[str, TaskLoss]:
-    """One forward over micro-batch ``micro`` of the rows of ``subset``; each task's terms from its rows."""
+    """One forward over micro-batch ``micro`` of the rows of ``subset``; each task's terms from its rows.
+    Under FSDP a task without rows here gets a zero-weighted loss on one row: every process must run
+    the same forwards and backwards, each is a collective there."""
     loss_cfg, n_micro = ctx.cfg.grpo.loss, ctx.cfg.grpo.grad_accum
     parts = {t: _micro_rows(batch, totals, t, micro, n_micro, loss_cfg.loss_type) for t in subset if t in batch.rows}
     parts = {t: p for t, p in parts.items() if len(p[0])}
+    if grad_space(ctx.model, ctx.accelerator).sharded:
+        placeholder = torch.zeros(1, dtype=torch.long, device=batch.advantages.device)
+        parts = {t: parts.get(t, (placeholder, 0.0)) for t in subset}
     if not parts:
         return {}
     rows = torch.cat([p[0] for p in parts.values()])
@@ -207,7 +213,7 @@ def _task_losses(ctx: StepContext, batch: ScoredBatch, totals: Totals, subset: t
         out[task] = TaskLoss(LossTerms(*(term * share for term in terms)))
         # The statistics are token means over this part: weighted by its share of the task's tokens
         # over all processes, they add up to the token mean of the global batch however it is split.
-        token_share = float(batch.completion_mask[idx].sum()) / max(totals.tokens[task], 1.0)
+        token_share = float(batch.completion_mask[idx].sum()) / max(totals.tokens[task], 1.0) if share else 0.0
         acc = stats_out.setdefault(task, {})
         for key, value in (stats | scored.logits_stats).items():
             acc[key] = acc.get(key, 0.0) + token_share * float(value)
@@ -220,8 +226,11 @@ def update(ctx: StepContext, batch: ScoredBatch) -> dict[str, Any]:
     params = [p for p in ctx.model.parameters() if p.requires_grad]
     totals = global_totals(ctx, batch)
     # Each process's losses are already scaled by their share of the global batch: the SUM over
-    # processes of its per-task gradients is the one-process gradient.
-    reduce_fn = (lambda g: ctx.accelerator.reduce(g, "sum")) if ctx.accelerator.num_processes > 1 else None
+    # processes of its per-task gradients is the one-process gradient. Sharded (FSDP), the
+    # reduce-scatter of backward already sums them.
+    space = grad_space(ctx.model, ctx.accelerator)
+    replicated = ctx.accelerator.num_processes > 1 and not space.sharded
+    reduce_fn = (lambda g: ctx.accelerator.reduce(g, "sum")) if replicated else None
     metrics: dict[str, Any] = {}
     for _ in range(ctx.cfg.grpo.num_iterations):
         task_stats: dict[str, dict[str, float]] = {}
@@ -231,10 +240,10 @@ def update(ctx: StepContext, batch: ScoredBatch) -> dict[str, Any]:
             TASKS,  # every process passes every task: the per-task all-reduce calls must match
             mode=mt.mode, c=mt.cagrad_c, rescale=mt.cagrad_rescale, reward_only=mt.reward_only,
             low_memory=mt.low_memory, beta=loss_cfg.beta, entropy_coef=loss_cfg.entropy_coef,
-            reduce_fn=reduce_fn, micro_batches=ctx.cfg.grpo.grad_accum, task_stats=mt.task_stats,
+            reduce_fn=reduce_fn, micro_batches=ctx.cfg.grpo.grad_accum, task_stats=mt.task_stats, space=space,
         )
         task_stats, mt_stats = _sum_over_processes(ctx, task_stats, mt_stats)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, ctx.cfg.grpo.max_grad_norm))
+        grad_norm = space.clip(params, ctx.cfg.grpo.max_grad_norm)
         if not math.isfinite(grad_norm):
             ctx.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteError(f"grpo: gradient norm is {grad_norm}; nothing was updated")
@@ -286,8 +295,9 @@ def grpo_step(ctx: StepContext, records: list[dict], step: int,
         return draw(ctx, recs, derive_seed(cfg.seed, ("step", step), ("process", ctx.accelerator.process_index),
                                            ("attempt", attempt)), timer)
 
-    sampled, sample_stats = sample_groups(seeded_draw, records, more_records,
-        cfg.grpo.dynamic_sampling, cfg.grpo.max_resample, ctx.tokenizer.pad_token_id)
+    with gathered(ctx.model):  # FSDP: whole weights for the rollout, no collective per generated token
+        sampled, sample_stats = sample_groups(seeded_draw, records, more_records,
+            cfg.grpo.dynamic_sampling, cfg.grpo.max_resample, ctx.tokenizer.pad_token_id)
     raise_on_nonfinite_rewards(ctx.accelerator, sampled.rewards, row_tasks(sampled.records, sampled.rollout.group_size),
                                step)
     with timer("reference"):

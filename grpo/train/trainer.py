@@ -7,6 +7,13 @@ reference is the same model with the adapter disabled (I9), so no second copy of
 without it every weight trains and the reference is a frozen copy of the SFT model. Every step is
 seeded by (seed, step), which is what makes a resumed run end with the same weights as an
 uninterrupted one.
+
+Several processes (``accelerate launch``, torchrun): each draws its shard of the step's prompts and
+the per-task gradients are summed over processes before they are combined; under an FSDP launch the
+policy itself is sharded (``sharding.py``). Checkpoints hold whole tensors and resume on any number
+of processes; what a different number changes is the sampling: each process seeds its rollouts by
+(seed, step, process index), so the completions after resume differ from those the original number
+of processes would have drawn (the prompts, a function of (seed, step), do not).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from grpo.provenance.gate import require_preflight
 from grpo.provenance.lineage import is_stale, make_lineage, write_lineage
 from grpo.seeding import derive_seed
 from grpo.train import checkpoint as ckpt
+from grpo.train import sharding
 from grpo.train.policy import Policy, build_policy
 from grpo.train.step import StepContext, StepResult, grpo_step
 from grpo.train.task_mix import sample_step, shard
@@ -61,11 +69,12 @@ def resume(cfg: Config, policy: Policy) -> tuple[int, list[dict]]:
     return restored.step, list(restored.history)
 
 
-def save_final(cfg: Config, policy: Policy, lineage: dict, history: list[dict], digests: list[str]) -> None:
+def save_final(cfg: Config, policy: Policy, lineage: dict, history: list[dict], digests: list[str],
+               weights: dict[str, torch.Tensor] | None = None) -> None:
     """The adapter (or the full weights), tokenizer and lineage to models/grpo; a summary to
-    metrics/grpo.json."""
+    metrics/grpo.json. ``weights``: the whole weights gathered from a sharded policy."""
     out = paths.model_dir(cfg, "grpo")
-    save_model(policy.model, policy.tokenizer, out)
+    save_model(policy.model, policy.tokenizer, out, state_dict=weights)
     write_lineage(out, lineage)
     last = history[-1] if history else {}
     summary = {key: last.get(key) for key in ("reward", "reward_std", "frac_reward_zero_std", "entropy", "kl")}
@@ -81,7 +90,8 @@ def weights_digest(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, param in sorted((n, p) for n, p in model.named_parameters() if p.requires_grad):
         digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        whole = sharding.full_tensor(param.detach())  # under FSDP a gather: every process calls it
+        digest.update(whole.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -110,6 +120,18 @@ def _context(cfg: Config, policy: Policy, accelerator: Accelerator) -> StepConte
                        reference=policy.reference, engine=engine)
 
 
+def save_checkpoint(cfg: Config, policy: Policy, accelerator: Accelerator, step: int, history: list[dict],
+                    lineage: dict) -> None:
+    """The main process writes; under FSDP every process first gives its shards (a gather)."""
+    if not (accelerator.is_main_process or sharding.is_sharded(policy.model)):
+        return
+    state = ckpt.full_state(policy.model, policy.optimizer)
+    if accelerator.is_main_process:
+        ckpt.save_checkpoint(paths.run_dir(cfg), step, model=policy.model, optimizer=policy.optimizer,
+                             scheduler=policy.scheduler, rng=ckpt.capture_rng({}), history=history,
+                             lineage=lineage, keep_last=cfg.checkpoint.keep_last, state=state)
+
+
 def watch(monitor: Monitor, step: int, result: StepResult) -> None:
     """Apply the monitor to one step; ``result`` describes the global batch (the same on every
     process), so every process decides alike and all stop together, none left in an all-reduce."""
@@ -123,7 +145,7 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
     """Run (or resume) GRPO; returns the metric history. Raises TrainingStopped on a collapse."""
     require_preflight(cfg)
     accelerator = make_accelerator()
-    policy = build_policy(cfg, accelerator.device)
+    policy = build_policy(cfg, accelerator.device, shard=sharding.policy_sharder(cfg, accelerator))
     lineage = make_lineage("grpo", cfg, paths.stage_inputs(cfg, "grpo"))
     start, history = resume(cfg, policy)
     by_task = split_by_task(read_records(paths.data_file(cfg, "train")))
@@ -143,16 +165,16 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
             writer.log(step, result.metrics)
             bar.set_postfix(reward=f"{result.metrics['reward']:.2f}", entropy=f"{result.metrics['entropy']:.2f}",
                             step_time=f"{result.metrics['step_time']:.1f}s", refresh=False)
-            if accelerator.is_main_process and (step % cfg.checkpoint.every == 0 or step == end):
-                ckpt.save_checkpoint(paths.run_dir(cfg), step, model=policy.model, optimizer=policy.optimizer,
-                                     scheduler=policy.scheduler, rng=ckpt.capture_rng({}), history=history,
-                                     lineage=lineage, keep_last=cfg.checkpoint.keep_last)
+            if step % cfg.checkpoint.every == 0 or step == end:
+                save_checkpoint(cfg, policy, accelerator, step, history, lineage)
             accelerator.wait_for_everyone()
     finally:
         writer.close()
     digests = check_in_sync(policy, accelerator)
-    if accelerator.is_main_process and end == cfg.grpo.steps:
-        save_final(cfg, policy, lineage, history, digests)
+    if end == cfg.grpo.steps:
+        weights = sharding.whole_state_dict(policy.model)  # FSDP: every process gathers its shards
+        if accelerator.is_main_process:
+            save_final(cfg, policy, lineage, history, digests, weights)
     return history
 
 
