@@ -19,17 +19,15 @@ import yaml
 from grpo import paths
 from grpo.checks.diagnose import (
     Check,
-    DiagnoseError,
     check_advantages,
     check_collapse,
     check_entropy_step,
     check_reward_degeneracy,
     check_target_lineage,
     diagnose,
-    load_target,
     make_probe,
-    target_kind,
 )
+from grpo.checks.target import DiagnoseError, Target, _stale, load_target, target_kind
 from grpo.cli import main
 from grpo.config import Config, config_to_dict
 from grpo.core.batching import join_prompt_completion
@@ -45,10 +43,12 @@ from tests.test_evaluate import GROUP, build_project, make_records
 TRAIN_STEPS = 8
 
 
-def train_adapter(cfg: Config, entropy_coef: float, steps: int = TRAIN_STEPS, lr: float = 0.1):
-    """A LoRA on the SFT weights after ``steps`` Adam steps on the GRPO loss with random advantages."""
+def train_adapter(cfg: Config, entropy_coef: float, steps: int = TRAIN_STEPS, lr: float = 0.1, lora: bool = True):
+    """A LoRA on the SFT weights (``lora=False``: every SFT weight) after ``steps`` Adam steps on the GRPO
+    loss with random advantages."""
     torch.manual_seed(cfg.seed)
-    model = wrap_lora(load_model(paths.model_dir(cfg, "sft"), cfg.model), cfg.model.lora)
+    model = load_model(paths.model_dir(cfg, "sft"), cfg.model)
+    model = wrap_lora(model, cfg.model.lora) if lora else model
     tokenizer = load_tokenizer(paths.model_dir(cfg, "sft"), cfg.model)
     prompts = [render_prompt(tokenizer, example_messages(r)) for r in make_records("train", 2, 2, seed=1)]
     rollout = generate_rollout(model, tokenizer, prompts, GROUP, cfg.grpo.sampling, end_of_turn_ids(tokenizer), 0)
@@ -119,7 +119,7 @@ def test_collapsed_checkpoint_fails_the_collapse_check_via_cli(project, collapse
 def test_healthy_adapter_passes_the_collapse_check(project, healthy_adapter):
     target, checks = diagnose(project, healthy_adapter, progress=False)
     checks = by_name(checks)
-    assert target.kind == "adapter" and not target.fresh_adapter
+    assert target.kind == "adapter" and not target.fresh
     assert checks["entropy_collapse"].status == "pass", checks["entropy_collapse"].detail
     assert checks["entropy_collapse"].value > project.eval.diagnose.entropy_floor
     assert checks["kl_init"].status in ("pass", "warn") and checks["kl_init"].value > 0  # trained: moved
@@ -134,7 +134,7 @@ def test_healthy_adapter_passes_the_collapse_check(project, healthy_adapter):
 def test_fresh_adapter_on_sft_passes_the_plumbing_checks(project):
     target, checks = diagnose(project, paths.model_dir(project, "sft"), progress=False)
     checks = by_name(checks)
-    assert target.kind == "model" and target.fresh_adapter
+    assert target.kind == "model" and target.fresh
     assert list(checks) == ["lineage", "entropy_collapse", "reward_degeneracy", "advantages", "lora_gradients",
                             "temperature_entropy", "kl_init", "entropy_step"]
     assert checks["lineage"].status == "pass", checks["lineage"].detail
@@ -145,6 +145,49 @@ def test_fresh_adapter_on_sft_passes_the_plumbing_checks(project):
     assert checks["temperature_entropy"].status == "pass" and values == sorted(values) and len(values) == 3
     assert checks["entropy_step"].status == "pass" and checks["entropy_step"].value > 0
     assert 0.0 <= checks["reward_degeneracy"].value <= 1.0
+
+
+def lora_off(cfg: Config) -> Config:
+    """``cfg`` with ``model.lora.enabled: false``: GRPO trains every weight against a frozen SFT copy."""
+    lora = cfg.model.lora.model_copy(update={"enabled": False})
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": lora})})
+
+
+def test_full_weights_start_passes_the_plumbing_checks(project):
+    """``model.lora.enabled: false`` on models/sft: the policy is every SFT weight, the reference a frozen
+    copy; the gradient check covers every weight and the KL to the reference starts at exactly 0."""
+    target, checks = diagnose(lora_off(project), paths.model_dir(project, "sft"), progress=False)
+    checks = by_name(checks)
+    assert target.fresh and not target.lora and not hasattr(target.model, "disable_adapter")
+    assert list(checks) == ["lineage", "entropy_collapse", "reward_degeneracy", "advantages", "gradients",
+                            "temperature_entropy", "kl_init", "entropy_step"]
+    n_weights = sum(1 for _ in target.model.parameters())
+    assert checks["gradients"].status == "pass" and f"over {n_weights} trainable tensors" in checks["gradients"].detail
+    assert checks["kl_init"].status == "pass" and checks["kl_init"].value == 0.0
+    assert checks["entropy_collapse"].status == "pass" and checks["temperature_entropy"].status == "pass"
+    assert checks["entropy_step"].status == "pass" and checks["entropy_step"].value > 0
+
+
+def test_full_weights_checkpoint_and_model_are_diagnosed_against_the_sft_weights(project, tmp_path):
+    """A checkpoint of every weight (via the CLI) and a fully trained models/grpo-like folder (lineage of
+    stage grpo): both are scored against the SFT weights, so their KL to the reference is > 0."""
+    from grpo.provenance.lineage import make_lineage, write_lineage
+
+    cfg = lora_off(project)
+    model, tokenizer = train_adapter(cfg, entropy_coef=0.0, steps=4, lr=0.01, lora=False)
+    checkpoint = ckpt.save_checkpoint(tmp_path / "runs", 4, model=model, optimizer=None, scheduler=None,
+                                      rng=ckpt.capture_rng(), history=[], lineage={}, keep_last=2)
+    params, out = tmp_path / "params.yaml", tmp_path / "diagnosis.json"
+    params.write_text(yaml.safe_dump(config_to_dict(cfg)), encoding="utf-8")
+    main(["diagnose", str(checkpoint), "--params", str(params), "--out", str(out)])
+    checks = {check["name"]: check for check in json.loads(out.read_text())["checks"]}
+    assert checks["gradients"]["status"] == "pass" and checks["kl_init"]["value"] > 0
+    folder = tmp_path / "grpo"
+    save_model(model, tokenizer, folder)
+    write_lineage(folder, make_lineage("grpo", cfg, {}))
+    target, by = diagnose(cfg, folder, progress=False)
+    assert target.kind == "model" and not target.fresh and target.reference is not None
+    assert by_name(by)["kl_init"].value == pytest.approx(checks["kl_init"]["value"], rel=1e-4)
 
 
 def test_base_model_has_no_lineage_to_check(project):
@@ -211,7 +254,6 @@ def test_target_kind_and_unknown_folder(project, tmp_path):
 
 
 def test_a_stale_target_names_every_code_and_params_change(project, tmp_path):
-    from grpo.checks.diagnose import Target, _stale
     from grpo.provenance.lineage import make_lineage, write_lineage
 
     old = project.model_copy(update={"seed": project.seed + 1})

@@ -10,12 +10,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo.checks.preflight import CHECKS, make_subject, report_path, run_checks_on
+from grpo.checks.subject import perturbed_policy
+from grpo.cli import main
 from grpo.config import config_from_dict, load_config
 from grpo.data.prepare import build_records
 from grpo.model.chat import ChatError
 from grpo.model.modeling import wrap_lora
 from grpo.model.precision import cpu_has_native_bf16
 from grpo.provenance.gate import PreflightError, require_preflight
+from grpo.train.policy import frozen_copy
 from tests.tiny_project import prepared_project
 
 pytestmark = pytest.mark.slow
@@ -82,6 +85,66 @@ def test_every_check_passes_under_bf16_autocast_with_its_bound(tiny_tokenizer, r
     assert temperature.bound < 0.5  # ... which stays far below what a missing division moves (tests/mutations.py)
 
 
+FULL = config_from_dict({**CFG.model_dump(mode="json"),
+                         "model": {**CFG.model.model_dump(mode="json"), "lora": {"enabled": False}}})
+
+
+def full_subject(tokenizer, records, base_as_reference: bool = False):
+    """The checks' subject with ``model.lora.enabled: false``: every weight of a random model is the
+    policy, a frozen copy of it the reference (as ``build_policy`` makes them), the same model with
+    halved weights the pre-SFT base (``base_as_reference``: the I9 bug, the base is the reference)."""
+    model = random_model_for(tokenizer)
+    base = random_model_for(tokenizer)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.mul_(0.5)
+    reference = frozen_copy(base if base_as_reference else model)
+    return make_subject(FULL, model, tokenizer, records, copy.deepcopy(model), base, reference)
+
+
+def test_every_check_passes_with_lora_off(tiny_tokenizer, records):
+    """Full fine-tuning: the step scores the frozen reference (no adapter to disable), the perturbed
+    policy moves away from it (KL > 0) and every check passes."""
+    subject = full_subject(tiny_tokenizer, records)
+    assert not hasattr(subject.policy, "disable_adapter") and subject.reference is not None
+    checks = {c.name: c for c in run_checks_on(subject)}
+    assert {name: (c.detail, c.value) for name, c in checks.items() if not c.passed} == {}
+    numbers = checks["ratio_kl_reference"].value
+    assert numbers["kl_perturbed"] > 0 and numbers["ref_vs_base"] > numbers["ref_vs_fresh_sft"]
+
+
+def test_i9_with_lora_off_catches_the_base_as_the_reference(tiny_tokenizer, records):
+    """The I9 check fails when the frozen reference is the pre-SFT base instead of the SFT weights."""
+    wrong = full_subject(tiny_tokenizer, records, base_as_reference=True)
+    check = next(c for c in run_checks_on(wrong) if c.name == "ratio_kl_reference")
+    assert check.status == "fail" and "the reference is not the SFT weights (I9)" in check.detail
+    assert check.value["ref_vs_base"] <= check.bound["ref_vs_fresh_sft"]
+
+
+def test_perturbed_policy_moves_every_trainable_weight_and_restores_it_bit_exactly(tiny_tokenizer):
+    """Full weights: each trainable weight moves by about 5% of its own spread; LoRA: only the B matrices
+    move (from 0). Both come back bit-exactly."""
+    model = random_model_for(tiny_tokenizer)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with perturbed_policy(model, seed=3):
+        for name, p in model.named_parameters():
+            change = (p - saved[name]).abs().mean()
+            if not p.requires_grad:
+                assert change == 0, name
+                continue
+            spread = saved[name].std() if saved[name].std() > 0 else saved[name].abs().mean()
+            assert 0.01 * spread < change < 0.1 * spread, name
+    assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters())
+    torch.manual_seed(0)
+    lora = wrap_lora(random_model_for(tiny_tokenizer), CFG.model.lora)
+    saved = {n: p.detach().clone() for n, p in lora.named_parameters()}
+    with perturbed_policy(lora, seed=3):
+        moved = {n for n, p in lora.named_parameters() if not torch.equal(p, saved[n])}
+    assert moved and all("lora_B" in n for n in moved)
+    assert all(torch.equal(p, saved[n]) for n, p in lora.named_parameters())
+
+
 def test_template_drift_fails_render_parity(tiny_tokenizer, records):
     """A template whose generation prompt differs from its rendered assistant turn (the SFT/RL drift
     bug) stops the pre-flight with the drift named, before any training."""
@@ -109,3 +172,19 @@ def test_train_refuses_without_a_passing_preflight_for_the_current_lineage(tmp_p
     report_path(cfg).unlink()
     with pytest.raises(PreflightError, match="does not exist"):
         require_preflight(cfg)
+
+
+def test_preflight_passes_and_train_runs_with_lora_off(tmp_path):
+    """``model.lora.enabled: false`` end to end through the CLI: the pre-flight passes on the fully
+    trainable SFT model with its frozen reference, and the gated ``grpo train`` takes a step."""
+    root = tmp_path / "full"
+    params = prepared_project(root, model={"lora": {"enabled": False}})
+    cfg = load_config(params)
+    report = json.loads(report_path(cfg).read_text())
+    assert report["passed"], [c for c in report["checks"] if not c["passed"]]
+    ratio = next(c for c in report["checks"] if c["name"] == "ratio_kl_reference")
+    assert ratio["value"]["kl_perturbed"] > 0
+    # `grpo train` requires the passing pre-flight of this lineage (grpo/provenance/gate.py)
+    assert main(["train", "--params", str(params), "--max-steps", "1"]) == 0
+    checkpoint = root / "runs" / "tiny" / "checkpoint-00000001"
+    assert (checkpoint / "lineage.json").is_file()

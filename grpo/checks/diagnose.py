@@ -1,12 +1,14 @@
 """``grpo diagnose <model-or-checkpoint>``: the deep entropy diagnosis of one policy.
 
-The target is a full model folder (``models/base``, ``models/sft``: a fresh LoRA adapter is put on
-it, as GRPO would), a GRPO adapter folder (``models/grpo``) or a GRPO checkpoint
-(``runs/<experiment>/checkpoint-XXXXXXXX``: the LoRA policy is rebuilt on the SFT weights and the
-checkpoint's trainable weights loaded). The reference is always the same model with the adapter
-disabled (I9). A few eval prompts get ``grpo.group_size`` sampled completions each (the probe) and
-every check reads those token ids; each says ``pass``, ``warn`` or ``fail``, its number, and what
-to try. ``skip`` marks a check that does not apply.
+The target (``grpo/checks/target.py``) is a full model folder (``models/base``, ``models/sft``: the
+policy GRPO would start from), a GRPO adapter folder (``models/grpo``), the fully trained weights in
+``models/grpo`` (``model.lora.enabled: false``) or a GRPO checkpoint (``runs/<experiment>/checkpoint-XXXXXXXX``:
+the policy is rebuilt on the SFT weights and the checkpoint's trainable weights loaded). The reference
+is the same model with the adapter disabled, or under full fine-tuning the frozen SFT weights (I9).
+A few eval prompts get ``grpo.group_size`` sampled completions each (the probe) and every check reads
+those token ids; each says ``pass``, ``warn`` or ``fail``, its number, and what to try. ``skip`` marks
+a check that does not apply. The gradient check covers the LoRA weights (``lora_gradients``) or, under
+full fine-tuning, every weight (``gradients``).
 
 Diagnosis only reads: it reports a stale lineage instead of refusing (an old collapsed checkpoint
 is exactly what one wants to diagnose after a fix), and it never writes a model.
@@ -16,55 +18,35 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from grpo import paths
-from grpo.checks.probes import ENTROPY_TOL, Check, Status, entropy_step, mean_entropy, reference_kl
+from grpo.checks.probes import (
+    ENTROPY_TOL,
+    Check,
+    Status,
+    entropy_step,
+    mean_entropy,
+    reference_entropy,
+    reference_kl,
+)
+from grpo.checks.target import Target, load_target
 from grpo.config import Config
 from grpo.core.advantages import group_advantages
 from grpo.core.losses import policy_loss_terms, total_loss
 from grpo.data.prompts import example_messages
 from grpo.data.select import balanced_records, eval_records
-from grpo.errors import GrpoError
 from grpo.files import write_json
 from grpo.model.chat import render_prompt
-from grpo.model.device import make_accelerator
-from grpo.model.modeling import POINTER_FILE, load_model, load_tokenizer, wrap_lora
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
-from grpo.model.scoring import RolloutInputs, rollout_inputs, score_inputs
-from grpo.provenance.lineage import is_stale
+from grpo.model.scoring import RolloutInputs, rollout_inputs, score_inputs, score_reference
 from grpo.rewards import group_rewards
-from grpo.train import checkpoint as ckpt
 from grpo.train.step import row_tasks
-
-CHECKPOINT_NAME = re.compile(r"checkpoint-\d{8,}")
-"""Folder name ``grpo.train.checkpoint.checkpoint_path`` gives a checkpoint."""
-Kind = Literal["model", "adapter", "checkpoint"]
-
-
-class DiagnoseError(GrpoError):
-    """The diagnosis target cannot be recognised or loaded; the message names the path and the fix."""
-
-
-@dataclass
-class Target:
-    """The policy under diagnosis: a peft model whose adapter off is the reference (I9)."""
-
-    model: torch.nn.Module
-    tokenizer: Any
-    kind: Kind
-    path: Path
-    fresh_adapter: bool
-    """True when the adapter was just initialised (a full model folder): KL to the reference must be 0."""
-    stale: list[str] = field(default_factory=list)
-    """Why the target or the SFT weights under it do not match the current code/params (empty: fresh)."""
 
 
 @dataclass(frozen=True)
@@ -87,70 +69,6 @@ class Probe:
         """Task -> row indices of the probe (row ``i`` answers ``records[i // G]``)."""
         tasks = row_tasks(self.records, self.rollout.group_size)
         return {t: torch.tensor([i for i, x in enumerate(tasks) if x == t]) for t in dict.fromkeys(tasks)}
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def target_kind(path: Path) -> Kind:
-    """``checkpoint`` (``checkpoint-XXXXXXXX``), ``adapter`` (``adapter_config.json``) or ``model``."""
-    if CHECKPOINT_NAME.fullmatch(path.name):
-        return "checkpoint"
-    if (path / "adapter_config.json").is_file():
-        return "adapter"
-    if (path / "config.json").is_file() or (path / POINTER_FILE).is_file():
-        return "model"
-    raise DiagnoseError(
-        f"grpo diagnose {path}: not a model folder (config.json), a LoRA adapter folder "
-        "(adapter_config.json) or a GRPO checkpoint (runs/<experiment>/checkpoint-XXXXXXXX); "
-        "pass e.g. models/sft, models/grpo or a checkpoint folder"
-    )
-
-
-def _fresh_lora(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
-    # Seeded like the trainer's build_policy, without moving the global generator.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        return wrap_lora(model, cfg.model.lora)
-
-
-def _stale(path: Path, stage: str, cfg: Config, inputs: dict[str, Path]) -> list[str]:
-    """Every code, params and input change that makes ``path`` stale, as the lineage error names them."""
-    reason = is_stale(path, stage, cfg, inputs)
-    if not reason:
-        return []
-    lines = [line.strip().removeprefix("- ") for line in reason.splitlines() if not line.startswith("Rebuild it")]
-    return [lines[0].removesuffix(":") + (": " + "; ".join(lines[1:]) if len(lines) > 1 else "")]
-
-
-def load_target(cfg: Config, path: str | Path) -> Target:
-    """Load the policy to diagnose, on GPU when there is one, in eval mode (no dropout)."""
-    path = Path(path)
-    if not path.is_dir():
-        raise DiagnoseError(f"grpo diagnose {path}: no such folder; pass a model, adapter or checkpoint folder")
-    kind = target_kind(path)
-    if kind == "model":
-        model = _fresh_lora(load_model(path, cfg.model), cfg)
-        tokenizer = load_tokenizer(path, cfg.model)
-        is_sft = path.resolve() == paths.model_dir(cfg, "sft").resolve()
-        stale = _stale(path, "sft", cfg, paths.stage_inputs(cfg, "sft")) if is_sft else []
-        target = Target(model, tokenizer, kind, path, fresh_adapter=True, stale=stale)
-    else:
-        stale = (_stale(paths.model_dir(cfg, "sft"), "sft", cfg, paths.stage_inputs(cfg, "sft"))
-                 + _stale(path, "grpo", cfg, paths.stage_inputs(cfg, "grpo")))
-        base = load_model(paths.model_dir(cfg, "sft"), cfg.model)
-        if kind == "adapter":
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(base, path, is_trainable=True)
-            tokenizer = load_tokenizer(path, cfg.model)
-        else:
-            model = _fresh_lora(base, cfg)
-            ckpt.load_checkpoint(path, model=model, optimizer=None, scheduler=None)
-            tokenizer = load_tokenizer(paths.model_dir(cfg, "sft"), cfg.model)
-        target = Target(model, tokenizer, kind, path, fresh_adapter=False, stale=stale)
-    target.model.to(make_accelerator().device).eval()
-    return target
 
 
 # --------------------------------------------------------------------------- probe and scoring
@@ -197,10 +115,10 @@ def check_target_lineage(target: Target) -> Check:
 
 
 def check_collapse(cfg: Config, policy: float, reference: float, temperature: float) -> Check:
-    """Policy entropy against an absolute floor and against the reference (adapter off)."""
+    """Policy entropy against an absolute floor and against the reference's (I9)."""
     d = cfg.eval.diagnose
     ratio = policy / reference if reference > 0 else 1.0
-    detail = (f"policy {policy:.4f} nats/token vs reference (adapter off) {reference:.4f}, ratio {ratio:.3f}, "
+    detail = (f"policy {policy:.4f} nats/token vs reference {reference:.4f}, ratio {ratio:.3f}, "
               f"at T={temperature}")
     hint = ("entropy collapse: raise grpo.loss.entropy_coef (> 0) or grpo.loss.beta, lower grpo.lr, or go back "
             "to an earlier checkpoint (`grpo plot-entropy` shows when it fell)")
@@ -234,18 +152,21 @@ def check_advantages(advantages: torch.Tensor) -> Check:
     return Check("advantages", "pass", abs_mean, f"finite, mean |A| {abs_mean:.3f}")
 
 
-def check_lora_gradients(cfg: Config, target: Target, probe: Probe, advantages: torch.Tensor) -> Check:
-    """One backward of the GRPO loss reaches the LoRA weights with a finite, non-zero gradient."""
+def check_gradients(cfg: Config, target: Target, probe: Probe, advantages: torch.Tensor) -> Check:
+    """One backward of the GRPO loss reaches the trainable weights with a finite, non-zero gradient:
+    the LoRA weights (``lora_gradients``), or every weight under full fine-tuning (``gradients``)."""
     model, loss_cfg = target.model, cfg.grpo.loss
-    lora = [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n]
-    if not lora:
-        return Check("lora_gradients", "fail", 0.0, "no trainable LoRA parameter",
-                     "load the adapter trainable (is_trainable=True) and check model.lora.target_modules")
+    name, what = ("lora_gradients", "LoRA") if target.lora else ("gradients", "trainable")
+    params = [p for n, p in model.named_parameters() if p.requires_grad and ("lora_" in n or not target.lora)]
+    if not params:
+        return Check(name, "fail", 0.0, f"no {what} parameter",
+                     "load the adapter trainable (is_trainable=True) and check model.lora.target_modules"
+                     if target.lora else "the policy's weights must require grad under model.lora.enabled: false")
     probing = not bool(advantages.any())
     # All-zero real advantages would zero the policy gradient: probe the wiring with +-1 instead.
     adv = (torch.arange(len(advantages)) % 2 * -2.0 + 1.0) if probing else advantages
     with torch.no_grad():
-        ref = score_inputs(model, probe.inputs, adapter=False).logprobs if loss_cfg.beta > 0 else None
+        ref = score_reference(model, probe.inputs, target.reference).logprobs if loss_cfg.beta > 0 else None
     scored = score_inputs(model, probe.inputs)
     terms, _ = policy_loss_terms(
         scored.logprobs, scored.logprobs.detach(), ref, adv.to(scored.logprobs.device), probe.completion_mask,
@@ -253,18 +174,18 @@ def check_lora_gradients(cfg: Config, target: Target, probe: Probe, advantages: 
         loss_type=loss_cfg.loss_type, max_completion_length=cfg.grpo.sampling.max_new_tokens)
     model.zero_grad(set_to_none=True)
     total_loss(terms, loss_cfg.beta, loss_cfg.entropy_coef).backward()
-    norm = _grad_norm(lora)
-    nonzero = sum(p.grad is not None and bool(p.grad.any()) for p in lora)
+    norm = _grad_norm(params)
+    nonzero = sum(p.grad is not None and bool(p.grad.any()) for p in params)
     model.zero_grad(set_to_none=True)
-    detail = (f"grad norm {norm:.3g} over {len(lora)} LoRA tensors ({nonzero} non-zero)"
+    detail = (f"grad norm {norm:.3g} over {len(params)} {what} tensors ({nonzero} non-zero)"
               + (" with +-1 probe advantages (real ones are all 0)" if probing else ""))
     if not math.isfinite(norm) or norm == 0.0:
-        return Check("lora_gradients", "fail", norm, detail,
-                     "the loss does not reach the adapter: check requires_grad, the completion mask and the loss")
+        return Check(name, "fail", norm, detail,
+                     "the loss does not reach the trained weights: check requires_grad, the completion mask and "
+                     "the loss")
     if norm < cfg.eval.diagnose.grad_norm_warn:
-        return Check("lora_gradients", "warn", norm, detail,
-                     "vanishing gradient: the softmax is saturated (see entropy_collapse)")
-    return Check("lora_gradients", "pass", norm, detail)
+        return Check(name, "warn", norm, detail, "vanishing gradient: the softmax is saturated (see entropy_collapse)")
+    return Check(name, "pass", norm, detail)
 
 
 def check_temperature(cfg: Config, target: Target, probe: Probe) -> Check:
@@ -284,18 +205,22 @@ def check_temperature(cfg: Config, target: Target, probe: Probe) -> Check:
 
 @torch.no_grad()
 def check_kl_init(cfg: Config, target: Target, probe: Probe) -> Check:
-    """k3 KL between adapter on and off on the same ids: 0 for a fresh adapter, reported otherwise."""
+    """k3 KL between the policy and its reference on the same ids: 0 where GRPO starts (a fresh adapter,
+    or the weights against a frozen copy of themselves), reported otherwise."""
     d = cfg.eval.diagnose
-    kl = reference_kl(target.model, probe.inputs)
+    kl = reference_kl(target.model, probe.inputs, target.reference)
     detail = f"mean per-token k3 KL to the reference {kl:.3g}"
-    if target.fresh_adapter:
+    start = "a fresh adapter" if target.lora else "the weights GRPO starts from"
+    if target.fresh:
         if kl > d.kl_init_tol:
-            return Check("kl_init", "fail", kl, detail + " for a fresh adapter",
-                         "a fresh LoRA must leave the model unchanged (B = 0): check the adapter init and I8/I9")
-        return Check("kl_init", "pass", kl, detail + " for a fresh adapter")
+            return Check("kl_init", "fail", kl, f"{detail} for {start}",
+                         "GRPO's starting policy must equal its reference (LoRA: B = 0; full fine-tuning: a frozen "
+                         "copy of the same weights): check the adapter init, the reference and I8/I9")
+        return Check("kl_init", "pass", kl, f"{detail} for {start}")
+    trained = "adapter" if target.lora else "weights"
     if kl <= d.kl_init_tol:
-        return Check("kl_init", "warn", kl, detail + ": the trained adapter changes nothing",
-                     "the adapter never moved: look for zero gradients or a zero learning rate in training")
+        return Check("kl_init", "warn", kl, f"{detail}: the trained {trained} change nothing",
+                     f"the {trained} never moved: look for zero gradients or a zero learning rate in training")
     if kl > d.kl_warn:
         return Check("kl_init", "warn", kl, detail, "the policy drifted far: raise grpo.loss.beta or lower grpo.lr")
     return Check("kl_init", "pass", kl, detail)
@@ -339,10 +264,11 @@ def diagnose(cfg: Config, path: str | Path, progress: bool = True) -> tuple[Targ
     steps: list[Callable[[], Check]] = [
         lambda: check_target_lineage(target),
         lambda: check_collapse(cfg, mean_entropy(target.model, probe.inputs),
-                               mean_entropy(target.model, probe.inputs, adapter=False), probe.inputs.temperature),
+                               reference_entropy(target.model, probe.inputs, target.reference),
+                               probe.inputs.temperature),
         lambda: check_reward_degeneracy(cfg, stats, len(probe.records)),
         lambda: check_advantages(advantages),
-        lambda: check_lora_gradients(cfg, target, probe, advantages),
+        lambda: check_gradients(cfg, target, probe, advantages),
         lambda: check_temperature(cfg, target, probe),
         lambda: check_kl_init(cfg, target, probe),
         lambda: check_entropy_step(cfg, target, probe),

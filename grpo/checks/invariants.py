@@ -4,8 +4,8 @@ The stage functions come in through ``Subject`` (the SFT stage's ``build_example
 ``rollout_from_sequences``, the step's ``draw`` and ``prepare_batch``, the scorer ``score_inputs``,
 the loss's ``clipped_surrogate`` and ``k3_kl``, ``multitask_backward``, ``group_advantages``), with
 probes built so no check can pass vacuously: prompts of very different widths (a wrong cut lands in
-real prompt text), a stop token equal to pad in mid-row, an adapter perturbed away from B = 0 before
-the ratio/KL/reference checks, a temperature other than 1, rewards whose fp32 group mean is inexact.
+real prompt text), a stop token equal to pad in mid-row, a policy perturbed away from the SFT weights
+(LoRA B != 0, or noise on every trainable weight) before the ratio/KL/reference checks, a temperature other than 1, rewards whose fp32 group mean is inexact.
 Each check reports the number it compared (``value``) and the ``bound``.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from grpo.checks.probes import ENTROPY_TOL, Check, bounded, entropy_step, reference_kl
-from grpo.checks.subject import Subject, perturbed_adapter, step_batch
+from grpo.checks.subject import Subject, perturbed_policy, step_batch
 from grpo.core.advantages import group_advantages
 from grpo.core.batching import left_pad, position_ids_from_mask
 from grpo.core.logprobs import score_completions
@@ -213,13 +213,13 @@ def _per_token_leak(old: torch.Tensor) -> tuple[float, float]:
 
 
 def check_ratio_kl_reference(s: Subject) -> Check:
-    """I8, I9 with a perturbed adapter (at B = 0 these would hold whatever the code did): the step's
+    """I8, I9 with a perturbed policy (at the SFT weights these would hold whatever the code did): the step's
     reference log-probs equal a fresh load of the SFT weights (to float reassociation: the shared-prefix
     forward caches the prompt, so two scorings may differ in the last bits) and differ from the base's,
     the policy's KL to them is > 0, and the ratio and KL are per token."""
-    with perturbed_adapter(s.policy, s.cfg.seed):
+    with perturbed_policy(s.policy, s.cfg.seed):
         batch, _ = step_batch(s, s.cfg.seed + 1, num_iterations=2, loss={"beta": max(s.cfg.grpo.loss.beta, 0.04)})
-        kl = reference_kl(s.policy, batch.inputs)
+        kl = reference_kl(s.policy, batch.inputs, s.reference)
     sft_gap = _fresh_gap(s, s.sft, batch.inputs, batch.ref_logprobs)
     base_gap = _fresh_gap(s, s.base, batch.inputs, batch.ref_logprobs) if s.base is not None else None
     leak, own = _per_token_leak(batch.old_logprobs)
@@ -229,7 +229,7 @@ def check_ratio_kl_reference(s: Subject) -> Check:
     failures = [name for name, bad in (
         ("the reference is not the SFT weights (I9)", sft_gap > same),
         ("the reference equals the pre-SFT base (I9)", base_gap is not None and base_gap <= same),
-        ("KL to the reference is 0 with a perturbed adapter (I9)", not kl > 0.0),
+        ("KL to the reference is 0 with a perturbed policy (I9)", not kl > 0.0),
         ("a one-token change moved other tokens' ratio or KL (I8)", leak > 1e-6),
         ("the changed token's ratio is not exp(0.1) (I8)", own > 1e-5),
     ) if bad]
@@ -238,7 +238,8 @@ def check_ratio_kl_reference(s: Subject) -> Check:
              "other_tokens_ratio_kl_change": 1e-6, "own_ratio_error": 1e-5}
     return Check("ratio_kl_reference", "fail" if failures else "pass", numbers,
                  detail + ("; " + "; ".join(failures) if failures else ""),
-                 "the reference is the SFT policy with the adapter disabled; ratio and KL per token" if failures else "",
+                 "the reference is the SFT policy (LoRA: the adapter disabled; full fine-tuning: a frozen copy of "
+                 "the SFT model); ratio and KL per token" if failures else "",
                  "I8, I9", bound)
 
 
@@ -259,10 +260,10 @@ def _manual(s: Subject, inputs: RolloutInputs) -> tuple[torch.Tensor, torch.Tens
 def check_temperature(s: Subject) -> Check:
     """I10 at the configured temperature and at one != 1 (a missing division shows): the rollout
     records the temperature it sampled at, and the step's stored log-probs and the scorer's entropy
-    are those of ``softmax(z / T)`` (perturbed adapter, so the policy is not the SFT model)."""
+    are those of ``softmax(z / T)`` (perturbed policy, so it is not the SFT model)."""
     temperatures = sorted({s.cfg.grpo.sampling.temperature, 0.5 if s.cfg.grpo.sampling.temperature == 1 else 1.0})
     gaps, wrong_record, scale = {}, [], 0.0
-    with perturbed_adapter(s.policy, s.cfg.seed):
+    with perturbed_policy(s.policy, s.cfg.seed):
         for t in temperatures:
             batch, sampled = step_batch(s, s.cfg.seed + 2, num_iterations=2, sampling={"temperature": t})
             if sampled.rollout.temperature != t or batch.inputs.temperature != t:

@@ -26,7 +26,7 @@ from grpo.errors import GrpoError
 from grpo.files import write_atomically
 from grpo.model.modeling import load_model
 from grpo.provenance.gate import REPORT_NAME, PreflightError, preflight_lineage
-from grpo.train.policy import build_policy
+from grpo.train.policy import build_policy, frozen_copy
 
 
 def report_path(cfg: Config) -> Path:
@@ -49,12 +49,18 @@ def run_checks_on(subject: Subject) -> list[Check]:
 
 
 def run_checks(cfg: Config) -> dict[str, Any]:
-    """The checks on the policy exactly as the trainer builds it (``build_policy``: LoRA on models/sft)."""
+    """The checks on the policy and reference exactly as the trainer builds them (``build_policy``: LoRA
+    on models/sft, or every weight of it against a frozen copy). With LoRA off and ``beta == 0`` the
+    trainer keeps no reference; the I8/I9 check still probes one (it raises beta), so it gets the copy
+    ``build_policy`` makes when beta > 0."""
     policy = build_policy(cfg, torch.device("cpu"))
+    reference = policy.reference
+    if reference is None and not cfg.model.lora.enabled:
+        reference = frozen_copy(policy.model)
     records = read_records(paths.data_file(cfg, "train"))
     sft = load_model(paths.model_dir(cfg, "sft"), cfg.model)
     base = load_model(paths.model_dir(cfg, "base"), cfg.model)
-    checks = run_checks_on(make_subject(cfg, policy.model, policy.tokenizer, records, sft, base))
+    checks = run_checks_on(make_subject(cfg, policy.model, policy.tokenizer, records, sft, base, reference))
     return {"passed": all(c.passed for c in checks), "checks": [c.as_dict() for c in checks],
             "lineage": preflight_lineage(cfg)}
 

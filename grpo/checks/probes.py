@@ -2,8 +2,8 @@
 
 A check says ``pass``, ``warn``, ``fail`` or ``skip``, the number it decided on (``value``) and the
 bound it compared that number with, so a report can be read without the code. The probes run the
-stage code itself: ``reference_kl`` scores with ``grpo.model.scoring.score_inputs`` adapter on and
-off, as the step does (I9); ``entropy_step`` takes one step on the entropy bonus alone through
+stage code itself: ``reference_kl`` scores the policy and, through ``grpo.model.scoring.score_reference``,
+its reference as the step does (I9); ``entropy_step`` takes one step on the entropy bonus alone through
 ``multitask_backward`` in the configured mode, as the step does (I7).
 """
 
@@ -18,7 +18,7 @@ import torch
 from grpo.config import MultitaskConfig
 from grpo.core.losses import LossTerms, k3_kl, masked_mean, policy_loss_terms
 from grpo.core.multitask import TaskLoss, multitask_backward
-from grpo.model.scoring import RolloutInputs, score_inputs
+from grpo.model.scoring import RolloutInputs, score_inputs, score_reference
 
 Status = Literal["pass", "warn", "fail", "skip"]
 ENTROPY_TOL = 1e-6
@@ -59,18 +59,25 @@ def bounded(name: str, invariant: str, value: float, bound: float, detail: str, 
 
 
 @torch.no_grad()
-def reference_kl(model: torch.nn.Module, inputs: RolloutInputs) -> float:
-    """Token-mean k3 KL between the policy (adapter on) and the reference (adapter off, I9)."""
+def reference_kl(model: torch.nn.Module, inputs: RolloutInputs, reference: torch.nn.Module | None = None) -> float:
+    """Token-mean k3 KL between the policy and its reference (``score_reference``: the frozen SFT copy
+    when given, else the adapter disabled, I9)."""
     policy = score_inputs(model, inputs).logprobs
-    reference = score_inputs(model, inputs, adapter=False).logprobs
+    ref = score_reference(model, inputs, reference).logprobs
     mask = inputs.completion_mask
-    return float(masked_mean(k3_kl(policy, reference, mask), mask))
+    return float(masked_mean(k3_kl(policy, ref, mask), mask))
 
 
 @torch.no_grad()
-def mean_entropy(model: torch.nn.Module, inputs: RolloutInputs, adapter: bool = True) -> float:
-    """Token-mean entropy (nats) of the scored distribution over the completion tokens."""
-    return float(masked_mean(score_inputs(model, inputs, adapter).entropy, inputs.completion_mask))
+def mean_entropy(model: torch.nn.Module, inputs: RolloutInputs) -> float:
+    """Token-mean entropy (nats) of the policy's scored distribution over the completion tokens."""
+    return float(masked_mean(score_inputs(model, inputs).entropy, inputs.completion_mask))
+
+
+@torch.no_grad()
+def reference_entropy(model: torch.nn.Module, inputs: RolloutInputs, reference: torch.nn.Module | None = None) -> float:
+    """Token-mean entropy (nats) of the reference's distribution (``score_reference``, I9)."""
+    return float(masked_mean(score_reference(model, inputs, reference).entropy, inputs.completion_mask))
 
 
 def _entropy_losses(model, inputs: RolloutInputs, rows: dict[str, torch.Tensor]):

@@ -7,6 +7,7 @@ scorer), so what they prove is proven on the code the stages run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from grpo.train.step import ScoredBatch, StepContext, draw, prepare_batch
 class Subject:
     """What the checks run on: the GRPO step's context around the policy, and the models to compare with."""
 
-    ctx: StepContext  # the configured policy (LoRA on the SFT weights), as the trainer builds it
+    ctx: StepContext  # the configured policy (LoRA on the SFT weights, or all of them) and its reference
     records: list[dict]  # one per task, prompt widths as different as possible, shortest first
     sft: torch.nn.Module  # a fresh load of the SFT weights: the reference must equal it (I9)
     base: torch.nn.Module | None  # the pre-SFT base: the reference must differ from it (None: not compared)
@@ -37,6 +38,11 @@ class Subject:
     @property
     def policy(self) -> torch.nn.Module:
         return self.ctx.model
+
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        """The frozen SFT copy (full fine-tuning), or None: the policy with its adapter disabled (I9)."""
+        return self.ctx.reference
 
     @property
     def tokenizer(self) -> Any:
@@ -71,24 +77,39 @@ def with_grpo(ctx: StepContext, **grpo: Any) -> StepContext:
     loss = ctx.cfg.grpo.loss.model_copy(update=grpo.pop("loss", {}))
     cfg = ctx.cfg.model_copy(update={"grpo": ctx.cfg.grpo.model_copy(update={**grpo, "sampling": sampling,
                                                                               "loss": loss})})
-    return StepContext(cfg, ctx.model, ctx.tokenizer, ctx.optimizer, ctx.scheduler, ctx.eos_ids, ctx.accelerator)
+    return dataclasses.replace(ctx, cfg=cfg)
+
+
+def _noise(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Seeded standard normal noise of ``p``'s shape, on its device and in its dtype."""
+    return torch.randn(p.shape, generator=generator).to(device=p.device, dtype=p.dtype)
 
 
 @contextlib.contextmanager
-def perturbed_adapter(model: torch.nn.Module, seed: int, scale: float = 0.05):
-    """The LoRA B matrices set to seeded noise (a fresh adapter has B = 0: ratio 1 and KL 0 would hold
-    whatever the code did); restored on exit."""
+def perturbed_policy(model: torch.nn.Module, seed: int, scale: float = 0.05):
+    """The policy moved away from the SFT weights by seeded noise, restored bit-exactly on exit: at
+    the SFT weights ratio 1 and KL 0 would hold whatever the code did.
+
+    LoRA: the B matrices (0 in a fresh adapter) set to noise of std ``scale``. Full fine-tuning: every
+    trainable weight plus noise of ``scale`` times that weight's own std (its mean |w| where the std is
+    0, as in a norm's all-ones weight), so each layer moves by the same small share."""
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
-    saved = [p.detach().clone() for p in lora_b]
+    moved = lora_b or [p for p in model.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in moved]
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in lora_b:
-            p.copy_(torch.randn(p.shape, generator=generator) * scale)
+        for p in moved:
+            if lora_b:
+                p.copy_(_noise(p, generator) * scale)
+            else:
+                spread = p.float().std() if p.numel() > 1 else p.new_zeros(())
+                spread = spread if spread > 0 else p.float().abs().mean()
+                p.add_(_noise(p, generator) * (scale * spread).to(p.dtype))
     try:
         yield model
     finally:
         with torch.no_grad():
-            for p, value in zip(lora_b, saved, strict=True):
+            for p, value in zip(moved, saved, strict=True):
                 p.copy_(value)
 
 
@@ -118,14 +139,16 @@ def _records(cfg: Config, tokenizer, records: list[dict]) -> list[dict]:
 
 
 def make_subject(cfg: Config, policy: torch.nn.Module, tokenizer, records: list[dict], sft: torch.nn.Module,
-                 base: torch.nn.Module | None = None) -> Subject:
-    """The step's context around ``policy`` (the LoRA-wrapped SFT model, as ``train.policy.build_policy``
-    makes it); ``sft`` is a separately loaded copy of its weights, ``base`` the pre-SFT model."""
+                 base: torch.nn.Module | None = None, reference: torch.nn.Module | None = None) -> Subject:
+    """The step's context around ``policy`` and its ``reference``, as ``train.policy.build_policy``
+    makes them (LoRA on the SFT model and None: the adapter disabled; or the whole SFT model and a
+    frozen copy of it); ``sft`` is a separately loaded copy of its weights, ``base`` the pre-SFT model."""
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     policy = policy.to(accelerator.device)
+    reference = None if reference is None else reference.to(accelerator.device)
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.0)  # the checks never step through it
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     eos_ids = stop_ids(policy, tokenizer, cfg.model.extra_stop_tokens)
-    ctx = StepContext(cfg, policy, tokenizer, optimizer, scheduler, eos_ids, accelerator)
+    ctx = StepContext(cfg, policy, tokenizer, optimizer, scheduler, eos_ids, accelerator, reference=reference)
     return Subject(ctx, _records(cfg, tokenizer, records), sft, base)

@@ -2,7 +2,9 @@
 
 ``rollout_inputs`` joins the generated ids to their prompts (I3: never re-tokenised) and carries the
 temperature the rollout recorded; ``score_inputs`` scores them under that temperature (I10) with the
-policy's adapter on, or off for the reference (I9: the SFT weights themselves, not the base model).
+policy's adapter on, or off for the reference (I9: the SFT weights themselves, not the base model);
+``score_reference`` is the one place that picks the reference: the frozen SFT copy under full
+fine-tuning, the adapter disabled under LoRA.
 Nothing here reads ``grpo.sampling.temperature``: a scorer cannot disagree with the sampler.
 """
 
@@ -15,7 +17,12 @@ import torch
 
 from grpo.core.batching import join_prompt_completion
 from grpo.core.logprobs import Scored, score_completions
+from grpo.errors import GrpoError
 from grpo.model.rollout import Rollout
+
+
+class ScoringError(GrpoError):
+    """A model was asked for a reference it does not have."""
 
 
 @dataclass(frozen=True)
@@ -52,3 +59,16 @@ def score_inputs(model: torch.nn.Module, inputs: RolloutInputs, adapter: bool = 
     with context:
         return score_completions(model, inputs.input_ids, inputs.attention_mask, inputs.completion_mask.shape[1],
                                  inputs.temperature, shared_prefix=shared_prefix)
+
+
+def score_reference(model: torch.nn.Module, inputs: RolloutInputs, reference: torch.nn.Module | None = None,
+                    shared_prefix: bool = False) -> Scored:
+    """The reference's log-probs and entropy (I9): ``reference`` (the frozen SFT copy that full
+    fine-tuning keeps) when given, else ``model`` with its LoRA adapter disabled."""
+    if reference is not None:
+        return score_inputs(reference, inputs, shared_prefix=shared_prefix)
+    if not hasattr(model, "disable_adapter"):
+        raise ScoringError(
+            f"the reference of a {type(model).__name__} without a LoRA adapter is a frozen copy of the SFT "
+            "model, and none was given: pass train.policy.build_policy's `reference` (model.lora.enabled: false)")
+    return score_inputs(model, inputs, adapter=False, shared_prefix=shared_prefix)

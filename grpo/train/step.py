@@ -32,7 +32,7 @@ from grpo.health.metrics import completion_stats, merge_process_metrics, task_re
 from grpo.model.chat import render_prompt
 from grpo.model.engines import HFEngine, RolloutEngine
 from grpo.model.precision import bf16_autocast
-from grpo.model.scoring import RolloutInputs, rollout_inputs, score_inputs
+from grpo.model.scoring import RolloutInputs, rollout_inputs, score_inputs, score_reference
 from grpo.rewards import group_rewards
 from grpo.seeding import derive_seed
 from grpo.train.dynamic_sampling import Draw, MoreRecordsFn, sample_groups
@@ -138,9 +138,9 @@ def _stored_logprobs(ctx: StepContext, inputs: RolloutInputs, adapter: bool) -> 
     """Log-probs kept fixed through the update: the old policy's, or the reference's (adapter off, I9)."""
     with torch.no_grad(), ctx.autocast():
         shared = ctx.cfg.grpo.shared_prefix
-        if not adapter and ctx.reference is not None:  # I9 under full fine-tuning: the frozen SFT weights
-            return score_inputs(ctx.reference, inputs, shared_prefix=shared).logprobs.float()
-        return score_inputs(ctx.model, inputs, adapter=adapter, shared_prefix=shared).logprobs.float()
+        if not adapter:  # I9: the frozen SFT copy (full fine-tuning) or the adapter disabled (LoRA)
+            return score_reference(ctx.model, inputs, ctx.reference, shared_prefix=shared).logprobs.float()
+        return score_inputs(ctx.model, inputs, shared_prefix=shared).logprobs.float()
 
 
 def prepare_batch(ctx: StepContext, sampled: Draw) -> ScoredBatch:
