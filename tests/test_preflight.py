@@ -188,3 +188,5 @@ def test_preflight_passes_and_train_runs_with_lora_off(tmp_path):
     assert main(["train", "--params", str(params), "--max-steps", "1"]) == 0
     checkpoint = root / "runs" / "tiny" / "checkpoint-00000001"
     assert (checkpoint / "lineage.json").is_file()
+    # beta 0: the trainer keeps no reference, the I8/I9 probe still gets the frozen copy build_policy makes
+    assert main(["preflight", "--params", str(params), "--set", "grpo.loss.beta=0"]) == 0
