@@ -11,7 +11,7 @@ from grpo.data.prompts import example_messages, sft_target
 from grpo.model.chat import render_sft
 from grpo.model.modeling import load_model, save_model, wrap_lora
 from grpo.model.precision import apply_memory_settings, bf16_autocast, describe
-from grpo.train.sft import sft_loss
+from grpo.train.supervised import sft_loss
 
 RECORDS = [
     {"task": "hallucination", "context": "Elbrook was founded in 1821 by Mara Venn.", "question": "Who founded it?",

@@ -25,7 +25,7 @@ from grpo.model.rollout import rollout_from_sequences
 from grpo.model.sampling import EosSuppressor
 from grpo.provenance.lineage import make_lineage, write_lineage
 from grpo.train.policy import build_policy
-from grpo.train.sft import build_examples
+from grpo.train.supervised import build_examples
 from grpo.train.step import draw, prepare_batch
 from tests.test_step import make_context
 
