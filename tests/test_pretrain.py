@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from grpo.config import config_from_dict
+from grpo.data.prompts import sft_target
 from grpo.data.synthetic_fairness import templates_for
 from grpo.data.synthetic_grounded import NAME_PARTS
-from grpo.train.pretrain import pretrain_examples, pretrain_records, run
+from grpo.errors import GrpoError
+from grpo.train.pretrain import pretrain_examples, pretrain_records, pretraining_text, run
 
 TINY = {"vocab_size": 400, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
@@ -20,7 +23,7 @@ def _cfg(tmp_path, records: int, **data):
     return config_from_dict({
         "paths": {name: str(tmp_path / name) for name in ("data_dir", "models_dir", "metrics_dir")},
         "data": data, "model": {"tiny": TINY},
-        "pretrain": {"records": records, "batch_size": 8, "lr": 0.005},
+        "pretrain": {"records": records, "batch_size": 8, "lr": 0.02},
     })
 
 
@@ -52,11 +55,27 @@ def test_corpus_differs_from_the_prepared_train_split_and_is_reproducible(tmp_pa
     assert len(set(ids) & {r.id for r in build_records(cfg)["train"]}) < len(ids) // 4
 
 
-def test_examples_put_the_loss_on_every_token(tmp_path, tiny_tokenizer):
+def test_examples_are_the_plain_record_text_with_the_loss_on_every_token(tmp_path, tiny_tokenizer):
     cfg = _cfg(tmp_path, 6)
-    examples = pretrain_examples([r.model_dump() for r in pretrain_records(cfg)], tiny_tokenizer, cfg)
+    records = [r.model_dump() for r in pretrain_records(cfg)]
+    examples = pretrain_examples(records, tiny_tokenizer, cfg)
     assert len(examples) == 6
-    assert all(len(e.ids) == len(e.loss_mask) and all(e.loss_mask) for e in examples)
+    header = tiny_tokenizer.convert_tokens_to_ids("<|start_header_id|>")
+    for record, example in zip(records, examples, strict=True):
+        assert all(example.loss_mask) and len(example.loss_mask) == len(example.ids)
+        assert example.ids[0] == tiny_tokenizer.bos_token_id and example.ids[-1] == tiny_tokenizer.eos_token_id
+        assert header not in example.ids, "pretraining text carries no chat template"
+        text = tiny_tokenizer.decode(example.ids[1:-1])
+        assert text == pretraining_text(record) and text.endswith("\n\n" + sft_target(record))
+        assert f"Context: {record['context']}" in text and f"Question: {record['question']}" in text
+        if record["task"] == "fairness":
+            assert all(f"{letter}. {choice}" in text for letter, choice in zip("ABC", record["choices"], strict=True))
+
+
+def test_a_text_longer_than_the_model_is_an_error_that_names_the_key(tmp_path, tiny_tokenizer):
+    cfg = config_from_dict({"model": {"tiny": {**TINY, "max_position_embeddings": 64}}, "pretrain": {"records": 4}})
+    with pytest.raises(GrpoError, match=r"model.tiny.max_position_embeddings=64"):
+        pretrain_examples([r.model_dump() for r in pretrain_records(cfg)], tiny_tokenizer, cfg)
 
 
 def test_base_stage_pretrains_the_embedded_model_only_when_asked(tmp_path):

@@ -3,8 +3,8 @@
 A 3M-parameter model trained from random weights by SFT alone learns the answer format but not to
 read the context: SFT puts its loss on the two or three answer tokens of each conversation, too
 little signal to learn to copy a name or a value from the context. Pretraining puts the loss on every
-token of ``pretrain.records`` freshly generated training-split conversations (context, question,
-options, answer), so predicting the people of a disambiguating sentence and the entity of a question
+token of ``pretrain.records`` freshly generated training-split records as plain text (context,
+question, options, answer), so predicting the people of a disambiguating sentence and the entity of a question
 teaches the model to copy from earlier in the text (induction), and the answers teach it where to look.
 
 The corpus is drawn from the same generators as ``data/processed/train.jsonl`` with another seed: the
@@ -22,10 +22,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo import paths
 from grpo.config import Config
-from grpo.data.schema import Record, make_record
+from grpo.data.prompts import sft_target
+from grpo.data.schema import LETTERS, Record, make_record
 from grpo.data.splits import apply_sft_noise
 from grpo.data.synthetic_fairness import generate_fairness
 from grpo.data.synthetic_grounded import generate_grounded
+from grpo.errors import GrpoError
 from grpo.files import write_atomically
 from grpo.locks import writes
 from grpo.model.base import base_inputs, build_base
@@ -34,7 +36,7 @@ from grpo.model.device import make_accelerator
 from grpo.model.modeling import save_model
 from grpo.provenance.lineage import make_lineage, write_lineage
 from grpo.seeding import derive_seed
-from grpo.train.supervised import build_examples, train_sft
+from grpo.train.supervised import train_sft
 
 
 def pretrain_records(cfg: Config) -> list[Record]:
@@ -51,13 +53,30 @@ def pretrain_records(cfg: Config) -> list[Record]:
     return apply_sft_noise([make_record(item, "train") for item in fields], cfg.data.sft_noise, seed)
 
 
+def pretraining_text(record: dict) -> str:
+    """A record as plain text: context, question, the options of a fairness item, then the SFT target.
+
+    No system prompt, chat headers or instructions: they are the same in every conversation, so they
+    would teach nothing and double the tokens (SFT teaches the chat format afterwards)."""
+    options = ""
+    if record["task"] == "fairness":
+        options = "".join(f"{letter}. {choice}\n" for letter, choice in zip(LETTERS, record["choices"], strict=True))
+    return f"Context: {record['context']}\nQuestion: {record['question']}\n{options}\n\n{sft_target(record)}"
+
+
 def pretrain_examples(records: list[dict], tokenizer: PreTrainedTokenizerBase, cfg: Config) -> list[SftExample]:
-    """The conversations ``render_sft`` makes of ``records`` with the loss on every token (none may be
-    longer than the embedded model's ``model.tiny.max_position_embeddings``)."""
+    """``<bos> text <eos>`` of every record with the loss on every token; a text longer than the
+    embedded model's ``model.tiny.max_position_embeddings`` is an error, never cut."""
     limit = cfg.model.tiny.max_position_embeddings
-    examples = build_examples(records, tokenizer, limit, cfg.model.chat_template_kwargs,
-                              "model.tiny.max_position_embeddings")
-    return [SftExample(example.ids, [True] * len(example.ids)) for example in examples]
+    examples = []
+    for record in records:
+        ids = [tokenizer.bos_token_id, *tokenizer.encode(pretraining_text(record), add_special_tokens=False),
+               tokenizer.eos_token_id]
+        if len(ids) > limit:
+            raise GrpoError(f"pretraining record {record.get('id')}: {len(ids)} tokens > "
+                            f"model.tiny.max_position_embeddings={limit}; raise it or shorten the data")
+        examples.append(SftExample(ids, [True] * len(ids)))
+    return examples
 
 
 def pretrain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> dict:

@@ -24,21 +24,16 @@ from grpo.model.device import to_device
 
 
 def build_examples(
-    records: Sequence[dict],
-    tokenizer: PreTrainedTokenizerBase,
-    max_length: int,
-    template_kwargs: dict,
-    limit_key: str = "sft.max_length",
+    records: Sequence[dict], tokenizer: PreTrainedTokenizerBase, max_length: int, template_kwargs: dict
 ) -> list[SftExample]:
-    """Render every record; a conversation longer than ``max_length`` (the params key ``limit_key``)
-    is an error, never cut."""
+    """Render every record; a conversation longer than ``max_length`` is an error, never cut."""
     examples = []
     for record in records:
         example = render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)
         if len(example.ids) > max_length:
             raise GrpoError(
-                f"record {record.get('id')}: {len(example.ids)} tokens > {limit_key}={max_length}; "
-                f"raise {limit_key} or shorten the data (cutting would drop the end-of-turn token)"
+                f"record {record.get('id')}: {len(example.ids)} tokens > sft.max_length={max_length}; "
+                "raise sft.max_length or shorten the data (cutting would drop the end-of-turn token)"
             )
         examples.append(example)
     return examples
