@@ -251,10 +251,10 @@ class SftConfig(OptimizerConfig):
 
 class PretrainConfig(OptimizerConfig):
     records: int = Field(0, ge=0)
-    """Generated training-split conversations the embedded model learns, loss on every token, in the
+    """Generated training-split records the embedded model learns as plain text, loss on every token, in the
     ``base`` stage (``grpo/train/pretrain.py``); 0 leaves it with random weights. Other models ignore it."""
     epochs: int = Field(1, ge=1)
-    """Passes over the pretraining conversations."""
+    """Passes over the pretraining records."""
     bf16: bool = True
     """bf16 autocast of the forward pass on GPU over fp32 master weights (ignored on CPU)."""
 

@@ -1,11 +1,13 @@
 """Stage ``base``: build the base model, then pretrain the embedded one on text from the generators.
 
-A 3M-parameter model trained from random weights by SFT alone learns the answer format but not to
-read the context: SFT puts its loss on the two or three answer tokens of each conversation, too
-little signal to learn to copy a name or a value from the context. Pretraining puts the loss on every
-token of ``pretrain.records`` freshly generated training-split records as plain text (context,
-question, options, answer), so predicting the people of a disambiguating sentence and the entity of a question
-teaches the model to copy from earlier in the text (induction), and the answers teach it where to look.
+A model trained from random weights by SFT alone learns the answer format but not to read the
+context: SFT puts its loss on the two or three answer tokens of each conversation, too little signal
+to learn to copy a name or a value from the context. Pretraining puts the loss on every token of
+``pretrain.records`` freshly generated training-split records as plain text (context, question,
+options, answer): predicting the people of a disambiguating sentence, the entity of a question and
+the answer all need tokens copied from earlier in the text. Measured on the default (README): after
+3000 steps of it, SFT answers 20 % of the answerable eval questions exactly, none without it (1500
+steps gave 3 %).
 
 The corpus is drawn from the same generators as ``data/processed/train.jsonl`` with another seed: the
 training split's templates and entity names only, never the held-out ones eval asks about, and with
@@ -106,7 +108,7 @@ def run(cfg: Config) -> int:
         model, tokenizer = built
         summary = pretrain(model, tokenizer, cfg)
         save_model(model.cpu(), tokenizer, out)
-        print(f"base: pretrained on {summary['examples']} generated conversations ({summary['tokens']} tokens), "
+        print(f"base: pretrained on {summary['examples']} generated records ({summary['tokens']} tokens), "
               f"{summary['steps']} steps in {summary['wall_time_s']:.1f}s, loss {summary['loss_first']:.3f} -> "
               f"{summary['loss_final']:.3f}")
     write_lineage(out, make_lineage("base", cfg, base_inputs(cfg)))
