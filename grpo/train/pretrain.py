@@ -87,7 +87,7 @@ def pretrain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: Co
     examples = pretrain_examples(records, tokenizer, cfg)
     started = time.perf_counter()
     history = train_sft(model, examples, tokenizer.pad_token_id, cfg.pretrain, cfg.seed,
-                        make_accelerator(cfg, bf16=cfg.pretrain.bf16))
+                        make_accelerator(cfg, bf16=cfg.pretrain.bf16), desc="pretrain")
     return {
         "loss_first": history[0]["loss"],
         "loss_final": history[-1]["loss"],

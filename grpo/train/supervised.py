@@ -68,9 +68,10 @@ def train_sft(
     seed: int,
     accelerator: Accelerator,
     progress: bool = True,
+    desc: str = "sft",
 ) -> list[dict]:
     """AdamW over shuffled mini-batches on ``accelerator``'s device and precision (as GRPO); returns
-    one metrics dict per optimizer step."""
+    one metrics dict per optimizer step. ``desc`` labels the progress bar (``sft``, ``pretrain``)."""
     model.to(accelerator.device)
     generator = torch.Generator().manual_seed(seed)
     steps_per_epoch = -(-len(examples) // cfg.batch_size)
@@ -80,7 +81,7 @@ def train_sft(
     scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total), total)
     history: list[dict] = []
     model.train()
-    bar = tqdm(total=total, desc="sft", disable=not progress)
+    bar = tqdm(total=total, desc=desc, disable=not progress)
     for epoch in range(cfg.epochs):
         order = torch.randperm(len(examples), generator=generator).tolist()
         for start in range(0, len(order), cfg.batch_size):
