@@ -221,9 +221,9 @@ class ModelConfig(Section):
 # --------------------------------------------------------------------------- sft
 
 
-class SftConfig(Section):
+class OptimizerConfig(Section):
     epochs: int = Field(4, ge=1)
-    """Passes over the training split."""
+    """Passes over the training examples."""
     batch_size: int = Field(16, ge=1)
     """Conversations per optimizer step."""
     lr: float = Field(2e-3, gt=0.0)
@@ -234,15 +234,28 @@ class SftConfig(Section):
     """Share of the optimizer steps spent warming the learning rate up."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Gradient clipping norm."""
+    bf16: bool = False
+    """bf16 autocast of the forward pass over fp32 master weights and optimizer state, on GPU and on a CPU
+    with native bf16 (AVX512-BF16/AMX; elsewhere fp32, see grpo/model/precision.py). params.yaml sets it."""
+
+
+class SftConfig(OptimizerConfig):
     max_length: int = Field(512, ge=16)
     """Conversations longer than this (prompt + answer tokens) are an error, not silently cut."""
     lora: bool = False
     """SFT through a LoRA adapter (sizes from model.lora) merged into the weights afterwards: the SFT
     model is full weights either way. Independent of model.lora.enabled, which decides how GRPO trains."""
-    bf16: bool = False
-    """bf16 autocast of the forward pass over fp32 master weights and optimizer state, on GPU and on a CPU
-    with native bf16 (AVX512-BF16/AMX; elsewhere fp32, see grpo/model/precision.py). params.yaml sets it."""
 
+
+# --------------------------------------------------------------------------- pretrain
+
+
+class PretrainConfig(OptimizerConfig):
+    records: int = Field(0, ge=0)
+    """Generated training-split records the embedded model learns as plain text, loss on every token, in the
+    ``base`` stage (``grpo/train/pretrain.py``); 0 leaves it with random weights. Other models ignore it."""
+    epochs: int = Field(1, ge=1)
+    """Passes over the pretraining records."""
 
 
 # --------------------------------------------------------------------------- grpo
@@ -524,6 +537,8 @@ class Config(Section):
     """Dataset generation and loading."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """Base model and tokenizer."""
+    pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
+    """Causal-LM pretraining of the embedded model in the ``base`` stage."""
     sft: SftConfig = Field(default_factory=SftConfig)
     """Supervised fine-tuning."""
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)

@@ -23,7 +23,7 @@ class Mutation(NamedTuple):
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
-        "sft_joins_text_by_hand", "I1", "grpo/train/sft.py",
+        "sft_joins_text_by_hand", "I1", "grpo/train/supervised.py",
         "        example = render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)\n",
         "        text = example_messages(record)[-1]['content'] + '\\n\\n' + sft_target(record)\n"
         "        ids = tokenizer.encode(text) + [tokenizer.eos_token_id]\n"
@@ -32,7 +32,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "render_parity", retrain_sft=True,
     ),
     Mutation(
-        "sft_target_loses_end_of_turn", "I2", "grpo/train/sft.py",
+        "sft_target_loses_end_of_turn", "I2", "grpo/train/supervised.py",
         "        example = render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)\n",
         "        example = render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)\n"
         "        example = SftExample(example.ids[:-1], example.loss_mask[:-1])\n",

@@ -30,6 +30,7 @@ TINY_PARAMS: dict[str, Any] = {
             "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 512,
         },
     },
+    "pretrain": {"records": 16, "epochs": 1, "batch_size": 8},
     "sft": {"epochs": 1, "batch_size": 8},
     "grpo": {"group_size": 2, "steps": 2, "prompts_per_step": 2, "sampling": {"max_new_tokens": 6}},
     "checkpoint": {"every": 1},

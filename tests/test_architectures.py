@@ -68,9 +68,10 @@ def test_shrunk_preset_builds_with_the_real_tokenizer(name, model_class, end_of_
 def test_base_stage_writes_a_preset_that_loads_like_a_pretrained_folder(tmp_path):
     """`grpo base --set model.architecture=qwen2.5-0.5b` (shrunk): a local folder every stage loads."""
     shared_tokenizer_path("qwen2.5-0.5b-instruct")
-    from grpo.model.base import run
+    from grpo.train.pretrain import run
 
-    tree = {"paths": {"models_dir": str(tmp_path / "models"), "data_dir": str(tmp_path / "data")},
+    tree = {"paths": {"models_dir": str(tmp_path / "models"), "data_dir": str(tmp_path / "data"),
+                      "metrics_dir": str(tmp_path / "metrics")},
             "model": {"architecture": "qwen2.5-0.5b", "architecture_overrides": SHRINK,
                       "tokenizers_dir": str(SHARED_TOKENIZERS)}}
     cfg = config_from_dict(tree)

@@ -54,7 +54,7 @@ ROOT_MAY_IMPORT = {
     "grpo.paths": ("grpo.config",),
 }
 CORE_THIRD_PARTY = {"torch"}
-STAGE_ENTRY_MODULES = ("grpo.data.prepare", "grpo.data.validate", "grpo.model.base", "grpo.train.sft",
+STAGE_ENTRY_MODULES = ("grpo.data.prepare", "grpo.data.validate", "grpo.train.pretrain", "grpo.train.sft",
                        "grpo.checks.preflight", "grpo.train.trainer", "grpo.eval.evaluate")
 
 

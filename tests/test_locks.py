@@ -75,7 +75,7 @@ def test_the_lock_writes_nothing_in_the_project_and_a_stage_can_reenter(tmp_path
 
 @pytest.mark.parametrize(
     ("module", "folder"),
-    [("grpo.data.validate", "reports"), ("grpo.model.base", "models/base"), ("grpo.train.sft", "models/sft"),
+    [("grpo.data.validate", "reports"), ("grpo.train.pretrain", "models/base"), ("grpo.train.sft", "models/sft"),
      ("grpo.train.trainer", "models/grpo"), ("grpo.train.trainer", "runs/default"),
      ("grpo.eval.evaluate", "metrics")],
 )

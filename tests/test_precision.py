@@ -21,7 +21,7 @@ from grpo.model.precision import (
     cpu_has_native_bf16,
     describe,
 )
-from grpo.train.sft import sft_loss
+from grpo.train.supervised import sft_loss
 
 RECORDS = [
     {"task": "hallucination", "context": "Elbrook was founded in 1821 by Mara Venn.", "question": "Who founded it?",

@@ -25,8 +25,8 @@ from grpo.model.rollout import rollout_from_sequences
 from grpo.model.sampling import EosSuppressor
 from grpo.provenance.lineage import make_lineage, write_lineage
 from grpo.train.policy import build_policy
-from grpo.train.sft import build_examples
 from grpo.train.step import draw, prepare_batch
+from grpo.train.supervised import build_examples
 from tests.test_step import make_context
 
 CFG = config_from_dict({"grpo": {"group_size": 2, "sampling": {"max_new_tokens": 5}}})

@@ -26,8 +26,8 @@ from grpo.model.rollout import Rollout, rollout_from_sequences, sampling_process
 from grpo.model.sampling import EosSuppressor, build_logits_processors
 from grpo.model.scoring import RolloutInputs, score_inputs
 from grpo.train.dynamic_sampling import Draw
-from grpo.train.sft import build_examples
 from grpo.train.step import ScoredBatch, header_tokens, prepare_batch
+from grpo.train.supervised import build_examples
 
 
 def check_render_parity(s: Subject) -> Check:

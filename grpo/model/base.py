@@ -1,4 +1,7 @@
-"""Stage ``base``: build the embedded tiny model from the project's own text, or resolve a real one."""
+"""The ``base`` model: build the embedded tiny model from the project's own text, or resolve a real one.
+
+The stage itself (``grpo/train/pretrain.py``) calls ``build_base`` and then pretrains the embedded model.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +9,12 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 from grpo import paths
 from grpo.config import Config
-from grpo.locks import writes
 from grpo.model.architectures import build_architecture, count_parameters, tokenizer_folder
 from grpo.model.modeling import build_tiny, load_model, load_tokenizer, save_model, write_pointer
-from grpo.provenance.lineage import make_lineage, write_lineage
 
 TEXT_FIELDS = ("context", "question", "answer")
 
@@ -34,24 +37,23 @@ def base_inputs(cfg: Config) -> dict[str, Path]:
     return paths.stage_inputs(cfg, "base")
 
 
-@writes(lambda cfg: paths.model_dir(cfg, "base"))
-def run(cfg: Config) -> int:
-    out = paths.model_dir(cfg, "base")
+def build_base(cfg: Config, out: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase] | None:
+    """Write the configured base model to ``out``; return the embedded tiny model and its tokenizer
+    (the one ``grpo/train/pretrain.py`` may pretrain), None for a preset or a resolved model."""
     if cfg.model.architecture is not None:
         model, tokenizer = build_architecture(cfg.model, cfg.seed)
         save_model(model, tokenizer, out)
         print(f"base: {cfg.model.architecture} with random weights ({count_parameters(model) / 1e6:.1f}M "
               f"parameters, {cfg.model.dtype}) and its real tokenizer written to {out}")
-    elif cfg.model.name_or_path is None:
+        return None
+    if cfg.model.name_or_path is None:
         texts = corpus_texts(paths.data_file(cfg, "train"))
-        model, _ = build_tiny(out, texts, cfg.model.tiny, cfg.seed)
-        n_params = sum(p.numel() for p in model.parameters())
-        print(f"base: embedded tiny Llama ({n_params / 1e6:.2f}M parameters) written to {out}")
-    else:
-        # Load once so a bad path or a missing chat template fails here, not in SFT.
-        load_tokenizer(cfg.model.name_or_path, cfg.model)
-        load_model(cfg.model.name_or_path, cfg.model)
-        write_pointer(out, cfg.model.name_or_path)
-        print(f"base: {cfg.model.name_or_path} resolved; pointer written to {out}")
-    write_lineage(out, make_lineage("base", cfg, base_inputs(cfg)))
-    return 0
+        model, tokenizer = build_tiny(out, texts, cfg.model.tiny, cfg.seed)
+        print(f"base: embedded tiny Llama ({count_parameters(model) / 1e6:.2f}M parameters) written to {out}")
+        return model, tokenizer
+    # Load once so a bad path or a missing chat template fails here, not in SFT.
+    load_tokenizer(cfg.model.name_or_path, cfg.model)
+    load_model(cfg.model.name_or_path, cfg.model)
+    write_pointer(out, cfg.model.name_or_path)
+    print(f"base: {cfg.model.name_or_path} resolved; pointer written to {out}")
+    return None

@@ -9,7 +9,7 @@ cannot be rerun by DVC for one set of keys and guarded by lineage for another.
 | --- | --- | --- | --- |
 | prepare | grpo prepare | grpo.data.prepare | - |
 | validate | grpo validate | grpo.data.validate | prepare |
-| base | grpo base | grpo.model.base | prepare, validate |
+| base | grpo base | grpo.train.pretrain | prepare, validate |
 | sft | grpo sft | grpo.train.sft | prepare, validate, base |
 | preflight | grpo preflight | grpo.checks.preflight | prepare, validate, base, sft |
 | grpo | grpo train | grpo.train.trainer | prepare, validate, sft, preflight |
@@ -79,8 +79,11 @@ STAGES: dict[str, StageSpec] = {
                   "generate or load the dataset into data/processed"),
         StageSpec("validate", "validate", ("grpo.data.validate",), ("data", "paths"), ("prepare",),
                   "Great Expectations gate over the processed data"),
-        StageSpec("base", "base", ("grpo.model.base",), ("seed", "model", "paths"), ("prepare", "validate"),
-                  "build the embedded tiny model or resolve the configured one"),
+        # The pretraining corpus is generated with the data section's mix and SFT noise.
+        StageSpec("base", "base", ("grpo.train.pretrain",),
+                  ("seed", "model", "pretrain", "data.fairness_fraction", "data.answerable_fraction",
+                   "data.sft_noise", "paths"),
+                  ("prepare", "validate"), "build the base model; pretrain the embedded one on generated text"),
         StageSpec(
             "sft", "sft", ("grpo.train.sft",), ("seed", "model", "sft", "paths"), ("prepare", "validate", "base"),
             "supervised fine-tuning with the one chat renderer",

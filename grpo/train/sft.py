@@ -2,7 +2,7 @@
 
 Each training record becomes ``render_sft(prompt messages, target)``: the prompt ids are exactly the
 ids GRPO will sample from, and only the assistant answer plus its end-of-turn token carry loss, so
-the model learns to stop. Full fine-tuning by default (the tiny model); with ``sft.lora`` a LoRA
+the model learns to stop (the loop is ``grpo/train/supervised.py``'s). Full fine-tuning by default (the tiny model); with ``sft.lora`` a LoRA
 adapter is trained and merged, so the saved SFT weights are the policy GRPO's reference is (I9).
 """
 
@@ -10,109 +10,20 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
 
 import torch
-from accelerate import Accelerator
-from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_schedule_with_warmup
 
 from grpo import paths
-from grpo.config import Config, SftConfig
-from grpo.core.batching import SftBatch, position_ids_from_mask, sft_batch
-from grpo.core.losses import masked_mean
+from grpo.config import Config
 from grpo.data.jsonl import read_records
-from grpo.data.prompts import example_messages, sft_target
-from grpo.errors import GrpoError
 from grpo.files import write_atomically
 from grpo.locks import writes
-from grpo.model.chat import SftExample, render_sft
-from grpo.model.device import make_accelerator, to_device
+from grpo.model.device import make_accelerator
 from grpo.model.load import load_base
 from grpo.model.modeling import save_model, wrap_lora
-from grpo.model.precision import apply_memory_settings, bf16_autocast
+from grpo.model.precision import apply_memory_settings
 from grpo.provenance.lineage import make_lineage, write_lineage
-
-
-def build_examples(
-    records: Sequence[dict], tokenizer: PreTrainedTokenizerBase, max_length: int, template_kwargs: dict
-) -> list[SftExample]:
-    """Render every record; a conversation longer than ``max_length`` is an error, never cut."""
-    examples = []
-    for record in records:
-        example = render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)
-        if len(example.ids) > max_length:
-            raise GrpoError(
-                f"record {record.get('id')}: {len(example.ids)} tokens > sft.max_length={max_length}; "
-                "raise sft.max_length or shorten the data (cutting would drop the end-of-turn token)"
-            )
-        examples.append(example)
-    return examples
-
-
-def sft_loss(model: PreTrainedModel, batch: SftBatch) -> tuple[torch.Tensor, dict[str, float]]:
-    """Mean next-token cross-entropy over the tokens the loss mask selects.
-
-    batch.input_ids, attention_mask, loss_mask: [B, T]; position t predicts token t + 1.
-    """
-    logits = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=position_ids_from_mask(batch.attention_mask),
-    ).logits[:, :-1].float()  # [B, T-1, V]
-    targets = batch.input_ids[:, 1:]  # [B, T-1]
-    mask = batch.loss_mask[:, 1:]  # [B, T-1] bool
-    token_loss = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
-    ).view_as(targets)
-    loss = masked_mean(token_loss, mask)
-    with torch.no_grad():
-        accuracy = masked_mean((logits.argmax(-1) == targets).float(), mask)
-    return loss, {"loss": loss.item(), "token_accuracy": accuracy.item(), "tokens": int(mask.sum())}
-
-
-def train_sft(
-    model: PreTrainedModel,
-    examples: Sequence[SftExample],
-    pad_id: int,
-    cfg: SftConfig,
-    seed: int,
-    accelerator: Accelerator,
-    progress: bool = True,
-) -> list[dict]:
-    """AdamW over shuffled mini-batches on ``accelerator``'s device and precision (as GRPO); returns
-    one metrics dict per optimizer step."""
-    model.to(accelerator.device)
-    generator = torch.Generator().manual_seed(seed)
-    steps_per_epoch = -(-len(examples) // cfg.batch_size)
-    total = steps_per_epoch * cfg.epochs
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total), total)
-    history: list[dict] = []
-    model.train()
-    bar = tqdm(total=total, desc="sft", disable=not progress)
-    for epoch in range(cfg.epochs):
-        order = torch.randperm(len(examples), generator=generator).tolist()
-        for start in range(0, len(order), cfg.batch_size):
-            batch = sft_batch([examples[i] for i in order[start : start + cfg.batch_size]], pad_id)
-            batch = SftBatch(*to_device(accelerator.device, *batch))
-            with bf16_autocast(accelerator.device, cfg.bf16):  # over fp32 master weights
-                loss, stats = sft_loss(model, batch)
-            if not torch.isfinite(loss):
-                raise GrpoError(f"sft: loss is {loss.item()} at step {len(history) + 1}; lower sft.lr")
-            optimizer.zero_grad(set_to_none=True)
-            accelerator.backward(loss)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            history.append({"step": len(history) + 1, "epoch": epoch, **stats,
-                            "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]})
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['token_accuracy']:.2f}", refresh=False)
-    bar.close()
-    model.eval()
-    return history
+from grpo.train.supervised import build_examples, train_sft
 
 
 @writes(lambda cfg: paths.model_dir(cfg, "sft"))

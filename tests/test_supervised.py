@@ -1,4 +1,4 @@
-"""grpo/train/sft.py: SFT examples from the one renderer, the masked loss, and the training loop."""
+"""grpo/train/supervised.py: SFT examples from the one renderer, the masked loss, and the training loop."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from grpo.config import SftConfig, config_from_dict
 from grpo.core.batching import sft_batch
 from grpo.data.prepare import build_records
 from grpo.errors import GrpoError
-from grpo.train.sft import build_examples, sft_loss, train_sft
+from grpo.train.supervised import build_examples, sft_loss, train_sft
 
 
 @pytest.fixture(scope="module")

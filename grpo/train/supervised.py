@@ -1,0 +1,105 @@
+"""Causal-LM training on rendered conversations: the loop the ``base`` pretraining and SFT share.
+
+An example is ``render_sft``'s ids and loss mask (I1, I2): SFT keeps the mask on the assistant answer
+and its end-of-turn token; pretraining (``grpo/train/pretrain.py``) sets it on every token. Both then
+run ``train_sft``: AdamW, linear warmup and decay, gradient clipping, the accelerator's precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_linear_schedule_with_warmup
+
+from grpo.config import OptimizerConfig
+from grpo.core.batching import SftBatch, position_ids_from_mask, sft_batch
+from grpo.core.losses import masked_mean
+from grpo.data.prompts import example_messages, sft_target
+from grpo.errors import GrpoError
+from grpo.model.chat import SftExample, render_sft
+from grpo.model.device import to_device
+
+
+def build_examples(
+    records: Sequence[dict], tokenizer: PreTrainedTokenizerBase, max_length: int, template_kwargs: dict
+) -> list[SftExample]:
+    """Render every record; a conversation longer than ``max_length`` is an error, never cut."""
+    examples = []
+    for record in records:
+        example = render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)
+        if len(example.ids) > max_length:
+            raise GrpoError(
+                f"record {record.get('id')}: {len(example.ids)} tokens > sft.max_length={max_length}; "
+                "raise sft.max_length or shorten the data (cutting would drop the end-of-turn token)"
+            )
+        examples.append(example)
+    return examples
+
+
+def sft_loss(model: PreTrainedModel, batch: SftBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean next-token cross-entropy over the tokens the loss mask selects.
+
+    batch.input_ids, attention_mask, loss_mask: [B, T]; position t predicts token t + 1.
+    """
+    logits = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=position_ids_from_mask(batch.attention_mask),
+    ).logits[:, :-1].float()  # [B, T-1, V]
+    targets = batch.input_ids[:, 1:]  # [B, T-1]
+    mask = batch.loss_mask[:, 1:]  # [B, T-1] bool
+    token_loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+    ).view_as(targets)
+    loss = masked_mean(token_loss, mask)
+    with torch.no_grad():
+        accuracy = masked_mean((logits.argmax(-1) == targets).float(), mask)
+    return loss, {"loss": loss.item(), "token_accuracy": accuracy.item(), "tokens": int(mask.sum())}
+
+
+def train_sft(
+    model: PreTrainedModel,
+    examples: Sequence[SftExample],
+    pad_id: int,
+    cfg: OptimizerConfig,
+    seed: int,
+    accelerator: Accelerator,
+    progress: bool = True,
+    desc: str = "sft",
+) -> list[dict]:
+    """AdamW over shuffled mini-batches on ``accelerator``'s device and precision (as GRPO); returns
+    one metrics dict per optimizer step. ``desc`` labels the progress bar (``sft``, ``pretrain``)."""
+    model.to(accelerator.device)
+    generator = torch.Generator().manual_seed(seed)
+    steps_per_epoch = -(-len(examples) // cfg.batch_size)
+    total = steps_per_epoch * cfg.epochs
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total), total)
+    history: list[dict] = []
+    model.train()
+    bar = tqdm(total=total, desc=desc, disable=not progress)
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(len(examples), generator=generator).tolist()
+        for start in range(0, len(order), cfg.batch_size):
+            batch = sft_batch([examples[i] for i in order[start : start + cfg.batch_size]], pad_id)
+            batch = SftBatch(*to_device(accelerator.device, *batch))
+            with bf16_autocast(accelerator.device, cfg.bf16):  # over fp32 master weights
+                loss, stats = sft_loss(model, batch)
+            if not torch.isfinite(loss):
+                raise GrpoError(f"sft: loss is {loss.item()} at step {len(history) + 1}; lower sft.lr")
+            optimizer.zero_grad(set_to_none=True)
+            accelerator.backward(loss)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            history.append({"step": len(history) + 1, "epoch": epoch, **stats,
+                            "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]})
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['token_accuracy']:.2f}", refresh=False)
+    bar.close()
+    model.eval()
+    return history

@@ -1,0 +1,97 @@
+"""grpo/train/pretrain.py: the base stage's corpus (training split, noised as SFT) and its pretraining."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo.config import config_from_dict
+from grpo.data.prompts import sft_target
+from grpo.data.synthetic_fairness import templates_for
+from grpo.data.synthetic_grounded import NAME_PARTS
+from grpo.errors import GrpoError
+from grpo.train.pretrain import pretrain_examples, pretrain_records, pretraining_text, run
+
+TINY = {"vocab_size": 400, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+
+
+def _cfg(tmp_path, records: int, **data):
+    return config_from_dict({
+        "paths": {name: str(tmp_path / name) for name in ("data_dir", "models_dir", "metrics_dir")},
+        "data": data, "model": {"tiny": TINY},
+        "pretrain": {"records": records, "batch_size": 8, "lr": 0.02},
+    })
+
+
+def test_corpus_is_generated_training_split_text_with_the_sft_noise(tmp_path):
+    cfg = _cfg(tmp_path, 200, fairness_fraction=0.5, sft_noise=0.5)
+    records = pretrain_records(cfg)
+    fair = [r for r in records if r.task == "fairness"]
+    hall = [r for r in records if r.task == "hallucination"]
+    assert len(records) == 200 and len(fair) == 100 and len(hall) == 100
+    assert {r.split for r in records} == {"train"}
+    eval_templates = {f"fairness.{category}.{index}" for category, index, _ in templates_for("eval")}
+    assert not eval_templates & {r.template_id for r in fair}, "eval's held-out scenes leaked into pretraining"
+    eval_names = {f"{a}{'' if kind == 'town' else ' '}{b}"
+                  for kind, (firsts, seconds) in NAME_PARTS["eval"].items() for a in firsts for b in seconds}
+    assert not [r for r in hall if any(name in r.question for name in eval_names)], "eval entities leaked"
+    ambiguous = [r for r in fair if r.context_condition == "ambig"]
+    biased = [r for r in ambiguous if r.sft_label != r.label]
+    assert len(biased) == round(0.5 * len(ambiguous)), "the corpus must carry SFT's noise, not clean answers"
+    unanswerable = [r for r in hall if not r.answerable]
+    assert sum(r.sft_answer != r.answer for r in unanswerable) == round(0.5 * len(unanswerable))
+
+
+def test_corpus_differs_from_the_prepared_train_split_and_is_reproducible(tmp_path):
+    from grpo.data.prepare import build_records
+
+    cfg = _cfg(tmp_path, 40, n_train=40)
+    ids = [r.id for r in pretrain_records(cfg)]
+    assert ids == [r.id for r in pretrain_records(cfg)]
+    assert len(set(ids) & {r.id for r in build_records(cfg)["train"]}) < len(ids) // 4
+
+
+def test_examples_are_the_plain_record_text_with_the_loss_on_every_token(tmp_path, tiny_tokenizer):
+    cfg = _cfg(tmp_path, 6)
+    records = [r.model_dump() for r in pretrain_records(cfg)]
+    examples = pretrain_examples(records, tiny_tokenizer, cfg)
+    assert len(examples) == 6
+    header = tiny_tokenizer.convert_tokens_to_ids("<|start_header_id|>")
+    for record, example in zip(records, examples, strict=True):
+        assert all(example.loss_mask) and len(example.loss_mask) == len(example.ids)
+        assert example.ids[0] == tiny_tokenizer.bos_token_id and example.ids[-1] == tiny_tokenizer.eos_token_id
+        assert header not in example.ids, "pretraining text carries no chat template"
+        text = tiny_tokenizer.decode(example.ids[1:-1])
+        assert text == pretraining_text(record) and text.endswith("\n\n" + sft_target(record))
+        assert f"Context: {record['context']}" in text and f"Question: {record['question']}" in text
+        if record["task"] == "fairness":
+            assert all(f"{letter}. {choice}" in text for letter, choice in zip("ABC", record["choices"], strict=True))
+
+
+def test_a_text_longer_than_the_model_is_an_error_that_names_the_key(tmp_path, tiny_tokenizer):
+    cfg = config_from_dict({"model": {"tiny": {**TINY, "max_position_embeddings": 64}}, "pretrain": {"records": 4}})
+    with pytest.raises(GrpoError, match=r"model.tiny.max_position_embeddings=64"):
+        pretrain_examples([r.model_dump() for r in pretrain_records(cfg)], tiny_tokenizer, cfg)
+
+
+def test_base_stage_pretrains_the_embedded_model_only_when_asked(tmp_path):
+    from grpo.data import prepare
+
+    plain, trained = tmp_path / "plain", tmp_path / "trained"
+    for root in (plain, trained):
+        assert prepare.run(_cfg(root, 0, n_train=16, n_eval=4)) == 0
+    assert run(_cfg(plain, 0, n_train=16, n_eval=4)) == 0
+    assert json.loads((plain / "metrics_dir" / "pretrain.json").read_text()) == {"steps": 0}
+    assert (plain / "models_dir" / "base" / "lineage.json").is_file()
+    assert run(_cfg(trained, 48, n_train=16, n_eval=4)) == 0
+    summary = json.loads((trained / "metrics_dir" / "pretrain.json").read_text())
+    assert summary["steps"] == 6 and summary["examples"] == 48
+    assert summary["loss_final"] < summary["loss_first"] - 0.5, summary
+    before = load_file(plain / "models_dir" / "base" / "model.safetensors")
+    after = load_file(trained / "models_dir" / "base" / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[key], after[key]) for key in before), "pretraining saved no new weights"
