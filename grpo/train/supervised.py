@@ -21,6 +21,7 @@ from grpo.data.prompts import example_messages, sft_target
 from grpo.errors import GrpoError
 from grpo.model.chat import SftExample, render_sft
 from grpo.model.device import to_device
+from grpo.model.precision import bf16_autocast
 
 
 def build_examples(
