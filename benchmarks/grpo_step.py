@@ -37,14 +37,14 @@ FP32_VARIANTS = ("project-sum-fp32",)
 PLAIN_VARIANTS = ("plain-sum", "plain-cagrad")
 
 
-def prepare(project: Path, sft_epochs: int, n_train: int) -> Path:
+def prepare(project: Path, sft_epochs: int | None, n_train: int) -> Path:
     """``project/params.yaml`` and its data, base and SFT model, built once with the project's CLI."""
     params = project / "params.yaml"
     if (project / "models" / "sft" / "config.json").is_file():
         return params
     tree = yaml.safe_load((ROOT / "params.yaml").read_text())
     tree["data"]["n_train"] = n_train
-    tree["sft"]["epochs"] = sft_epochs
+    tree["sft"]["epochs"] = sft_epochs or tree["sft"]["epochs"]
     tree["tracking"] = {**tree.get("tracking", {}), "wandb": "disabled"}
     project.mkdir(parents=True, exist_ok=True)
     params.write_text(yaml.safe_dump(tree, sort_keys=False))
@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plain", action="store_true", help="skip the plain (levers off) project path")
     parser.add_argument("--smoke", action="store_true", help="one step of each project variant, one repetition")
     parser.add_argument("--with-trl", action="store_true", help="in --smoke, run TRL too when installed")
-    parser.add_argument("--sft-epochs", type=int, default=4, help="SFT epochs when the project must be prepared")
+    parser.add_argument("--sft-epochs", type=int, default=None,
+                        help="SFT epochs when the project must be prepared (default: params.yaml's)")
     parser.add_argument("--n-train", type=int, default=2000, help="training records when it must be prepared")
     args = parser.parse_args(argv)
     if args.smoke:
