@@ -10,7 +10,7 @@ same SFT weights and a fresh adapter, variants interleaved within each repetitio
 rotating from one repetition to the next), so machine load drifts hit every variant alike. TRL
 (``pip install -e .[bench]``) runs when it is installed, in fp32 and with its default bf16
 autocast; its faster one is the reference of ``speedup_vs_trl``. The project runs as params.yaml ships
-it (``grpo.bf16``: bf16 autocast on a CPU with native bf16); ``project-sum-fp32`` shows the fp32 step.
+it (``grpo.bf16``); ``project-sum-bf16`` runs its step under bf16 autocast on a CPU with native bf16.
 ``--full-length`` forces every completion to the full 32 tokens (eos suppressed before that).
 """
 
@@ -33,7 +33,7 @@ from grpo.model.precision import cpu_has_native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT_VARIANTS = ("project-sum", "project-cagrad")
-FP32_VARIANTS = ("project-sum-fp32",)
+BF16_VARIANTS = ("project-sum-bf16",)
 PLAIN_VARIANTS = ("plain-sum", "plain-cagrad")
 
 
@@ -118,7 +118,7 @@ def print_table(out: dict) -> None:
 
 def variants(args: argparse.Namespace) -> list[str]:
     chosen = list(PROJECT_VARIANTS) + ([] if args.smoke or args.no_plain else list(PLAIN_VARIANTS))
-    chosen += list(FP32_VARIANTS) if cpu_has_native_bf16() and not args.smoke else []
+    chosen += list(BF16_VARIANTS) if cpu_has_native_bf16() and not args.smoke else []
     if importlib.util.find_spec("trl") is None:
         print("bench: trl is not installed (pip install -e .[bench]): TRL variants skipped", flush=True)
     elif not args.smoke or args.with_trl:

@@ -18,12 +18,12 @@ import torch
 
 WORKLOAD = {"prompts": 8, "group_size": 4, "rows": 32, "max_new_tokens": 32, "beta": 0.04, "loss_type": "grpo",
             "lora_r": 8, "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"],
-            "dtype": "float32 weights; bf16 autocast where the CPU has native bf16 (grpo.bf16, TRL's bf16)"}
+            "dtype": "float32 weights; the project's compute as params.yaml's grpo.bf16 says, *-bf16 with bf16 autocast"}
 PLAIN = {"grpo.shared_prefix=false", "grpo.multitask.low_memory=false", "grpo.multitask.task_stats=true"}
 VARIANTS = {
     "project-sum": {"grpo.multitask.mode=sum"},
     "project-cagrad": {"grpo.multitask.mode=cagrad"},
-    "project-sum-fp32": {"grpo.multitask.mode=sum", "grpo.bf16=false"},
+    "project-sum-bf16": {"grpo.multitask.mode=sum", "grpo.bf16=true"},
     "plain-sum": {"grpo.multitask.mode=sum"} | PLAIN,
     "plain-cagrad": {"grpo.multitask.mode=cagrad"} | PLAIN,
     "trl-fp32": set(),
@@ -32,7 +32,7 @@ VARIANTS = {
 
 
 def workload_overrides(full_length: bool) -> list[str]:
-    sets = ["grpo.bf16=true", f"grpo.prompts_per_step={WORKLOAD['prompts']}", f"grpo.group_size={WORKLOAD['group_size']}",
+    sets = [f"grpo.prompts_per_step={WORKLOAD['prompts']}", f"grpo.group_size={WORKLOAD['group_size']}",
             f"grpo.sampling.max_new_tokens={WORKLOAD['max_new_tokens']}", f"grpo.loss.beta={WORKLOAD['beta']}",
             f"grpo.loss.loss_type={WORKLOAD['loss_type']}", f"model.lora.r={WORKLOAD['lora_r']}",
             "grpo.sampling.temperature=1.0", "grpo.sampling.top_p=1.0", "grpo.sampling.top_k=0",

@@ -122,7 +122,8 @@ def test_precision_fields_are_config_with_defaults():
     assert cfg.model.attn_implementation == "sdpa" and not cfg.model.gradient_checkpointing
     assert not cfg.sft.bf16 and not cfg.grpo.bf16  # fp32 unless asked: the exactness tests rely on it
     shipped = load_config(ROOT / "params.yaml")
-    assert shipped.sft.bf16 and shipped.grpo.bf16  # the project's params ask for bf16 where it pays
+    assert shipped.pretrain.bf16 and shipped.sft.bf16  # the project's params ask for bf16 where it pays ...
+    assert not shipped.grpo.bf16  # ... and not for the embedded model's GRPO step (benchmarks/grpo_step.py)
     assert config_from_dict({"model": {"gradient_checkpointing": True}}).model.gradient_checkpointing
 
 
