@@ -11,7 +11,9 @@ import base64
 import contextlib
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -72,11 +74,14 @@ def browser(width: int = 1400, height: int = 1000) -> Iterator[Page]:
     """A headless Chromium with one page ``width`` x ``height`` CSS pixels; stopped on the way out."""
     if CHROMIUM is None:
         pytest.skip("chromium is not installed")
-    with tempfile.TemporaryDirectory() as profile:
+    # Chromium's helper processes (renderer, crashpad) live in its session and may still write to the
+    # profile when the browser itself has exited: the whole session is stopped, and a file they left
+    # behind does not fail the test that used the page.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         proc = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                                  "--remote-debugging-port=0", f"--user-data-dir={profile}",
                                  f"--window-size={width},{height}", "about:blank"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             port_file = Path(profile) / "DevToolsActivePort"
             deadline = time.monotonic() + 60
@@ -94,8 +99,18 @@ def browser(width: int = 1400, height: int = 1000) -> Iterator[Page]:
                           mobile=False)
                 yield page
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            _stop_session(proc)
+
+
+def _stop_session(proc: subprocess.Popen) -> None:
+    """SIGTERM to Chromium's whole session (its helpers too), SIGKILL what is left after 20 s."""
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        time.sleep(0.5)  # helpers leave after the browser: give them a moment before the next signal
