@@ -11,9 +11,7 @@ import base64
 import contextlib
 import itertools
 import json
-import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -24,6 +22,8 @@ from typing import Any
 import httpx
 import pytest
 from websockets.sync.client import connect
+
+from tests.processes import stop
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -99,18 +99,5 @@ def browser(width: int = 1400, height: int = 1000) -> Iterator[Page]:
                           mobile=False)
                 yield page
         finally:
-            _stop_session(proc)
+            stop(proc, stragglers=True)
 
-
-def _stop_session(proc: subprocess.Popen) -> None:
-    """SIGTERM to Chromium's whole session (its helpers too), SIGKILL what is left after 20 s."""
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-        time.sleep(0.5)  # helpers leave after the browser: give them a moment before the next signal

@@ -7,8 +7,6 @@ here is stopped (its whole process group) on the way out, and every wait is boun
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from tests.processes import stop
 
 BIN = Path(sys.executable).parent
 
@@ -43,22 +43,6 @@ def healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Terminate the process group a test started, then kill it if it lingers."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @dataclass

@@ -57,9 +57,8 @@ def cast_frozen_weights_once(model: torch.nn.Module) -> Iterator[None]:
     are those autocast computes anyway (the same rounding of the same fp32 weight). CPU only: on a
     GPU the cast is cheap and the cached copy would cost memory.
     """
-    frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point() and p.device.type == "cpu"]
-    if not torch.is_autocast_enabled("cpu"):
-        frozen = []
+    frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point() and p.device.type == "cpu"
+              ] if torch.is_autocast_enabled("cpu") else []
     for param in frozen:
         param.requires_grad_(True)
     try:
