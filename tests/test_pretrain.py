@@ -66,8 +66,9 @@ def test_examples_are_the_plain_record_text_with_the_loss_on_every_token(tmp_pat
         assert example.ids[0] == tiny_tokenizer.bos_token_id and example.ids[-1] == tiny_tokenizer.eos_token_id
         assert header not in example.ids, "pretraining text carries no chat template"
         text = tiny_tokenizer.decode(example.ids[1:-1])
-        assert text == pretraining_text(record) and text.endswith("\n\n" + sft_target(record))
-        assert f"Context: {record['context']}" in text and f"Question: {record['question']}" in text
+        assert text == pretraining_text(record)
+        assert f"Question: {record['question']}\n{sft_target(record)}\n" in text, "the record's own (noised) answer"
+        assert text.startswith(f"Context: {record['context']}\n")
         if record["task"] == "fairness":
             assert all(f"{letter}. {choice}" in text for letter, choice in zip("ABC", record["choices"], strict=True))
 
@@ -95,3 +96,27 @@ def test_base_stage_pretrains_the_embedded_model_only_when_asked(tmp_path):
     after = load_file(trained / "models_dir" / "base" / "model.safetensors")
     assert before.keys() == after.keys()
     assert any(not torch.equal(before[key], after[key]) for key in before), "pretraining saved no new weights"
+
+
+def test_every_document_asks_each_question_its_context_answers(tmp_path):
+    """A grounded document asks all four attributes of its entity (stated: the value, copied; not
+    stated: the abstention); a fairness one asks both polarities (ambiguous: "unknown" twice)."""
+    from grpo.data.schema import ABSTENTION, LETTERS
+
+    cfg = _cfg(tmp_path, 40, sft_noise=0.0)
+    for record in (r.model_dump() for r in pretrain_records(cfg)):
+        text = pretraining_text(record)
+        questions = text.count("Question: ")
+        answers = [line.removeprefix("Answer: ") for line in text.splitlines() if line.startswith("Answer: ")]
+        if record["task"] == "hallucination":
+            assert questions == 4 and len(answers) == 4
+            stated = [a for a in answers if a != ABSTENTION]
+            assert all(a in record["context"] for a in stated) and len(stated) == record["context"].count(".")
+        else:
+            assert questions == 2 and len(answers) == 2
+            unknown = LETTERS[record["unknown_idx"]]
+            if record["context_condition"] == "ambig":
+                assert answers == [unknown, unknown]
+            else:  # the two people, one per polarity
+                assert unknown not in answers and len(set(answers)) == 2
+                assert answers[0] == LETTERS[record["label"]]

@@ -2,17 +2,19 @@
 
 A model trained from random weights by SFT alone learns the answer format but not to read the
 context: SFT puts its loss on the two or three answer tokens of each conversation, too little signal
-to learn to copy a name or a value from the context. Pretraining puts the loss on every token of
-``pretrain.records`` freshly generated training-split records as plain text (context, question,
-options, answer): predicting the people of a disambiguating sentence, the entity of a question and
-the answer all need tokens copied from earlier in the text. Measured on the default (README): after
-3000 steps of it, SFT answers 20 % of the answerable eval questions exactly, none without it (1500
-steps gave 3 %).
+to learn to copy a name or a value from the context. Pretraining puts the loss
+on every token of ``pretrain.records`` freshly generated training-split records as plain text: the
+context, then every question that context answers (``pretraining_text``), so that one document
+carries several lookups and abstentions instead of one. Predicting the people of a disambiguating
+sentence, the entity of a question and every answer need tokens copied from earlier in the text.
+Measured on the default (README): 1500 steps of these documents teach the pretrained model to answer
+12 of 30 answerable training-distribution questions in its own format, as 3000 steps of one-question
+documents did, in 150 s instead of 230 s.
 
 The corpus is drawn from the same generators as ``data/processed/train.jsonl`` with another seed: the
-training split's templates and entity names only, never the held-out ones eval asks about, and with
-``data.sft_noise`` applied as in SFT, so pretraining does not remove the bias and the hallucinations
-GRPO is there to fix. A preset architecture or a resolved model is built as before and not pretrained.
+training split's templates and entity names only, never the held-out ones eval asks about. Each
+record's own question carries ``data.sft_noise`` as in SFT (its other questions are answered
+cleanly), so pretraining does not remove the bias and the hallucinations GRPO is there to fix. A preset architecture or a resolved model is built as before and not pretrained.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from grpo.config import Config
 from grpo.data.prompts import sft_target
 from grpo.data.schema import LETTERS, Record, make_record
 from grpo.data.splits import apply_sft_noise
-from grpo.data.synthetic_fairness import generate_fairness
-from grpo.data.synthetic_grounded import generate_grounded
+from grpo.data.synthetic_fairness import both_questions, generate_fairness
+from grpo.data.synthetic_grounded import every_question, generate_grounded
 from grpo.errors import GrpoError
 from grpo.files import write_atomically
 from grpo.locks import writes
@@ -56,14 +58,24 @@ def pretrain_records(cfg: Config) -> list[Record]:
 
 
 def pretraining_text(record: dict) -> str:
-    """A record as plain text: context, question, the options of a fairness item, then the SFT target.
+    """A record as plain text: the context, a fairness item's options, then every question its context
+    answers, each followed by its answer in the SFT target's form (``Answer: ...``).
 
-    No system prompt, chat headers or instructions: they are the same in every conversation, so they
-    would teach nothing and double the tokens (SFT teaches the chat format afterwards)."""
+    The record's own question comes first with its (noised) SFT target; the others are the scene's
+    other-polarity question (``both_questions``) or the entity's other attributes (``every_question``),
+    answered cleanly. Several lookups per context multiply the signal that teaches reading: a lone
+    answer is two or three tokens of a fifty-token text. No system prompt, chat headers or
+    instructions: they are the same in every conversation, so they would teach nothing and double the
+    tokens (SFT teaches the chat format afterwards)."""
     options = ""
     if record["task"] == "fairness":
         options = "".join(f"{letter}. {choice}\n" for letter, choice in zip(LETTERS, record["choices"], strict=True))
-    return f"Context: {record['context']}\nQuestion: {record['question']}\n{options}\n\n{sft_target(record)}"
+        pairs = [(question, f"Answer: {LETTERS[label]}") for question, label in both_questions(record)]
+    else:
+        pairs = [(question, f"Answer: {answer}") for question, answer in every_question(record)]
+    pairs[0] = (pairs[0][0], sft_target(record))
+    questions = "".join(f"Question: {question}\n{answer}\n" for question, answer in pairs)
+    return f"Context: {record['context']}\n{options}{questions}"
 
 
 def pretrain_examples(records: list[dict], tokenizer: PreTrainedTokenizerBase, cfg: Config) -> list[SftExample]:
