@@ -66,9 +66,9 @@ def test_examples_are_the_plain_record_text_with_the_loss_on_every_token(tmp_pat
         assert example.ids[0] == tiny_tokenizer.bos_token_id and example.ids[-1] == tiny_tokenizer.eos_token_id
         assert header not in example.ids, "pretraining text carries no chat template"
         text = tiny_tokenizer.decode(example.ids[1:-1])
-        assert text == pretraining_text(record)
-        assert f"Question: {record['question']}\n{sft_target(record)}\n" in text, "the record's own (noised) answer"
-        assert text.startswith(f"Context: {record['context']}\n")
+        assert text == pretraining_text(record) and text.endswith(f"\n{sft_target(record)}\n")
+        assert text.startswith(f"Context: {record['context']}\nQuestion: {record['question']}\n")
+        assert text.count("Question: ") == 1, "one question unless pretrain.every_question"
         if record["task"] == "fairness":
             assert all(f"{letter}. {choice}" in text for letter, choice in zip("ABC", record["choices"], strict=True))
 
@@ -105,7 +105,7 @@ def test_every_document_asks_each_question_its_context_answers(tmp_path):
 
     cfg = _cfg(tmp_path, 40, sft_noise=0.0)
     for record in (r.model_dump() for r in pretrain_records(cfg)):
-        text = pretraining_text(record)
+        text = pretraining_text(record, every=True)
         questions = text.count("Question: ")
         answers = [line.removeprefix("Answer: ") for line in text.splitlines() if line.startswith("Answer: ")]
         if record["task"] == "hallucination":
@@ -114,6 +114,7 @@ def test_every_document_asks_each_question_its_context_answers(tmp_path):
             assert all(a in record["context"] for a in stated) and len(stated) == record["context"].count(".")
         else:
             assert questions == 2 and len(answers) == 2
+            assert text.index(f"Question: {record['question']}") < text.index("A. ") < text.index("Answer: ")
             unknown = LETTERS[record["unknown_idx"]]
             if record["context_condition"] == "ambig":
                 assert answers == [unknown, unknown]
