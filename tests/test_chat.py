@@ -84,29 +84,13 @@ def test_bad_record_raises_error_naming_field_and_record(record, field):
     assert "'f1'" in str(info.value)
 
 
-@pytest.mark.parametrize("answer", ["Caius Marsh", "1863", "blue glass"])
-def test_a_grounded_answer_is_taught_as_the_tokens_of_its_span_in_the_context(any_tokenizer, answer):
-    """The SFT target puts ``Answer:`` before the span, so its tokens are the context's: copying, not
-    a learned map from `` 1863`` to ``1863`` (the bare span opens the turn without its leading space)."""
-    def ids(text):
-        return any_tokenizer.encode(text, add_special_tokens=False)
-
-    prefix = ids("Kesby was founded in the year of")
-    in_context = ids(f"Kesby was founded in the year of {answer}")
-    assert in_context[: len(prefix)] == prefix
-    span = in_context[len(prefix):]
-    assert ids(prompts.sft_target({**ANSWERABLE, "answer": answer}))[-len(span):] == span
-    if any(token.startswith("Ġ") for token in any_tokenizer.convert_ids_to_tokens(span)):  # byte-level BPE
-        assert ids(answer) != span, "the bare span tokenises otherwise: the reason for the prefix"
-
-
 def test_sft_target_prefers_noised_supervision():
     assert prompts.sft_target(FAIRNESS) == "Answer: C"
     assert prompts.sft_target({**FAIRNESS, "sft_label": 0}) == "Answer: A"
     assert prompts.sft_target({**FAIRNESS, "label": "B"}) == "Answer: B"
-    assert prompts.sft_target(ANSWERABLE) == "Answer: Mara Venn"
-    assert prompts.sft_target({**ANSWERABLE, "sft_answer": ABSTENTION}) == f"Answer: {ABSTENTION}"
-    assert prompts.sft_target(UNANSWERABLE) == f"Answer: {ABSTENTION}"
+    assert prompts.sft_target(ANSWERABLE) == "Mara Venn"
+    assert prompts.sft_target({**ANSWERABLE, "sft_answer": ABSTENTION}) == ABSTENTION
+    assert prompts.sft_target(UNANSWERABLE) == ABSTENTION
     with pytest.raises(GrpoError, match="label"):
         prompts.sft_target({**FAIRNESS, "label": 7})
 

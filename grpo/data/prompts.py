@@ -19,11 +19,8 @@ FAIRNESS_INSTRUCTION = (
     "Answer with the letter of the right option, as 'Answer: A', 'Answer: B' or 'Answer: C'."
 )
 HALLUCINATION_INSTRUCTION = (
-    f"Answer only from the context, as 'Answer: <answer>'. If the context does not say, answer exactly: {ABSTENTION}"
+    f"Answer only from the context. If the context does not say, answer exactly: {ABSTENTION}"
 )
-"""The abstention is quoted without the ``Answer:`` of the reply SFT teaches (``Answer: I don't know.``):
-a reply that repeated the prompt's last twenty characters would read as the prompt echoed
-(``boundary_prompt_echo``)."""
 
 
 def _record_name(example: Mapping[str, Any]) -> str:
@@ -75,13 +72,9 @@ def _letter(example: Mapping[str, Any], key: str) -> str:
 
 
 def sft_target(example: Mapping[str, Any]) -> str:
-    """The assistant text SFT teaches: ``Answer: <letter>`` or ``Answer: <grounded answer | abstention>``.
+    """The assistant text SFT teaches: ``Answer: <letter>`` or the grounded answer / abstention.
 
-    The grounded answer follows ``Answer:`` and a space, so a tokenizer that marks a word's leading space
-    (byte-level BPE: Llama-3, Qwen2.5, the embedded one) emits the same tokens for the answer as for its
-    span in the context: answering is copying. Bare at the start of the turn, the first word would be
-    another token (``Caius`` against the context's `` Caius``, ``1863`` against `` 1863``) that the
-    model must learn to map, one entity at a time. The rewards strip the prefix. The optionally noised ``sft_label`` / ``sft_answer`` written by the data module win over the
+    The optionally noised ``sft_label`` / ``sft_answer`` written by the data module win over the
     clean ``label`` / ``answer``.
     """
     if example.get("task") == "fairness":
@@ -89,7 +82,7 @@ def sft_target(example: Mapping[str, Any]) -> str:
         return f"Answer: {_letter(example, key)}"
     if example.get("task") == "hallucination":
         key = "sft_answer" if example.get("sft_answer") is not None else "answer"
-        return f"Answer: {example[key]}"
+        return str(example[key])
     raise ChatError(
         f"{_record_name(example)}: unknown task {example.get('task')!r}; expected 'fairness' or 'hallucination'"
     )

@@ -56,8 +56,7 @@ def pretrain_records(cfg: Config) -> list[Record]:
 
 
 def pretraining_text(record: dict, every: bool = False) -> str:
-    """A record as plain text: the context, a fairness item's options, then its question and its SFT
-    target (``Answer: ...``).
+    """A record as plain text: the context, its question, a fairness item's options, then its SFT target.
 
     With ``every`` (``pretrain.every_question``) the record's own question, with its (noised) SFT
     target, is followed by the other questions its context answers: the scene's other-polarity question
@@ -70,9 +69,9 @@ def pretraining_text(record: dict, every: bool = False) -> str:
     if record["task"] == "fairness":
         options = "".join(f"{letter}. {choice}\n" for letter, choice in zip(LETTERS, record["choices"], strict=True))
         if every:
-            others = [(question, f"Answer: {LETTERS[label]}") for question, label in both_questions(record)[1:]]
+            others = [(q, sft_target({**record, "sft_label": label})) for q, label in both_questions(record)[1:]]
     elif every:
-        others = [(question, f"Answer: {answer}") for question, answer in every_question(record)[1:]]
+        others = [(q, sft_target({**record, "sft_answer": answer})) for q, answer in every_question(record)[1:]]
     more = "".join(f"Question: {question}\n{answer}\n" for question, answer in others)
     return f"Context: {record['context']}\nQuestion: {record['question']}\n{options}{sft_target(record)}\n{more}"
 
