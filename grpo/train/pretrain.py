@@ -72,8 +72,8 @@ def pretraining_text(record: dict, every: bool = False) -> str:
             others = [(q, sft_target({**record, "sft_label": label})) for q, label in both_questions(record)[1:]]
     elif every:
         others = [(q, sft_target({**record, "sft_answer": answer})) for q, answer in every_question(record)[1:]]
-    more = "".join(f"Question: {question}\n{answer}\n" for question, answer in others)
-    return f"Context: {record['context']}\nQuestion: {record['question']}\n{options}{sft_target(record)}\n{more}"
+    more = "".join(f"\nQuestion: {question}\n{answer}" for question, answer in others)
+    return f"Context: {record['context']}\nQuestion: {record['question']}\n{options}\n\n{sft_target(record)}{more}"
 
 
 def pretrain_examples(records: list[dict], tokenizer: PreTrainedTokenizerBase, cfg: Config) -> list[SftExample]:
