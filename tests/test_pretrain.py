@@ -99,14 +99,18 @@ def test_base_stage_pretrains_the_embedded_model_only_when_asked(tmp_path):
     assert any(not torch.equal(before[key], after[key]) for key in before), "pretraining saved no new weights"
 
 
-def test_every_document_asks_each_question_its_context_answers(tmp_path):
-    """A grounded document asks all four attributes of its entity (stated: the value, copied; not
-    stated: the abstention); a fairness one asks both polarities (ambiguous: "unknown" twice)."""
+def test_every_document_asks_each_question_its_context_answers(tmp_path, tiny_tokenizer):
+    """With ``pretrain.every_question`` the stage's examples ask all four attributes of a grounded entity
+    (stated: the value, copied; not stated: the abstention) and both polarities of a fairness scene
+    (ambiguous: "unknown" twice)."""
     from grpo.data.schema import ABSTENTION, LETTERS
 
-    cfg = _cfg(tmp_path, 40, sft_noise=0.0)
-    for record in (r.model_dump() for r in pretrain_records(cfg)):
-        text = pretraining_text(record, every=True)
+    cfg = config_from_dict({**_cfg(tmp_path, 40, sft_noise=0.0).model_dump(),
+                            "pretrain": {"records": 40, "every_question": True}})
+    records = [r.model_dump() for r in pretrain_records(cfg)]
+    for record, example in zip(records, pretrain_examples(records, tiny_tokenizer, cfg), strict=True):
+        text = tiny_tokenizer.decode(example.ids[1:-1])
+        assert text == pretraining_text(record, every=True)
         questions = text.count("Question: ")
         lines = [line for line in text.splitlines() if line and not re.match(r"[ABC]\. ", line)]
         answers = [lines[i + 1].removeprefix("Answer: ") for i, line in enumerate(lines) if line.startswith("Question: ")]

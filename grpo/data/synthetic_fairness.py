@@ -157,19 +157,13 @@ def generate_fairness(n: int, split: str, seed: int) -> list[dict[str, Any]]:
     return items
 
 
-def both_questions(record: dict[str, Any]) -> list[tuple[str, int]]:
-    """``(question, option index)`` for both questions of a synthetic item's scene, the asked one first.
-
-    The asked question keeps the record's (SFT) label; the other polarity's answer is "unknown" in an
-    ambiguous context and the other person in a disambiguated one.
-    """
+def other_question(record: dict[str, Any]) -> tuple[str, int]:
+    """``(question, option index)`` of the other polarity's question of a synthetic item's scene: its
+    answer is "unknown" in an ambiguous context and the other person in a disambiguated one."""
     _, category, index = record["template_id"].split(".")
     template = CATEGORIES[category][1][int(index)]
-    label = record["sft_label"] if record.get("sft_label") is not None else record["label"]
-    negative = record["question_polarity"] == "neg"
-    other_question = template.nonneg_question if negative else template.neg_question
+    question = template.nonneg_question if record["question_polarity"] == "neg" else template.neg_question
     if record["context_condition"] == "ambig":
-        other = record["unknown_idx"]
-    else:
-        (other,) = {0, 1, 2} - {record["unknown_idx"], record["label"]}
-    return [(record["question"], label), (other_question, other)]
+        return question, record["unknown_idx"]
+    (other,) = {0, 1, 2} - {record["unknown_idx"], record["label"]}
+    return question, other

@@ -146,23 +146,17 @@ def generate_grounded(n: int, split: str, seed: int, answerable_fraction: float)
     return items
 
 
-def every_question(record: dict[str, Any]) -> list[tuple[str, str]]:
-    """``(question, answer)`` for every attribute of a synthetic item's entity type, the asked one first.
-
-    The asked question keeps the record's answer; another attribute's answer is its value when the
-    context states it and ABSTENTION when it does not. Pretraining asks them all of one context, so
-    that every document carries several lookups and several abstentions instead of one.
-    """
+def other_questions(record: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(question, answer)`` for every other attribute of a synthetic item's entity: its value when the
+    context states it, ABSTENTION when it does not."""
     _, kind, asked_name = record["template_id"].split(".")
-    attributes = TYPES[kind]
-    asked = next(attribute for attribute in attributes if attribute.name == asked_name)
+    asked = next(attribute for attribute in TYPES[kind] if attribute.name == asked_name)
     pattern = re.escape(asked.question).replace(re.escape("{e}"), "(?P<e>.+)")
     entity = re.fullmatch(pattern, record["question"]).group("e")
-    pairs = [(record["question"], record["sft_answer"] or record["answer"])]
-    for attribute in attributes:
-        if attribute is asked:
-            continue
-        sentence = re.escape(attribute.sentence.format(e=entity, v="\0")).replace(re.escape("\0"), "(.+?)")
-        stated = re.search(sentence, record["context"])
-        pairs.append((attribute.question.format(e=entity), stated.group(1) if stated else ABSTENTION))
+    pairs = []
+    for attribute in TYPES[kind]:
+        if attribute is not asked:
+            sentence = re.escape(attribute.sentence.format(e=entity, v="\0")).replace(re.escape("\0"), "(.+?)")
+            stated = re.search(sentence, record["context"])
+            pairs.append((attribute.question.format(e=entity), stated.group(1) if stated else ABSTENTION))
     return pairs

@@ -12,7 +12,8 @@ without it. ``pretrain.every_question`` asks every question of a context in its 
 The corpus is drawn from the same generators as ``data/processed/train.jsonl`` with another seed: the
 training split's templates and entity names only, never the held-out ones eval asks about. Each
 record's own question carries ``data.sft_noise`` as in SFT (its other questions are answered
-cleanly), so pretraining does not remove the bias and the hallucinations GRPO is there to fix. A preset architecture or a resolved model is built as before and not pretrained.
+cleanly), so pretraining does not remove the bias and the hallucinations GRPO is there to fix. A
+preset architecture or a resolved model is built as before and not pretrained.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from grpo.config import Config
 from grpo.data.prompts import sft_target
 from grpo.data.schema import LETTERS, Record, make_record
 from grpo.data.splits import apply_sft_noise
-from grpo.data.synthetic_fairness import both_questions, generate_fairness
-from grpo.data.synthetic_grounded import every_question, generate_grounded
+from grpo.data.synthetic_fairness import generate_fairness, other_question
+from grpo.data.synthetic_grounded import generate_grounded, other_questions
 from grpo.errors import GrpoError
 from grpo.files import write_atomically
 from grpo.locks import writes
@@ -60,18 +61,19 @@ def pretraining_text(record: dict, every: bool = False) -> str:
 
     With ``every`` (``pretrain.every_question``) the record's own question, with its (noised) SFT
     target, is followed by the other questions its context answers: the scene's other-polarity question
-    (``both_questions``) or the entity's other attributes (``every_question``), answered cleanly.
+    (``other_question``) or the entity's other attributes (``other_questions``), answered cleanly.
     Several lookups per context multiply the signal that teaches reading: a lone answer is two or
-    three tokens of a fifty-token text. No system prompt, chat headers or
-    instructions: they are the same in every conversation, so they would teach nothing and double the
-    tokens (SFT teaches the chat format afterwards)."""
+    three tokens of a fifty-token text. No system prompt, chat headers or instructions: they are the
+    same in every conversation, so they would teach nothing and double the tokens (SFT teaches the chat
+    format afterwards)."""
     options, others = "", []
     if record["task"] == "fairness":
         options = "".join(f"{letter}. {choice}\n" for letter, choice in zip(LETTERS, record["choices"], strict=True))
         if every:
-            others = [(q, sft_target({**record, "sft_label": label})) for q, label in both_questions(record)[1:]]
+            question, label = other_question(record)
+            others = [(question, sft_target({**record, "sft_label": label}))]
     elif every:
-        others = [(q, sft_target({**record, "sft_answer": answer})) for q, answer in every_question(record)[1:]]
+        others = [(q, sft_target({**record, "sft_answer": answer})) for q, answer in other_questions(record)]
     more = "".join(f"\nQuestion: {question}\n{answer}" for question, answer in others)
     return f"Context: {record['context']}\nQuestion: {record['question']}\n{options}\n\n{sft_target(record)}{more}"
 
