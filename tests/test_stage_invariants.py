@@ -23,6 +23,7 @@ from grpo.model.chat import end_of_turn_ids, render_prompt
 from grpo.model.modeling import save_model
 from grpo.model.rollout import rollout_from_sequences
 from grpo.model.sampling import EosSuppressor
+from grpo.model.scoring import adapter_disabled
 from grpo.provenance.lineage import make_lineage, write_lineage
 from grpo.train.policy import build_policy
 from grpo.train.step import draw, prepare_batch
@@ -129,7 +130,12 @@ def test_i9_build_policy_puts_the_adapter_on_the_sft_weights(tmp_path, tiny_mode
     write_lineage(paths.model_dir(cfg, "sft"), make_lineage("sft", cfg, paths.stage_inputs(cfg, "sft")))
     policy = build_policy(cfg, torch.device("cpu")).model
     ids = torch.tensor([_prompts(tiny_tokenizer, records)[0]])
-    with torch.no_grad(), policy.disable_adapter():
+    with torch.no_grad():
+        for name, param in policy.named_parameters():  # a trained adapter: off must really mean off
+            if "lora_B" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(3))
+        assert not torch.allclose(policy(input_ids=ids).logits, sft(input_ids=ids).logits)
+    with torch.no_grad(), adapter_disabled(policy):  # how score_reference turns the adapter off
         reference = policy(input_ids=ids).logits
     with torch.no_grad():
         assert torch.equal(reference, sft(input_ids=ids).logits)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from grpo.core.attention import model_attention_mask
 from grpo.core.batching import position_ids_from_mask
 from grpo.core.prefix import shared_prefix_logits
 from grpo.errors import GrpoError
@@ -129,7 +130,7 @@ def score_completions(
     else:
         raw = model(
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=model_attention_mask(model, attention_mask, input_ids.shape[1]),
             position_ids=position_ids_from_mask(attention_mask),
             logits_to_keep=completion_width + 1,
             use_cache=False,

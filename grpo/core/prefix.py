@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from grpo.core.attention import model_attention_mask
 from grpo.core.batching import position_ids_from_mask
 
 
@@ -58,7 +59,7 @@ def shared_prefix_logits(
     width = prompt_width - groups.start
     prefix = model(
         input_ids=ids[groups.first, :width],
-        attention_mask=mask[groups.first, :width],
+        attention_mask=model_attention_mask(model, mask[groups.first, :width], width),
         position_ids=positions[groups.first, :width],
         logits_to_keep=1,
         use_cache=True,
@@ -70,7 +71,7 @@ def shared_prefix_logits(
     cache.reorder_cache(groups.inverse)  # index_select: every row gets its prompt's keys and values
     rest = model(
         input_ids=ids[:, width:-1],
-        attention_mask=mask[:, :-1],
+        attention_mask=model_attention_mask(model, mask[:, :-1], completion_width - 1),
         position_ids=positions[:, width:-1],
         past_key_values=cache,
         use_cache=True,
@@ -86,7 +87,7 @@ def prefilled_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
     left-padded, P >= 2. Positions as ``generate`` counts them (real tokens only)."""
     out = model(
         input_ids=prompt_ids[:, :-1],
-        attention_mask=prompt_mask[:, :-1],
+        attention_mask=model_attention_mask(model, prompt_mask[:, :-1], prompt_ids.shape[1] - 1),
         position_ids=position_ids_from_mask(prompt_mask)[:, :-1],
         logits_to_keep=1,
         use_cache=True,

@@ -1,4 +1,4 @@
-"""Rollout engines: one interface over Hugging Face ``generate`` and vLLM (``grpo.rollout.engine``).
+"""Rollout engines: one interface over the trainer's own model (``decode.py``) and vLLM (``grpo.rollout.engine``).
 
 An engine turns prompt ids into a ``Rollout`` (token ids, completion masks by position, decoded texts,
 I3–I6) and, when it samples with other kernels than the trainer, reports the log-probs it sampled
@@ -41,7 +41,7 @@ class RolloutEngine(Protocol):
 
 
 class HFEngine:
-    """``model.generate`` on the trainer's own model (``rollout.generate_rollout``): nothing to sync."""
+    """The decode loop on the trainer's own model (``rollout.generate_rollout``): nothing to sync."""
 
     name = "hf"
 

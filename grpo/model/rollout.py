@@ -1,4 +1,5 @@
-"""Rollouts: G completions per prompt with ``model.generate``, as token ids (I3, I4, I5, I6).
+"""Rollouts: G completions per prompt, sampled by the decode loop (``decode.py``: ``model.generate``'s
+tokens without its per-token overhead), as token ids (I3, I4, I5, I6).
 
 The engine knows token ids only. Prompts arrive as ids from the one renderer, are left-padded, and
 the completions are cut at the absolute prompt width; the completion mask comes from positions up to
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import SamplingConfig
 from grpo.core.advantages import group_rows, per_row
@@ -19,6 +20,7 @@ from grpo.core.batching import PaddedBatch, completion_ids_from_generated, compl
 from grpo.core.prefix import prefilled_cache
 from grpo.errors import GrpoError
 from grpo.model.chat import end_of_turn_ids
+from grpo.model.decode import decode
 from grpo.model.precision import cast_frozen_weights_once
 from grpo.model.sampling import EosSuppressor, build_logits_processors
 
@@ -73,24 +75,6 @@ def sampling_processors(sampling: SamplingConfig) -> tuple[str, ...]:
     return tuple(name for name, on in active.items() if on)
 
 
-def generation_config(
-    sampling: SamplingConfig, eos_ids: Sequence[int], pad_id: int, greedy: bool = False
-) -> GenerationConfig:
-    """A complete generation config, so a checkpoint's own defaults (repetition penalty, top_k=50,
-    ...) cannot silently change the sampling distribution the scorer assumes (I10). ``greedy``:
-    argmax decoding (evaluation), with the same stop ids, length and processors."""
-    return GenerationConfig(
-        do_sample=not greedy,
-        temperature=None if greedy else sampling.temperature,
-        top_p=None if greedy else sampling.top_p,
-        top_k=None if greedy else sampling.top_k,
-        max_new_tokens=sampling.max_new_tokens,
-        eos_token_id=list(eos_ids),
-        pad_token_id=pad_id,
-        use_cache=True,
-    )
-
-
 @torch.no_grad()
 def generate_rollout(
     model: PreTrainedModel,
@@ -126,12 +110,9 @@ def generate_rollout(
         if shared_prefill and prompt.input_ids.shape[1] > 1:
             distinct = prompt.input_ids[::group_size].to(device), prompt.attention_mask[::group_size].to(device)
             cache = {"past_key_values": prefilled_cache(model, *distinct, group_size)}
-        sequences = model.generate(
-            **cache,
-            input_ids=prompt.input_ids.to(device),
-            attention_mask=prompt.attention_mask.to(device),
-            generation_config=generation_config(sampling, eos_ids, tokenizer.pad_token_id, greedy),
-            logits_processor=processors,
+        sequences = decode(
+            model, prompt.input_ids.to(device), prompt.attention_mask.to(device), sampling, eos_ids,
+            tokenizer.pad_token_id, processors, greedy=greedy, **cache,
         )
     model.train(was_training)
     return rollout_from_sequences(tokenizer, prompt, sequences, eos_ids, suppressor, group_size, sampling)
@@ -139,8 +120,8 @@ def generate_rollout(
 
 def rollout_from_sequences(
     tokenizer: PreTrainedTokenizerBase,
-    prompt: PaddedBatch,  # [N, P] the left-padded prompts given to generate()
-    sequences: torch.Tensor,  # [N, P + C] the output of generate()
+    prompt: PaddedBatch,  # [N, P] the left-padded prompts given to the decode loop
+    sequences: torch.Tensor,  # [N, P + C] the decode loop's output
     eos_ids: Sequence[int],
     suppressor: EosSuppressor,
     group_size: int,

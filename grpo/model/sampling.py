@@ -1,10 +1,10 @@
 """Logits processors for rollout that look at completion tokens only (I6).
 
-``generate()`` hands a processor the prompt and the tokens generated so far, ``[B, P + t]``; the
+The decode loop (``decode.py``, as ``generate()``) hands a processor the prompt and the tokens generated so far, ``[B, P + t]``; the
 processors here slice off the first ``prompt_width`` columns before counting anything, so words of
 the prompt are never penalised and a long prompt never counts as "enough tokens" for EOS.
-Temperature, top-p and top-k stay ``generate()`` arguments: the scorer must apply the same
-temperature (I10), and HF runs those warpers after these processors.
+Temperature, top-p and top-k are sampling settings, not processors here: the scorer must apply the
+same temperature (I10), and the decode loop runs those warpers after these processors, as HF does.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def build_logits_processors(
 ) -> tuple[LogitsProcessorList, EosSuppressor]:
     """The rollout's processors (penalties, then EOS suppression) and the suppressor for its metric.
 
-    prompt_width: the padded prompt batch's width P (``input_ids.shape[1]`` given to generate).
+    prompt_width: the padded prompt batch's width P (``input_ids.shape[1]`` given to the decode loop).
     """
     suppressor = EosSuppressor(prompt_width, eos_ids, sampling_cfg.min_new_tokens)
     processors = LogitsProcessorList()

@@ -11,9 +11,11 @@ Nothing here reads ``grpo.sampling.temperature``: a scorer cannot disagree with 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
 
 from grpo.core.batching import join_prompt_completion
 from grpo.core.logprobs import Scored, score_completions
@@ -48,6 +50,24 @@ def rollout_inputs(rollout: Rollout, device: torch.device | str = "cpu") -> Roll
                          rollout.completion_mask.to(device), rollout.temperature)
 
 
+@contextlib.contextmanager
+def adapter_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` with every LoRA layer off, as PEFT's ``disable_adapter`` turns them off (each tuner
+    layer's ``disable_adapters`` flag, which makes its forward the base layer's), without that
+    context's survey of the whole model's adapter status and trainable parameters on every entry (a
+    walk over every module and parameter; on the tiny model it cost as much as the reference forward).
+    Each layer's flag is restored as it was."""
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    before = [layer._disable_adapters for layer in layers]
+    try:
+        for layer in layers:
+            layer._disable_adapters = True
+        yield
+    finally:
+        for layer, was in zip(layers, before, strict=True):
+            layer._disable_adapters = was
+
+
 def score_inputs(model: torch.nn.Module, inputs: RolloutInputs, adapter: bool = True,
                  shared_prefix: bool = False) -> Scored:
     """Log-probs and entropy of the completions under ``softmax(z / inputs.temperature)``.
@@ -55,7 +75,7 @@ def score_inputs(model: torch.nn.Module, inputs: RolloutInputs, adapter: bool = 
     ``adapter=False`` scores the reference (I9): the same peft model with its LoRA adapter disabled.
     ``shared_prefix``: each distinct prompt runs once and its completions against its cache (exact).
     """
-    context = contextlib.nullcontext() if adapter else model.disable_adapter()
+    context = contextlib.nullcontext() if adapter else adapter_disabled(model)
     with context:
         return score_completions(model, inputs.input_ids, inputs.attention_mask, inputs.completion_mask.shape[1],
                                  inputs.temperature, shared_prefix=shared_prefix)

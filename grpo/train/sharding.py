@@ -103,8 +103,8 @@ def grad_space(model: torch.nn.Module, accelerator: Accelerator) -> GradSpace:
 
 @contextmanager
 def _gathered(model: torch.nn.Module) -> Iterator[None]:
-    # FSDP2 picks its root at the first forward that runs; HF generate enters below the policy's root
-    # (peft's generate calls the inner model), so settle the root before the rollout can run first.
+    # FSDP2 picks its root at the first forward that runs; settle it on the policy's root before the
+    # rollout (which may run first) calls any forward.
     model._get_fsdp_state()._lazy_init()
     modules = _fsdp_modules(model)
     for module in modules:

@@ -59,7 +59,7 @@ class StepContext:
     reference: torch.nn.Module | None = None
     """The frozen SFT model (full fine-tuning), or None: the policy with its adapter disabled (I9)."""
     engine: RolloutEngine | None = None
-    """What samples the completions (``grpo/model/engines.py``); None: HF generate on ``model``."""
+    """What samples the completions (``grpo/model/engines.py``); None: the decode loop on ``model``."""
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward passes' precision (``grpo.bf16``): bf16 autocast over fp32 weights where it pays."""

@@ -1,0 +1,89 @@
+"""A lean decode loop: what ``model.generate`` does for a rollout, without its per-token overhead.
+
+``generate`` spends most of a small model's decode step outside the model: it rebuilds the 4D
+attention mask from the 2D one at every token, re-derives the inputs, checks stopping criteria
+objects. This loop runs the same computation with the mask prepared once per step by two tensor ops
+(``core.attention``), and is otherwise ``generate``'s sampling loop, step for step: the logits of
+the last position in fp32, the caller's processors then temperature, top-k and top-p (the order
+``generate`` applies them), ``softmax`` and ``torch.multinomial`` on the global generator (or
+argmax), the pad id after a row's stop token, and the loop ends when every row has stopped or
+``max_new_tokens`` are out. Same generator, same draws: the tokens are those of ``generate``
+(``tests/test_decode.py`` compares them, sampled and greedy, with and without a prefilled cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import LogitsProcessorList, PreTrainedModel
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from grpo.config import SamplingConfig
+from grpo.core.attention import model_attention_mask
+from grpo.core.batching import position_ids_from_mask
+
+
+def warpers(sampling: SamplingConfig, greedy: bool) -> LogitsProcessorList:
+    """Temperature, top-k and top-p after the caller's processors, each only where ``generate`` adds
+    it (temperature != 1, top_k > 0, top_p < 1); none for greedy decoding."""
+    out = LogitsProcessorList()
+    if greedy:
+        return out
+    if sampling.temperature != 1.0:
+        out.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k:
+        out.append(TopKLogitsWarper(top_k=sampling.top_k, min_tokens_to_keep=1))
+    if sampling.top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=sampling.top_p, min_tokens_to_keep=1))
+    return out
+
+
+@torch.no_grad()
+def decode(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,  # [N, P] left-padded prompts
+    attention_mask: torch.Tensor,  # [N, P] 1 = real token
+    sampling: SamplingConfig,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    processors: LogitsProcessorList,  # completion-only processors (``sampling.build_logits_processors``)
+    greedy: bool = False,
+    past_key_values=None,  # a cache of every prompt column but the last (``prefix.prefilled_cache``)
+) -> torch.Tensor:
+    """Sequences ``[N, P + C]`` as ``generate`` returns them: prompt, then the completions, the pad id
+    after a row's first stop token; ``C`` is the longest completion (at most ``max_new_tokens``)."""
+    rows = input_ids.shape[0]
+    positions = position_ids_from_mask(attention_mask)  # [N, P]
+    prefilled = 0 if past_key_values is None else input_ids.shape[1] - 1
+    step_ids = input_ids[:, prefilled:]
+    step_positions = positions[:, prefilled:]
+    mask = attention_mask
+    stops = torch.as_tensor(list(eos_ids), device=input_ids.device)
+    running = torch.ones(rows, dtype=torch.bool, device=input_ids.device)
+    shape = LogitsProcessorList([*processors, *warpers(sampling, greedy)])
+    sequences = input_ids
+    for step in range(sampling.max_new_tokens):
+        out = model(
+            input_ids=step_ids,
+            attention_mask=model_attention_mask(model, mask, step_ids.shape[1]),
+            position_ids=step_positions,
+            past_key_values=past_key_values,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        past_key_values = out.past_key_values
+        scores = shape(sequences, out.logits[:, -1, :].to(dtype=torch.float32))  # [N, V]
+        if greedy:
+            tokens = scores.argmax(dim=-1)
+        else:
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        tokens = torch.where(running, tokens, pad_id)  # [N]
+        sequences = torch.cat([sequences, tokens[:, None]], dim=1)
+        running &= ~torch.isin(tokens, stops)
+        if step == sampling.max_new_tokens - 1 or not bool(running.any()):
+            break
+        step_ids = tokens[:, None]
+        step_positions = step_positions[:, -1:] + 1
+        mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+    return sequences

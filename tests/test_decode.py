@@ -1,0 +1,107 @@
+"""grpo/model/decode.py: the decode loop samples exactly the tokens ``model.generate`` samples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from grpo.config import SamplingConfig, config_from_dict
+from grpo.core.batching import left_pad
+from grpo.core.prefix import prefilled_cache
+from grpo.model import chat
+from grpo.model.decode import decode
+from grpo.model.modeling import wrap_lora
+from grpo.model.sampling import build_logits_processors
+
+TEXTS = ("short", "a tall one and a short one met at the station", "Who was late?",
+         "The river town of Elbrook was founded by Mara Venn in 1821 and is known for glass.")
+G = 3
+SAMPLINGS = {
+    "plain": SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12),
+    "warped": SamplingConfig(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=12),
+    "penalised": SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12, min_new_tokens=3,
+                                presence_penalty=0.8, frequency_penalty=0.4),
+}
+
+
+@pytest.fixture
+def policy(tiny_model, tiny_tokenizer):
+    """The tiny model under a non-zero LoRA adapter, with weights that make completions vary and stop
+    at different places (at its init scale it repeats one token)."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in tiny_model.parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+        tiny_model.get_input_embeddings().weight[tiny_tokenizer.convert_tokens_to_ids("<|eot_id|>")] *= 3
+    model = wrap_lora(tiny_model, config_from_dict({"model": {"lora": {"r": 2, "alpha": 4}}}).model.lora)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3, generator=gen)
+    return model.eval()
+
+
+def _prompts(tokenizer):
+    ids = [chat.render_prompt(tokenizer, [{"role": "user", "content": t}]) for t in TEXTS]
+    return left_pad([p for p in ids for _ in range(G)], tokenizer.pad_token_id)
+
+
+def _generate(model, tokenizer, batch, sampling, eos, greedy, seed):
+    """The plain path: Hugging Face ``generate`` with a complete config and the same processors."""
+    processors, _ = build_logits_processors(batch.input_ids.shape[1], eos, sampling)
+    config = GenerationConfig(
+        do_sample=not greedy, temperature=None if greedy else sampling.temperature,
+        top_p=None if greedy else sampling.top_p, top_k=None if greedy else sampling.top_k,
+        max_new_tokens=sampling.max_new_tokens, eos_token_id=list(eos), pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return model.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              generation_config=config, logits_processor=processors)
+
+
+def _decode(model, tokenizer, batch, sampling, eos, greedy, seed, prefilled):
+    processors, _ = build_logits_processors(batch.input_ids.shape[1], eos, sampling)
+    cache = {}
+    if prefilled:
+        distinct = batch.input_ids[::G], batch.attention_mask[::G]
+        cache = {"past_key_values": prefilled_cache(model, *distinct, G)}
+    torch.manual_seed(seed)
+    return decode(model, batch.input_ids, batch.attention_mask, sampling, eos, tokenizer.pad_token_id,
+                  processors, greedy=greedy, **cache)
+
+
+@pytest.mark.parametrize("prefilled", [False, True], ids=["plain-prefill", "shared-prefill"])
+@pytest.mark.parametrize("mode", [*SAMPLINGS, "greedy"])
+def test_decode_samples_generates_tokens(policy, tiny_tokenizer, mode, prefilled):
+    sampling = SAMPLINGS.get(mode, SAMPLINGS["plain"])
+    greedy = mode == "greedy"
+    eos = chat.end_of_turn_ids(tiny_tokenizer)
+    batch = _prompts(tiny_tokenizer)
+    completions, stopped = set(), []
+    for seed in (0, 1, 2):
+        expected = _generate(policy, tiny_tokenizer, batch, sampling, eos, greedy, seed)
+        got = _decode(policy, tiny_tokenizer, batch, sampling, eos, greedy, seed, prefilled)
+        assert got.shape == expected.shape
+        assert torch.equal(got, expected), f"seed {seed}: decode and generate sampled different tokens"
+        generated = expected[:, batch.input_ids.shape[1]:]  # [N, C]
+        completions |= {tuple(row) for row in generated.tolist()}
+        stopped += torch.isin(generated, torch.tensor(eos)).any(dim=1).tolist()
+    assert len(completions) > 3, "completions vary (a real comparison)"
+    if not greedy:
+        assert any(stopped) and not all(stopped), "some rows stop early, others run on (pad after stop)"
+
+
+def test_decode_stops_at_max_new_tokens_and_after_every_row_stopped(policy, tiny_tokenizer):
+    eos = chat.end_of_turn_ids(tiny_tokenizer)
+    batch = _prompts(tiny_tokenizer)
+    sampling = SAMPLINGS["plain"].model_copy(update={"max_new_tokens": 2})
+    assert _decode(policy, tiny_tokenizer, batch, sampling, eos, False, 0, False).shape[1] == batch.input_ids.shape[1] + 2
+    forced = SAMPLINGS["plain"].model_copy(update={"max_new_tokens": 40})
+    out = _decode(policy, tiny_tokenizer, batch, forced, eos, False, 0, False)
+    completions = out[:, batch.input_ids.shape[1]:]  # [N, C]
+    stop = torch.isin(completions, torch.tensor(eos))
+    lengths = torch.where(stop.any(dim=1), stop.int().argmax(dim=1) + 1, forced.max_new_tokens)  # [N]
+    assert completions.shape[1] == int(lengths.max()), "ends once every row stopped, or at max_new_tokens"

@@ -1,0 +1,48 @@
+"""grpo/model/scoring.py: the reference is the model with its adapter off, and only for that call (I9)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from grpo.config import config_from_dict
+from grpo.core.batching import join_prompt_completion, left_pad
+from grpo.model.modeling import wrap_lora
+from grpo.model.scoring import RolloutInputs, adapter_disabled, score_inputs, score_reference
+
+
+def _inputs(pad_id: int) -> RolloutInputs:
+    gen = torch.Generator().manual_seed(0)
+    prompts = left_pad([torch.randint(5, 300, (n,), generator=gen).tolist() for n in (6, 11, 6, 11)], pad_id)
+    completions = torch.randint(5, 300, (4, 5), generator=gen)  # [N, C]
+    completion_mask = torch.ones(4, 5, dtype=torch.bool)
+    joined = join_prompt_completion(prompts.input_ids, prompts.attention_mask, completions, completion_mask)
+    return RolloutInputs(joined.input_ids, joined.attention_mask, completion_mask, 0.8)
+
+
+def test_reference_is_the_model_without_its_adapter_and_the_adapter_comes_back(tiny_model, tiny_tokenizer):
+    sft = copy.deepcopy(tiny_model)
+    policy = wrap_lora(tiny_model, config_from_dict({"model": {"lora": {"r": 2, "alpha": 4}}}).model.lora)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    inputs = _inputs(tiny_tokenizer.pad_token_id)
+    with torch.no_grad():
+        before = score_inputs(policy, inputs, shared_prefix=True).logprobs
+        reference = score_reference(policy, inputs, shared_prefix=True).logprobs
+        after = score_inputs(policy, inputs, shared_prefix=True).logprobs
+        plain_sft = score_inputs(sft, inputs).logprobs
+    torch.testing.assert_close(reference, plain_sft, rtol=0, atol=1e-5)
+    assert (before - plain_sft).abs().max() > 1e-2, "the adapter changes the policy"
+    assert torch.equal(after, before), "the adapter is on again after the reference pass"
+
+
+def test_adapter_disabled_restores_each_layers_own_flag(tiny_model):
+    policy = wrap_lora(tiny_model, config_from_dict({"model": {"lora": {"r": 2, "alpha": 4}}}).model.lora)
+    layers = [m for m in policy.modules() if hasattr(m, "_disable_adapters")]
+    layers[0]._disable_adapters = True  # one layer already off stays off; the others come back on
+    with adapter_disabled(policy):
+        assert all(layer.disable_adapters for layer in layers)
+    assert [layer.disable_adapters for layer in layers] == [True] + [False] * (len(layers) - 1)
