@@ -195,7 +195,8 @@ class ModelConfig(Section):
     tokenizers_dir: str = "../shared/tokenizers"
     """Folder of the real tokenizers the architecture presets name (one subfolder each)."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    """Attention kernel: PyTorch SDPA (flash/memory-efficient kernels on CUDA), eager, or flash-attn 2 (its package)."""
+    """Attention kernel: PyTorch SDPA (flash/memory-efficient kernels on CUDA; loaded as ``sdpa_grouped``,
+    ``grpo/model/kernels.py``), eager, or flash-attn 2 (its package)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of SFT and GRPO: less memory for about a third more compute."""
 

@@ -53,7 +53,7 @@ def test_shrunk_preset_builds_with_the_real_tokenizer(name, model_class, end_of_
     model, tokenizer = build_architecture(_cfg(name), seed=3)
     assert type(model).__name__ == model_class
     assert model.config.num_hidden_layers == 2 and model.config.vocab_size == PRESETS[name].config["vocab_size"]
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "sdpa_grouped"  # model.attn_implementation: sdpa
     assert tokenizer.padding_side == "left" and len(tokenizer) > 100_000
     assert tokenizer.convert_tokens_to_ids(end_of_turn) in model.generation_config.eos_token_id
     record = {"task": "hallucination", "context": "Elbrook was founded in 1821.", "question": "When?",

@@ -34,7 +34,7 @@ def _models(tiny_model):
     return {"tiny-llama": tiny_model, "qwen2.5-shrunk": qwen}
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("implementation", ["sdpa_grouped", "sdpa", "eager"])
 @pytest.mark.parametrize("name", ["tiny-llama", "qwen2.5-shrunk"])
 def test_prepared_mask_gives_the_models_own_logits(tiny_model, name, implementation):
     model = _varied(_models(tiny_model)[name])

@@ -82,11 +82,12 @@ def test_sdpa_is_loaded_and_scores_like_eager(tiny_model, tiny_tokenizer, tmp_pa
     save_model(tiny_model, tiny_tokenizer, tmp_path)
     sdpa = load_model(tmp_path, ModelConfig()).eval()
     eager = load_model(tmp_path, ModelConfig(attn_implementation="eager")).eval()
-    assert sdpa.config._attn_implementation == "sdpa" and eager.config._attn_implementation == "eager"
+    # model.attn_implementation: sdpa loads sdpa_grouped (grpo/model/kernels.py: sdpa without the K/V copy)
+    assert sdpa.config._attn_implementation == "sdpa_grouped" and eager.config._attn_implementation == "eager"
     with torch.no_grad():
         torch.testing.assert_close(_scored(sdpa, tiny_tokenizer), _scored(eager, tiny_tokenizer),
                                    atol=1e-5, rtol=1e-5)
-    assert "attention sdpa" in describe(sdpa, CPU, bf16=False) and "compute float32" in describe(sdpa, CPU, False)
+    assert "attention sdpa_grouped" in describe(sdpa, CPU, bf16=False) and "compute float32" in describe(sdpa, CPU, False)
     assert ("compute bf16 autocast" in describe(sdpa, CPU, True)) == cpu_has_native_bf16()
 
 

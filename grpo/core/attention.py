@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-PREPARED_IMPLEMENTATIONS = ("sdpa", "eager")
+SDPA_IMPLEMENTATIONS = ("sdpa", "sdpa_grouped")  # sdpa_grouped: grpo/model/kernels.py
+PREPARED_IMPLEMENTATIONS = (*SDPA_IMPLEMENTATIONS, "eager")
 
 
 def takes_prepared_mask(model: torch.nn.Module) -> bool:
@@ -49,7 +50,7 @@ def model_attention_mask(model: torch.nn.Module, attention_mask: torch.Tensor, q
     if not takes_prepared_mask(model):
         return attention_mask
     mask = causal_padding_mask(attention_mask, query_length)
-    if model.config._attn_implementation == "sdpa":
+    if model.config._attn_implementation in SDPA_IMPLEMENTATIONS:
         return mask
     dtype = next(model.parameters()).dtype
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)

@@ -24,6 +24,7 @@ from transformers import (
 
 from grpo.config import Architecture, ModelConfig
 from grpo.model.chat import end_of_turn_ids
+from grpo.model.kernels import attention_kernel
 from grpo.model.modeling import ModelLoadError, load_tokenizer
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -79,7 +80,7 @@ def preset_config(name: str, overrides: dict[str, int] | None = None, attn_imple
             f"among {sorted(k for k, v in preset.config.items() if isinstance(v, int | float))}"
         )
     config = AutoConfig.for_model(preset.model_type, **(preset.config | (overrides or {})))
-    config._attn_implementation = attn_implementation
+    config._attn_implementation = attention_kernel(attn_implementation)
     return config
 
 

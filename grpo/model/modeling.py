@@ -31,6 +31,7 @@ from transformers import (
 from grpo.config import LoraConfig, ModelConfig, TinyModelConfig
 from grpo.errors import GrpoError
 from grpo.files import write_json
+from grpo.model.kernels import GROUPED_SDPA, attention_kernel
 from grpo.offline import model_source_problem
 
 BOS = "<|begin_of_text|>"
@@ -113,6 +114,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerBase, sizes: TinyModelConfig,
         eos_token_id=eos_ids,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
+        attn_implementation=GROUPED_SDPA,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -192,7 +194,7 @@ def load_model(name_or_path: str | Path, cfg: ModelConfig) -> PreTrainedModel:
         model = AutoModelForCausalLM.from_pretrained(
             source,
             dtype=getattr(torch, cfg.dtype),
-            attn_implementation=cfg.attn_implementation,
+            attn_implementation=attention_kernel(cfg.attn_implementation),
             trust_remote_code=cfg.trust_remote_code,
             use_safetensors=True,
             local_files_only=not cfg.allow_download,

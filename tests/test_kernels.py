@@ -1,0 +1,59 @@
+"""grpo/model/kernels.py: ``sdpa_grouped`` gives ``sdpa``'s logits and gradients without the K/V copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.config import config_from_dict
+from grpo.core.attention import model_attention_mask
+from grpo.core.batching import left_pad, position_ids_from_mask
+from grpo.model.kernels import GROUPED_SDPA, attention_kernel
+from grpo.model.modeling import wrap_lora
+
+
+def _policy(model):
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    policy = wrap_lora(model, config_from_dict({"model": {"lora": {"r": 2, "alpha": 4}}}).model.lora)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3, generator=gen)
+    return policy.train()
+
+
+def _logits_and_grads(policy, implementation, prepared):
+    policy.config._attn_implementation = implementation
+    gen = torch.Generator().manual_seed(1)
+    batch = left_pad([torch.randint(5, 300, (n,), generator=gen).tolist() for n in (12, 5, 9)], 0)
+    mask = model_attention_mask(policy, batch.attention_mask, 12) if prepared else batch.attention_mask
+    policy.zero_grad(set_to_none=True)
+    logits = policy(input_ids=batch.input_ids, attention_mask=mask,
+                    position_ids=position_ids_from_mask(batch.attention_mask)).logits
+    real = batch.attention_mask.bool()
+    (logits[real] * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+    grads = torch.cat([p.grad.flatten() for p in policy.parameters() if p.requires_grad])
+    return logits[real].detach(), grads
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["2d-mask", "prepared-mask"])
+def test_sdpa_grouped_gives_sdpas_logits_and_gradients(tiny_model, prepared):
+    assert tiny_model.config.num_key_value_heads < tiny_model.config.num_attention_heads, "grouped heads"
+    assert tiny_model.config._attn_implementation == GROUPED_SDPA, "the embedded model is built with it"
+    policy = _policy(tiny_model)
+    plain_logits, plain_grads = _logits_and_grads(policy, "sdpa", prepared)
+    grouped_logits, grouped_grads = _logits_and_grads(policy, GROUPED_SDPA, prepared)
+    torch.testing.assert_close(grouped_logits, plain_logits, rtol=0, atol=1e-6)
+    scale = plain_grads.abs().max()
+    assert scale > 1e-2
+    # The backward sums each key/value head's gradient over its query heads in another order.
+    assert (grouped_grads - plain_grads).abs().max() / scale < 1e-5
+
+
+def test_sdpa_grouped_is_what_sdpa_loads_and_nothing_else_changes():
+    assert attention_kernel("sdpa") == GROUPED_SDPA
+    assert attention_kernel("eager") == "eager" and attention_kernel("flash_attention_2") == "flash_attention_2"
