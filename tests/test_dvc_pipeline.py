@@ -223,4 +223,7 @@ def test_metrics_are_small_and_plots_render_offline(project):
     if CHROMIUM is not None:  # and a browser with no network shows both
         with browser() as page:
             page.goto((project / "dvc_plots" / "index.html").as_uri())
-            assert page.wait_for("[...document.images].filter(i => i.complete && i.naturalWidth > 0).length") == 2
+            loaded = "[...document.images].filter(i => i.complete && i.naturalWidth > 0).length"
+            # wait_for returns at the first truthy value: wait for both images, not for the first of them
+            page.wait_for(f"{loaded} >= 2")
+            assert page.evaluate(loaded) == 2
