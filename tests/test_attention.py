@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from grpo.core.attention import causal_padding_mask, model_attention_mask, takes_prepared_mask
 from grpo.core.batching import left_pad, position_ids_from_mask
 from grpo.model.architectures import preset_config
+from tests.weights import spread_weights
 
 QWEN_SHRUNK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "vocab_size": 512}
@@ -21,12 +22,7 @@ def _batch(pad_id: int, vocab: int, lengths=(9, 3, 14, 6)):
 
 def _varied(model):
     """Weights large enough that every position's logits depend on what it attends to."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    return model.eval()
+    return spread_weights(model, torch.Generator().manual_seed(0)).eval()
 
 
 def _models(tiny_model):

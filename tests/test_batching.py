@@ -16,6 +16,7 @@ from grpo.core.batching import (
 )
 from grpo.errors import GrpoError
 from grpo.model import chat
+from tests.weights import spread_weights
 
 SHORT = "short"
 LONG = (
@@ -50,11 +51,8 @@ def varied_model(tiny_model, tiny_tokenizer):
     At its init scale the tiny model answers every prompt with one repeated token, which would let a
     wrong extraction pass; these weights make greedy text depend on the prompt and stop some rows early.
     """
-    generator = torch.Generator().manual_seed(0)
+    spread_weights(tiny_model, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        for param in tiny_model.parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
         tiny_model.get_input_embeddings().weight[tiny_tokenizer.convert_tokens_to_ids("<|eot_id|>")] *= 2
     return tiny_model
 

@@ -13,6 +13,7 @@ from grpo.model import chat
 from grpo.model.decode import decode
 from grpo.model.modeling import wrap_lora
 from grpo.model.sampling import build_logits_processors
+from tests.weights import fill_adapter, spread_weights
 
 TEXTS = ("short", "a tall one and a short one met at the station", "Who was late?",
          "The river town of Elbrook was founded by Mara Venn in 1821 and is known for glass.")
@@ -30,17 +31,11 @@ def policy(tiny_model, tiny_tokenizer):
     """The tiny model under a non-zero LoRA adapter, with weights that make completions vary and stop
     at different places (at its init scale it repeats one token)."""
     gen = torch.Generator().manual_seed(0)
+    spread_weights(tiny_model, gen)
     with torch.no_grad():
-        for param in tiny_model.parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
         tiny_model.get_input_embeddings().weight[tiny_tokenizer.convert_tokens_to_ids("<|eot_id|>")] *= 3
     model = wrap_lora(tiny_model, config_from_dict({"model": {"lora": {"r": 2, "alpha": 4}}}).model.lora)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3, generator=gen)
-    return model.eval()
+    return fill_adapter(model, gen).eval()
 
 
 def _prompts(tokenizer):

@@ -10,20 +10,13 @@ from grpo.core.attention import model_attention_mask
 from grpo.core.batching import left_pad, position_ids_from_mask
 from grpo.model.kernels import GROUPED_SDPA, attention_kernel
 from grpo.model.modeling import wrap_lora
+from tests.weights import fill_adapter, spread_weights
 
 
 def _policy(model):
     gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
-    policy = wrap_lora(model, config_from_dict({"model": {"lora": {"r": 2, "alpha": 4}}}).model.lora)
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3, generator=gen)
-    return policy.train()
+    policy = wrap_lora(spread_weights(model, gen), config_from_dict({"model": {"lora": {"r": 2, "alpha": 4}}}).model.lora)
+    return fill_adapter(policy, gen).train()
 
 
 def _logits_and_grads(policy, implementation, prepared):
