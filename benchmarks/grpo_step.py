@@ -9,7 +9,9 @@ temperature 1 without top-k/top-p. Each (repetition, variant) runs in a fresh pr
 same SFT weights and a fresh adapter, variants interleaved within each repetition (the order
 rotating from one repetition to the next), so machine load drifts hit every variant alike. TRL
 (``pip install -e .[bench]``) runs when it is installed, in fp32 and with its default bf16
-autocast; its faster one is the reference of ``speedup_vs_trl``. The project runs as params.yaml ships
+autocast, each also with the C allocator set as the project's CPU stages set it
+(``device.retain_freed_memory``, the ``-retain`` variants); its fastest is the reference of
+``speedup_vs_trl``. The project runs as params.yaml ships
 it (``grpo.bf16``); ``project-sum-bf16`` runs its step under bf16 autocast on a CPU with native bf16.
 ``--full-length`` forces every completion to the full 32 tokens (eos suppressed before that).
 """
@@ -122,7 +124,8 @@ def variants(args: argparse.Namespace) -> list[str]:
     if importlib.util.find_spec("trl") is None:
         print("bench: trl is not installed (pip install -e .[bench]): TRL variants skipped", flush=True)
     elif not args.smoke or args.with_trl:
-        chosen += ["trl-fp32"] + (["trl-bf16"] if cpu_has_native_bf16() else [])
+        trl = ["trl-fp32"] + (["trl-bf16"] if cpu_has_native_bf16() else [])
+        chosen += trl + ([f"{name}-retain" for name in trl] if not args.smoke else [])
     return chosen
 
 

@@ -28,6 +28,8 @@ VARIANTS = {
     "plain-cagrad": {"grpo.multitask.mode=cagrad"} | PLAIN,
     "trl-fp32": set(),
     "trl-bf16": set(),
+    "trl-fp32-retain": set(),  # with the allocator setting the project's CPU stages use (retain_freed_memory)
+    "trl-bf16-retain": set(),
 }
 
 
@@ -55,10 +57,12 @@ def project_worker(project: Path, variant: str, steps: int, warmup: int, full_le
     from accelerate import Accelerator
 
     from grpo.config import load_config
+    from grpo.model.device import retain_freed_memory
     from grpo.model.modeling import load_model, load_tokenizer, wrap_lora
     from grpo.model.rollout import stop_ids
     from grpo.train.step import StepContext, grpo_step
 
+    retain_freed_memory()  # as the trainer's make_accelerator on a CPU-only machine
     cfg = load_config(project / "params.yaml", [*workload_overrides(full_length), *sorted(VARIANTS[variant])])
     cfg = cfg.model_copy(update={"paths": cfg.paths.model_copy(update={
         k: str(project / v) for k, v in cfg.paths.model_dump().items()})})
@@ -113,8 +117,11 @@ def trl_worker(project: Path, variant: str, steps: int, warmup: int, full_length
 
     from grpo.config import load_config
     from grpo.data.prompts import example_messages
+    from grpo.model.device import retain_freed_memory
     from grpo.rewards import weighted_reward
 
+    if variant.endswith("-retain"):
+        retain_freed_memory()
     cfg = load_config(project / "params.yaml", workload_overrides(full_length))
     cfg = cfg.model_copy(update={"paths": cfg.paths.model_copy(update={
         k: str(project / v) for k, v in cfg.paths.model_dump().items()})})
@@ -132,7 +139,7 @@ def trl_worker(project: Path, variant: str, steps: int, warmup: int, full_length
             max_completion_length=WORKLOAD["max_new_tokens"], max_prompt_length=None, beta=WORKLOAD["beta"],
             loss_type=WORKLOAD["loss_type"], learning_rate=cfg.grpo.lr, temperature=1.0, top_p=1.0, top_k=None,
             max_steps=warmup + steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-            bf16=variant == "trl-bf16", shuffle_dataset=False, disable_tqdm=True, seed=cfg.seed,
+            bf16=variant.startswith("trl-bf16"), shuffle_dataset=False, disable_tqdm=True, seed=cfg.seed,
             generation_kwargs={"min_new_tokens": WORKLOAD["max_new_tokens"]} if full_length else None,
         )
         lora = LoraConfig(r=WORKLOAD["lora_r"], lora_alpha=cfg.model.lora.alpha, lora_dropout=0.0,

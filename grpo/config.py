@@ -379,6 +379,9 @@ class GrpoConfig(Section):
     shared_prefix: bool = True
     """Score each distinct prompt once and its G completions against its key/value cache (the same
     log-probs, entropy and gradients as a forward over every row, without recomputing the prompt)."""
+    reuse_prefill: bool = True
+    """With shared_prefix: the update's policy pass reuses the rollout's prefill of the prompts (kept with
+    its graph) instead of running them again, where that is the same computation (``step.reuses_prefill``)."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Rollout sampling."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)

@@ -129,3 +129,59 @@ def test_prefilled_cache_gives_the_plain_forwards_next_token_logits(tiny_model, 
         fast = tiny_model(input_ids=ids[:, -1:], attention_mask=mask, position_ids=positions[:, -1:],
                           past_key_values=cache).logits[:, -1]
     torch.testing.assert_close(fast, plain, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [slice(None), slice(1, 7), [8, 0, 4, 1]], ids=["all", "split-groups", "shuffled"])
+def test_kept_prefill_gives_a_fresh_passs_numbers_and_gradients(policy, tiny_tokenizer, rows):
+    """The rollout's prefill kept with its graph (one per segment) stands in for the prompt pass: the
+    log-probs, entropy and gradients (those flowing through the kept keys and values included) are a
+    fresh forward's, whichever rows are scored and in whatever order."""
+    from grpo.core.prefix import keep_prefills
+
+    input_ids, attention_mask, completion_mask = grouped_batch(tiny_tokenizer.pad_token_id)
+    batch = input_ids[rows], attention_mask[rows], completion_mask[rows]
+    plain, plain_loss, plain_grads = scored_with_grads(policy, *batch, WIDTH, shared_prefix=False)
+    width = input_ids.shape[1] - WIDTH
+    policy.zero_grad(set_to_none=True)
+    kept = keep_prefills(policy, input_ids[::G, :width], attention_mask[::G, :width], ["a", "b", "a"])
+    assert [p.index.tolist() for p in kept] == [[0, 2], [1]]
+    scored = score_completions(policy, *batch[:2], WIDTH, TEMPERATURE, shared_prefix=True, prefills=kept)
+    loss = -(scored.logprobs * batch[2]).sum() - 0.3 * (scored.entropy * batch[2]).sum()
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in policy.parameters() if p.requires_grad])
+    mask = batch[2]
+    torch.testing.assert_close(scored.logprobs[mask], plain.logprobs[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(scored.entropy[mask], plain.entropy[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(loss.detach(), plain_loss, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(grads, plain_grads, rtol=0, atol=1e-5)
+
+
+def test_a_kept_prefill_refuses_moved_weights_and_rows_it_does_not_hold(policy, tiny_tokenizer):
+    from grpo.core.prefix import PrefillError, keep_prefills
+
+    input_ids, attention_mask, _ = grouped_batch(tiny_tokenizer.pad_token_id)
+    width = input_ids.shape[1] - WIDTH
+    kept = keep_prefills(policy, input_ids[:G * 2:G, :width], attention_mask[:G * 2:G, :width], ["a", "a"])
+    with pytest.raises(PrefillError, match="have a prompt that no kept prefill has"):
+        score_completions(policy, input_ids, attention_mask, WIDTH, TEMPERATURE, shared_prefix=True, prefills=kept)
+    with torch.no_grad():
+        next(p for p in policy.parameters() if p.requires_grad).add_(0.1)  # what an optimizer step does
+    with pytest.raises(PrefillError, match="of other weights"):
+        score_completions(policy, input_ids[:G], attention_mask[:G], WIDTH, TEMPERATURE, shared_prefix=True,
+                          prefills=kept)
+
+
+def test_decode_cache_of_kept_prefills_is_the_prefilled_cache(tiny_model, tiny_tokenizer):
+    """The decode loop's cache built from prefills kept per segment holds, row for row, what
+    ``prefilled_cache`` computes for the prompts in their order, without the graph."""
+    from grpo.core.prefix import decode_cache, keep_prefills, prefilled_cache
+
+    input_ids, attention_mask, _ = grouped_batch(tiny_tokenizer.pad_token_id)
+    width = input_ids.shape[1] - WIDTH
+    ids, mask = input_ids[::G, :width], attention_mask[::G, :width]
+    expected = prefilled_cache(tiny_model, ids, mask, G)
+    got = decode_cache(tiny_model, keep_prefills(tiny_model, ids, mask, ["b", "a", "b"]), G)
+    for mine, theirs in zip(got.layers, expected.layers, strict=True):
+        assert not mine.keys.requires_grad
+        torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=1e-6)
+        torch.testing.assert_close(mine.values, theirs.values, rtol=0, atol=1e-6)

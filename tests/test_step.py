@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from grpo.data.prepare import build_records
 from grpo.model.modeling import wrap_lora
 from grpo.model.precision import cpu_has_native_bf16
 from grpo.model.rollout import stop_ids
-from grpo.train.step import StepContext, draw, grpo_step, prepare_batch, update
+from grpo.train.step import StepContext, draw, grpo_step, prepare_batch, reuses_prefill, update
 
 
 def make_context(tiny_model, tiny_tokenizer, **grpo) -> StepContext:
@@ -39,7 +40,8 @@ def records():
 
 
 def with_advantages(sampled, advantages):
-    return type(sampled)(sampled.rollout, sampled.records, sampled.rewards, advantages, sampled.stats)
+    return type(sampled)(sampled.rollout, sampled.records, sampled.rewards, advantages, sampled.stats,
+                         prefills=sampled.prefills)
 
 
 def combined_gradient(ctx, batch) -> torch.Tensor:
@@ -156,22 +158,27 @@ PLAIN = {"shared_prefix": False, "multitask": {"mode": "sum", "low_memory": Fals
 FAST = {"shared_prefix": True, "multitask": {"mode": "sum", "low_memory": True, "task_stats": False}}
 
 
-@pytest.mark.parametrize("mode", ["sum", "cagrad"])
-def test_fast_path_gives_the_plain_paths_numbers(tiny_model, tiny_tokenizer, records, mode):
-    """Every speed lever (shared-prefix scoring of the reference and the policy, one graph per task,
-    sum mode at one backward) changes no number: loss, entropy, KL and gradients agree in fp32."""
+@pytest.mark.parametrize(("mode", "low_memory"), [("sum", True), ("cagrad", True), ("cagrad", False)])
+def test_fast_path_gives_the_plain_paths_numbers(tiny_model, tiny_tokenizer, records, mode, low_memory):
+    """Every speed lever (shared-prefix scoring of the reference and the policy, the rollout's prefill
+    reused by the policy pass, one graph per task, sum mode at one backward) changes no number: loss,
+    entropy, KL and gradients agree in fp32."""
     loss = {"beta": 0.04, "entropy_coef": 0.01}
     plain = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss=loss,
                          **{**PLAIN, "multitask": {**PLAIN["multitask"], "mode": mode}})
     fast = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss=loss,
-                        **{**FAST, "multitask": {**FAST["multitask"], "mode": mode}})
+                        **{**FAST, "multitask": {**FAST["multitask"], "mode": mode, "low_memory": low_memory}})
     with torch.no_grad():  # a trained adapter, so the policy differs from the reference
         for ctx in (plain, fast):
             for name, param in ctx.model.named_parameters():
                 if "lora_B" in name:
                     param.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
-    sampled = with_advantages(draw(plain, records, seed=11), torch.linspace(-1, 1, 2 * len(records)))
-    plain_batch, fast_batch = prepare_batch(plain, sampled), prepare_batch(fast, sampled)
+    advantages = torch.linspace(-1, 1, 2 * len(records))
+    sampled = with_advantages(draw(plain, records, seed=11), advantages)
+    kept = with_advantages(draw(fast, records, seed=11), advantages)
+    assert torch.equal(kept.rollout.completion_ids, sampled.rollout.completion_ids)
+    assert not sampled.prefills and len(kept.prefills) == 2  # the fast draw kept one prefill per task
+    plain_batch, fast_batch = prepare_batch(plain, sampled), prepare_batch(fast, kept)
     torch.testing.assert_close(fast_batch.ref_logprobs, plain_batch.ref_logprobs, rtol=0, atol=1e-5)
     got, expected = update(fast, fast_batch), update(plain, plain_batch)
     for key in ("loss", "entropy", "kl", "loss/fairness", "loss/hallucination"):
@@ -194,7 +201,7 @@ def test_bf16_step_computes_in_bf16_and_keeps_fp32_weights_and_statistics(tiny_m
     with fp32.autocast():
         assert fp32.model(input_ids=torch.tensor([[1, 2, 3]])).logits.dtype == torch.float32
     sampled = with_advantages(draw(fp32, records, seed=11), torch.linspace(-1, 1, 2 * len(records)))
-    low, full = prepare_batch(bf16, sampled), prepare_batch(fp32, sampled)
+    low, full = prepare_batch(bf16, replace(sampled, prefills=())), prepare_batch(fp32, sampled)  # fp32's prefill
     assert low.ref_logprobs.dtype == torch.float32
     gap = (low.ref_logprobs - full.ref_logprobs).abs()[low.completion_mask].max()
     assert 0 < gap < 5e-2  # bf16 was used, and is close
@@ -214,3 +221,27 @@ def test_step_reports_the_time_of_every_phase(tiny_model, tiny_tokenizer, record
         assert metrics[f"timing/{phase}"] > 0, phase
         assert metrics[f"timing/{phase}_share"] == pytest.approx(metrics[f"timing/{phase}"] / metrics["step_time"])
     assert sum(metrics[f"timing/{p}_share"] for p in ("generate", "reward", "reference", "update")) <= 1.0
+
+
+@pytest.mark.parametrize(("grpo", "kept"), [
+    ({}, True),
+    ({"reuse_prefill": False}, False),
+    ({"shared_prefix": False}, False),
+    ({"num_iterations": 2}, False),  # the second optimizer step would score with moved weights
+    ({"grad_accum": 2}, False),  # each micro-batch's backward would run through the same prompt graph
+], ids=["default", "off", "no-shared-prefix", "two-iterations", "two-micro-batches"])
+def test_the_rollouts_prefill_is_kept_only_where_the_update_would_repeat_it(tiny_model, tiny_tokenizer, records,
+                                                                             grpo, kept):
+    ctx = make_context(tiny_model, tiny_tokenizer, **grpo)
+    assert reuses_prefill(ctx) is kept
+    assert bool(draw(ctx, records, seed=3).prefills) is kept
+    grpo_step(ctx, records, 1, lambda attempt: records)  # and the step runs either way
+
+
+def test_no_prefill_is_kept_for_a_model_with_dropout(tiny_model, tiny_tokenizer):
+    """The rollout runs in eval mode, the update in train mode: with dropout they are not the same pass."""
+    ctx = make_context(tiny_model, tiny_tokenizer)
+    assert reuses_prefill(ctx)
+    layer = next(m for m in ctx.model.modules() if hasattr(m, "lora_dropout"))
+    layer.lora_dropout["default"] = torch.nn.Dropout(0.1)  # what model.lora.dropout: 0.1 builds
+    assert not reuses_prefill(ctx)

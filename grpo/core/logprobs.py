@@ -8,6 +8,7 @@ bonus talk about a policy that never acted. Positions are counted over real toke
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from grpo.core.attention import model_attention_mask
 from grpo.core.batching import position_ids_from_mask
-from grpo.core.prefix import shared_prefix_logits
+from grpo.core.prefix import PromptPrefill, shared_prefix_logits
 from grpo.errors import GrpoError
 
 DEFAULT_CHUNK_SIZE = 128
@@ -105,6 +106,7 @@ def score_completions(
     temperature: float,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     shared_prefix: bool = False,
+    prefills: Sequence[PromptPrefill] = (),
 ) -> Scored:
     """Log-probs and entropy of the last ``C`` tokens under ``softmax(z / T)``.
 
@@ -113,7 +115,8 @@ def score_completions(
     through ``logprobs`` and ``entropy``; the statistics are computed without them. Works with
     peft-wrapped models (the keyword arguments pass through to the base model).
     ``shared_prefix``: each distinct prompt runs once and its completions against its key/value
-    cache (``grpo.core.prefix``): the same numbers, without recomputing a prompt G times.
+    cache (``grpo.core.prefix``): the same numbers, without recomputing a prompt G times; with
+    ``prefills`` (the rollout's kept prefills of these prompts) without running the prompts at all.
     """
     width = input_ids.shape[1]
     if not 1 <= completion_width < width:
@@ -126,7 +129,7 @@ def score_completions(
             f"score_completions: temperature must be > 0 (got {temperature}); pass the sampling temperature"
         )
     if shared_prefix:
-        raw = shared_prefix_logits(model, input_ids, attention_mask, completion_width)  # [B, C, V]
+        raw = shared_prefix_logits(model, input_ids, attention_mask, completion_width, prefills)  # [B, C, V]
     else:
         raw = model(
             input_ids=input_ids,

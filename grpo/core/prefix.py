@@ -13,12 +13,19 @@ a micro-batch that splits a group included, is handled.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from grpo.core.attention import model_attention_mask
 from grpo.core.batching import position_ids_from_mask
+from grpo.errors import GrpoError
+
+
+class PrefillError(GrpoError, ValueError):
+    """A kept prefill that does not belong to the rows or the weights it is used with."""
 
 
 class PrefixGroups(NamedTuple):
@@ -45,13 +52,18 @@ def shared_prefix_logits(
     input_ids: torch.Tensor,  # [B, P + C]: left-padded prompts, then completions
     attention_mask: torch.Tensor,  # [B, P + C]: 1 = real token
     completion_width: int,  # C
+    prefills: Sequence[PromptPrefill] = (),
 ) -> torch.Tensor:
     """Logits that score the last ``C`` tokens -> [B, C, V], equal to the last ``C + 1`` positions of a
     plain forward (without the final one) up to floating-point reassociation.
 
     The prompt's last position predicts completion token 0; completion tokens ``0 .. C - 2`` predict
     tokens ``1 .. C - 1``, so the completion pass runs ``C - 1`` tokens against the expanded cache.
+    ``prefills``: the rollout's kept prefills of these prompts (``keep_prefills``): the prompt pass is
+    not run again, the last prompt column and the completion run against the kept keys and values.
     """
+    if prefills:
+        return _prefilled_logits(model, input_ids, attention_mask, completion_width, prefills)
     prompt_width = input_ids.shape[1] - completion_width
     groups = prefix_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
     ids, mask = input_ids[:, groups.start :], attention_mask[:, groups.start :]
@@ -95,3 +107,96 @@ def prefilled_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
     cache = out.past_key_values
     cache.batch_repeat_interleave(repeats)
     return cache
+
+
+@dataclass(frozen=True)
+class PromptPrefill:
+    """The policy's keys and values of every column but the last of some prompts, with the autograd
+    graph that made them: the rollout's prefill, kept so that the policy pass of the update does not
+    run the same prompts through the same weights again. Gradients of the update's loss flow through
+    the kept keys and values into that graph, so the update's gradients are those of a fresh pass."""
+
+    prompt_ids: torch.Tensor  # [n, P] left-padded, as the rollout padded them
+    prompt_mask: torch.Tensor  # [n, P]
+    index: torch.Tensor  # [n] which of the rollout's distinct prompts each row is
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values) [n, heads, P - 1, d]
+    weights: tuple[tuple[int, int], ...]  # (identity, version) of each trainable parameter when computed
+    cache_class: type  # the model's cache (a transformers ``DynamicCache``): built from (keys, values) per layer
+
+
+def trainable_weights(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
+    """Which tensor each trainable parameter is, and its in-place version counter (an optimizer step
+    moves it): a kept prefill is of these weights exactly, or stale."""
+    return tuple((id(p), p._version) for p in model.parameters() if p.requires_grad)
+
+
+def keep_prefills(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                  segments: Sequence[Hashable]) -> tuple[PromptPrefill, ...]:
+    """The prefill of every prompt but its last column WITH its graph, one forward per segment (the
+    update runs one graph per task in ``low_memory`` mode, so each task's backward must reach only its
+    own prompts' graph). prompt_ids, prompt_mask: [n, P] left-padded, P >= 2; segments: [n] labels."""
+    out = []
+    weights = trainable_weights(model)
+    with torch.enable_grad():
+        for label in dict.fromkeys(segments):
+            index = torch.tensor([i for i, s in enumerate(segments) if s == label], device=prompt_ids.device)
+            ids, mask = prompt_ids[index], prompt_mask[index]
+            cache = model(
+                input_ids=ids[:, :-1],
+                attention_mask=model_attention_mask(model, mask[:, :-1], ids.shape[1] - 1),
+                position_ids=position_ids_from_mask(mask)[:, :-1],
+                logits_to_keep=1,
+                use_cache=True,
+            ).past_key_values
+            layers = tuple((layer.keys, layer.values) for layer in cache.layers)
+            out.append(PromptPrefill(ids, mask, index, layers, weights, type(cache)))
+    return tuple(out)
+
+
+def decode_cache(model: torch.nn.Module, prefills: Sequence[PromptPrefill], repeats: int):
+    """The kept prefills as the decode loop's cache, without their graph: row ``i`` is distinct prompt
+    ``i // repeats`` (as ``prefilled_cache``)."""
+    index = torch.cat([p.index for p in prefills])
+    order = torch.argsort(index).repeat_interleave(repeats)
+    layers = [
+        tuple(torch.cat([p.layers[i][kv] for p in prefills]).detach()[order] for kv in (0, 1))
+        for i in range(len(prefills[0].layers))
+    ]
+    return prefills[0].cache_class(layers, config=model.config)
+
+
+def _prefilled_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      completion_width: int, prefills: Sequence[PromptPrefill]) -> torch.Tensor:
+    """``shared_prefix_logits`` on kept prefills: each row's prompt is found among them by content."""
+    prompt_width = input_ids.shape[1] - completion_width
+    if trainable_weights(model) != prefills[0].weights:
+        raise PrefillError("shared_prefix_logits: the kept prefill is of other weights (another model, or these "
+                           "moved since the rollout); it serves only its own model's update of its own step")
+    if prefills[0].prompt_ids.shape[1] != prompt_width:
+        raise PrefillError(f"shared_prefix_logits: kept prefills are of prompts {prefills[0].prompt_ids.shape[1]} "
+                           f"columns wide, these rows' prompts {prompt_width}: pass the rollout's own rows")
+    prompts, mask = input_ids[:, :prompt_width], attention_mask[:, :prompt_width]
+    used, offset = [], 0
+    found = torch.full((input_ids.shape[0],), -1, dtype=torch.long, device=input_ids.device)
+    for prefill in prefills:
+        match = ((prompts[:, None] == prefill.prompt_ids[None]) & (mask[:, None] == prefill.prompt_mask[None])).all(-1)
+        hit = match.any(dim=1) & (found < 0)  # [B]
+        if hit.any():
+            found[hit] = offset + match.int().argmax(dim=1)[hit]
+            used.append(prefill)
+            offset += prefill.prompt_ids.shape[0]
+    if bool((found < 0).any()):
+        raise PrefillError(f"shared_prefix_logits: rows {(found < 0).nonzero().flatten().tolist()} have a prompt "
+                           "that no kept prefill has; pass the rollout's own rows or no prefills")
+    layers = [tuple(used[0].layers[i][kv] if len(used) == 1 else torch.cat([p.layers[i][kv] for p in used])
+                    for kv in (0, 1)) for i in range(len(used[0].layers))]
+    cache = used[0].cache_class(layers, config=model.config)
+    cache.reorder_cache(found)  # index_select: every row gets its prompt's keys and values
+    positions = position_ids_from_mask(attention_mask)
+    return model(
+        input_ids=input_ids[:, prompt_width - 1 : -1],
+        attention_mask=model_attention_mask(model, attention_mask[:, :-1], completion_width),
+        position_ids=positions[:, prompt_width - 1 : -1],
+        past_key_values=cache,
+        use_cache=True,
+    ).logits

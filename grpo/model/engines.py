@@ -10,7 +10,7 @@ extra that needs CUDA.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,13 +18,15 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import RolloutConfig, SamplingConfig
-from grpo.model.rollout import Rollout, generate_rollout
+from grpo.core.prefix import PromptPrefill
+from grpo.model.rollout import Rollout, sample_rollout
 
 
 @dataclass(frozen=True)
 class EngineRollout:
     rollout: Rollout
     sampler_logprobs: torch.Tensor | None  # [N, C] log-probs the engine sampled with; None: the trainer's
+    prefills: tuple[PromptPrefill, ...] = ()  # the trainer's prefill with its graph, when asked and kept
 
 
 class RolloutEngine(Protocol):
@@ -33,8 +35,11 @@ class RolloutEngine(Protocol):
     name: str
 
     def generate(self, prompts: Sequence[Sequence[int]], group_size: int, sampling: SamplingConfig,
-                 eos_ids: Sequence[int], seed: int) -> EngineRollout:
-        """``group_size`` completions per prompt (ids from ``chat.render_prompt``), seeded by ``seed``."""
+                 eos_ids: Sequence[int], seed: int, keep_segments: Sequence[Hashable] | None = None) -> EngineRollout:
+        """``group_size`` completions per prompt (ids from ``chat.render_prompt``), seeded by ``seed``.
+        ``keep_segments`` (a label per prompt): keep the trainer's prefill of the prompts, one graph per
+        label, for the update to reuse (``rollout.sample_rollout``); an engine that does not prefill on
+        the trainer's model returns none."""
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Make the engine sample from ``model``'s current weights (after every optimizer step)."""
@@ -50,10 +55,10 @@ class HFEngine:
         self.model, self.tokenizer, self.shared_prefill = model, tokenizer, shared_prefill
 
     def generate(self, prompts: Sequence[Sequence[int]], group_size: int, sampling: SamplingConfig,
-                 eos_ids: Sequence[int], seed: int) -> EngineRollout:
-        rollout = generate_rollout(self.model, self.tokenizer, prompts, group_size, sampling, eos_ids, seed,
-                                   shared_prefill=self.shared_prefill)
-        return EngineRollout(rollout, None)
+                 eos_ids: Sequence[int], seed: int, keep_segments: Sequence[Hashable] | None = None) -> EngineRollout:
+        rollout, prefills = sample_rollout(self.model, self.tokenizer, prompts, group_size, sampling, eos_ids, seed,
+                                           shared_prefill=self.shared_prefill, keep_segments=keep_segments)
+        return EngineRollout(rollout, None, prefills)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         if model is not self.model:

@@ -89,3 +89,15 @@ def describe(model: PreTrainedModel, device: torch.device, bf16: bool) -> str:
     checkpointing = getattr(model, "is_gradient_checkpointing", False)
     return (f"weights {str(weights).removeprefix('torch.')}, compute {compute}, attention {attention}, "
             f"gradient checkpointing {'on' if checkpointing else 'off'}, device {device}")
+
+
+DROPOUT_RATES = ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")
+
+
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether a training-mode forward of ``model`` is random: a dropout module with p > 0 (LoRA's
+    included) or a dropout rate in its config that attention applies in training."""
+    config = getattr(model, "config", None)
+    rates = [getattr(config, name, 0.0) for name in DROPOUT_RATES]
+    return any(isinstance(r, (int, float)) and r > 0 for r in rates) or any(
+        isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())

@@ -8,7 +8,7 @@ and including the first stop token. Decoded texts are for the rewards, never fed
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo.config import SamplingConfig
 from grpo.core.advantages import group_rows, per_row
 from grpo.core.batching import PaddedBatch, completion_ids_from_generated, completion_mask, left_pad
-from grpo.core.prefix import prefilled_cache
+from grpo.core.prefix import PromptPrefill, decode_cache, keep_prefills, prefilled_cache
 from grpo.errors import GrpoError
 from grpo.model.chat import end_of_turn_ids
 from grpo.model.decode import decode
@@ -94,28 +94,52 @@ def generate_rollout(
     prefilled once and its key/value cache repeated G times (``prefix.prefilled_cache``); the logits,
     hence the sampled tokens, are those of a plain prefill.
     """
+    return sample_rollout(model, tokenizer, prompts, group_size, sampling, eos_ids, seed, greedy,
+                          shared_prefill)[0]
+
+
+@torch.no_grad()
+def sample_rollout(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    group_size: int,
+    sampling: SamplingConfig,
+    eos_ids: Sequence[int],
+    seed: int,
+    greedy: bool = False,
+    shared_prefill: bool = False,
+    keep_segments: Sequence[Hashable] | None = None,
+) -> tuple[Rollout, tuple[PromptPrefill, ...]]:
+    """``generate_rollout``, and with ``keep_segments`` (a label per prompt, e.g. its task) the
+    prefill kept with its graph, one per label (``prefix.keep_prefills``), for the update's policy
+    pass to reuse: the same weights on the same prompts, so running them again would repeat the work."""
     repeated = per_row([list(p) for p in prompts], group_size)
     prompt = left_pad(repeated, tokenizer.pad_token_id)
     device = next(model.parameters()).device
-    cache = {}
+    cache, kept = {}, ()
     prompt_width = prompt.input_ids.shape[1]
     processors, suppressor = build_logits_processors(prompt_width, eos_ids, sampling)
     was_training = model.training
     model.eval()
+    distinct = prompt.input_ids[::group_size].to(device), prompt.attention_mask[::group_size].to(device)
+    if shared_prefill and keep_segments is not None and prompt_width > 1:
+        # Outside ``cast_frozen_weights_once``: it marks the frozen weights as requiring grad.
+        kept = keep_prefills(model, *distinct, keep_segments)
+        cache = {"past_key_values": decode_cache(model, kept, group_size)}
     # The seed is an argument: sampling never depends on (or moves) the global generator.
     devices = [device] if device.type == "cuda" else []
     # A bf16 CPU decode casts each weight once, not at every token (``cast_frozen_weights_once``).
     with torch.random.fork_rng(devices=devices), cast_frozen_weights_once(model):
         torch.manual_seed(seed)
-        if shared_prefill and prompt.input_ids.shape[1] > 1:
-            distinct = prompt.input_ids[::group_size].to(device), prompt.attention_mask[::group_size].to(device)
+        if shared_prefill and not kept and prompt_width > 1:
             cache = {"past_key_values": prefilled_cache(model, *distinct, group_size)}
         sequences = decode(
             model, prompt.input_ids.to(device), prompt.attention_mask.to(device), sampling, eos_ids,
             tokenizer.pad_token_id, processors, greedy=greedy, **cache,
         )
     model.train(was_training)
-    return rollout_from_sequences(tokenizer, prompt, sequences, eos_ids, suppressor, group_size, sampling)
+    return rollout_from_sequences(tokenizer, prompt, sequences, eos_ids, suppressor, group_size, sampling), kept
 
 
 def rollout_from_sequences(

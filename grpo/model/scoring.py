@@ -11,7 +11,7 @@ Nothing here reads ``grpo.sampling.temperature``: a scorer cannot disagree with 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 
 from grpo.core.batching import join_prompt_completion
 from grpo.core.logprobs import Scored, score_completions
+from grpo.core.prefix import PromptPrefill
 from grpo.errors import GrpoError
 from grpo.model.rollout import Rollout
 
@@ -69,16 +70,17 @@ def adapter_disabled(model: torch.nn.Module) -> Iterator[None]:
 
 
 def score_inputs(model: torch.nn.Module, inputs: RolloutInputs, adapter: bool = True,
-                 shared_prefix: bool = False) -> Scored:
+                 shared_prefix: bool = False, prefills: Sequence[PromptPrefill] = ()) -> Scored:
     """Log-probs and entropy of the completions under ``softmax(z / inputs.temperature)``.
 
     ``adapter=False`` scores the reference (I9): the same peft model with its LoRA adapter disabled.
-    ``shared_prefix``: each distinct prompt runs once and its completions against its cache (exact).
+    ``shared_prefix``: each distinct prompt runs once and its completions against its cache (exact);
+    ``prefills``: the rollout's kept prefills of the prompts stand in for that prompt pass (``core.prefix``).
     """
     context = contextlib.nullcontext() if adapter else adapter_disabled(model)
     with context:
         return score_completions(model, inputs.input_ids, inputs.attention_mask, inputs.completion_mask.shape[1],
-                                 inputs.temperature, shared_prefix=shared_prefix)
+                                 inputs.temperature, shared_prefix=shared_prefix, prefills=prefills)
 
 
 def score_reference(model: torch.nn.Module, inputs: RolloutInputs, reference: torch.nn.Module | None = None,

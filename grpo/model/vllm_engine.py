@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -126,8 +126,9 @@ class VLLMEngine:
         self._sleep()
 
     def generate(self, prompts: Sequence[Sequence[int]], group_size: int, sampling: SamplingConfig,
-                 eos_ids: Sequence[int], seed: int) -> EngineRollout:
-        """One request per completion, each seeded by (seed, row), so a run is reproducible."""
+                 eos_ids: Sequence[int], seed: int, keep_segments: Sequence[Hashable] | None = None) -> EngineRollout:
+        """One request per completion, each seeded by (seed, row), so a run is reproducible. vLLM
+        prefills with its own kernels, not the trainer's graph: ``keep_segments`` keeps nothing."""
         repeated = [list(p) for p in prompts for _ in range(group_size)]
         requests = [{"prompt_token_ids": ids} for ids in repeated]
         params = [self.vllm.SamplingParams(**sampling_kwargs(sampling, eos_ids, seed + row))

@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 
 from grpo.core.advantages import group_rows
+from grpo.core.prefix import PromptPrefill
 from grpo.model.rollout import Rollout, concat_rollouts, select_groups
 
 DrawFn = Callable[[list[dict], int], "Draw"]
@@ -36,6 +37,7 @@ class Draw:
     advantages: torch.Tensor  # [N]
     stats: dict[str, float]
     is_weights: torch.Tensor | None = None  # [N, C] truncated IS weights when another engine sampled
+    prefills: tuple[PromptPrefill, ...] = ()  # the rollout's prefill kept for the update; a selection drops it
 
     def informative_groups(self) -> list[int]:
         """Groups whose rewards are not all equal (the ones with a non-zero advantage possible)."""

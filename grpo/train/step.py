@@ -22,8 +22,10 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import Config
 from grpo.core.advantages import group_advantages, per_row
+from grpo.core.attention import takes_prepared_mask
 from grpo.core.losses import LossTerms, policy_loss_terms
 from grpo.core.multitask import TaskLoss, multitask_backward
+from grpo.core.prefix import PromptPrefill
 from grpo.core.timing import PhaseTimer, untimed
 from grpo.data.prompts import example_messages
 from grpo.data.schema import TASKS
@@ -31,7 +33,7 @@ from grpo.errors import GrpoError
 from grpo.health.metrics import completion_stats, merge_process_metrics, task_reward_stats
 from grpo.model.chat import render_prompt
 from grpo.model.engines import HFEngine, RolloutEngine
-from grpo.model.precision import bf16_autocast
+from grpo.model.precision import bf16_autocast, has_dropout
 from grpo.model.scoring import RolloutInputs, rollout_inputs, score_inputs, score_reference
 from grpo.rewards import group_rewards
 from grpo.seeding import derive_seed
@@ -85,6 +87,7 @@ class ScoredBatch:
     ref_logprobs: torch.Tensor | None  # [N, C]; None when beta == 0
     rows: dict[str, torch.Tensor]  # task -> row indices [n_task], only tasks with rows
     is_weights: torch.Tensor | None = None  # [N, C] truncated IS weights; None when the trainer sampled
+    prefills: tuple[PromptPrefill, ...] = ()  # the rollout's prefill kept for the policy pass (``reuses_prefill``)
 
     @property
     def completion_mask(self) -> torch.Tensor:  # [N, C] bool
@@ -119,8 +122,9 @@ def draw(ctx: StepContext, records: list[dict], seed: int, timer: Callable = unt
     prompts = [render_prompt(ctx.tokenizer, example_messages(r), **cfg.model.chat_template_kwargs)
                for r in records]
     engine = ctx.engine or HFEngine(ctx.model, ctx.tokenizer, shared_prefill=cfg.grpo.shared_prefix)
+    keep = {"keep_segments": [r["task"] for r in records]} if reuses_prefill(ctx) else {}
     with timer("generate"), ctx.autocast():
-        sampled = engine.generate(prompts, cfg.grpo.group_size, cfg.grpo.sampling, ctx.eos_ids, seed)
+        sampled = engine.generate(prompts, cfg.grpo.group_size, cfg.grpo.sampling, ctx.eos_ids, seed, **keep)
     rollout, group = sampled.rollout, cfg.grpo.group_size
     with timer("reward"):
         rewards = torch.tensor(group_rewards(rollout.texts, records, group, cfg.rewards.weights))
@@ -131,7 +135,22 @@ def draw(ctx: StepContext, records: list[dict], seed: int, timer: Callable = unt
                                                  rollout.temperature, cfg.grpo.rollout)
         stats |= correction
     tasks = row_tasks(records, group)
-    return Draw(rollout, list(records), rewards, advantages, stats | task_reward_stats(rewards, tasks), weights)
+    return Draw(rollout, list(records), rewards, advantages, stats | task_reward_stats(rewards, tasks), weights,
+                sampled.prefills)
+
+
+def reuses_prefill(ctx: StepContext) -> bool:
+    """Whether the update's policy pass may reuse the rollout's prefill (``core.prefix.PromptPrefill``):
+    only where a fresh pass would be the very same computation and each prompt's graph is traversed by
+    the backward of its own task once. So: the trainer's model samples (the hf engine), one optimizer
+    step on one micro-batch per rollout (the weights are the rollout's), one process (DDP and FSDP wrap
+    the forward the update runs), a full-attention model that takes the prepared 4D mask, no gradient
+    checkpointing, and no dropout (the rollout runs in eval mode, the update in train mode)."""
+    cfg, model = ctx.cfg.grpo, ctx.model
+    return (cfg.shared_prefix and cfg.reuse_prefill and (ctx.engine is None or isinstance(ctx.engine, HFEngine))
+            and cfg.num_iterations == 1 and cfg.grad_accum == 1 and ctx.accelerator.num_processes == 1
+            and not grad_space(model, ctx.accelerator).sharded and takes_prepared_mask(model)
+            and not getattr(model, "is_gradient_checkpointing", False) and not has_dropout(model))
 
 
 def _stored_logprobs(ctx: StepContext, inputs: RolloutInputs, adapter: bool) -> torch.Tensor:
@@ -155,7 +174,7 @@ def prepare_batch(ctx: StepContext, sampled: Draw) -> ScoredBatch:
             for t in TASKS}
     weights = None if sampled.is_weights is None else sampled.is_weights.to(device)
     return ScoredBatch(inputs, sampled.advantages.to(device), old, ref, {t: r for t, r in rows.items() if len(r)},
-                       weights)
+                       weights, sampled.prefills if reuses_prefill(ctx) else ())
 
 
 def global_totals(ctx: StepContext, batch: ScoredBatch) -> Totals:
@@ -196,7 +215,8 @@ def _task_losses(ctx: StepContext, batch: ScoredBatch, totals: Totals, subset: t
         return {}
     rows = torch.cat([p[0] for p in parts.values()])
     with ctx.autocast():
-        scored = score_inputs(ctx.model, batch.inputs.rows(rows), shared_prefix=ctx.cfg.grpo.shared_prefix)
+        scored = score_inputs(ctx.model, batch.inputs.rows(rows), shared_prefix=ctx.cfg.grpo.shared_prefix,
+                              prefills=batch.prefills)
     out, offset = {}, 0
     for task, (idx, share) in parts.items():
         here = slice(offset, offset + len(idx))

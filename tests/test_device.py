@@ -1,0 +1,46 @@
+"""grpo/model/device.py: the C allocator keeps what a step frees (no page faults to refill it each step)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+REFILL = """
+import resource, sys, torch
+if sys.argv[1] == "retain":
+    from grpo.model.device import retain_freed_memory
+    assert retain_freed_memory()
+torch.ones(16 << 20)  # 64 MB, as a step's largest activations come and go
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    torch.ones(16 << 20)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def page_faults(mode: str) -> int:
+    done = subprocess.run([sys.executable, "-c", REFILL, mode], cwd=ROOT, capture_output=True, text=True, check=True)
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_retained_memory_is_not_faulted_in_again_at_every_allocation():
+    """By default glibc maps a 64 MB block fresh at each allocation (16384 page faults each time);
+    with ``retain_freed_memory`` the freed block is reused."""
+    default, retained = page_faults("default"), page_faults("retain")
+    assert default >= 4 * 16384 * 0.9
+    assert retained * 3 < default
+
+
+def test_make_accelerator_on_cpu_retains_freed_memory(monkeypatch):
+    import grpo.model.device as device
+
+    calls = []
+    monkeypatch.setattr(device.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(device, "retain_freed_memory", lambda: calls.append(True) or True)
+    assert device.make_accelerator().device.type == "cpu"
+    assert calls == [True]
