@@ -185,3 +185,38 @@ def test_decode_cache_of_kept_prefills_is_the_prefilled_cache(tiny_model, tiny_t
         assert not mine.keys.requires_grad
         torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=1e-6)
         torch.testing.assert_close(mine.values, theirs.values, rtol=0, atol=1e-6)
+
+
+def test_kept_prefill_on_a_qwen_architecture(tiny_tokenizer):
+    """The same on a shrunk Qwen2.5 (biased q/k/v projections, its own cache layers, eager and sdpa)."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo.core.prefix import keep_prefills
+    from grpo.model.architectures import preset_config
+
+    shrunk = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 512}
+    input_ids, attention_mask, completion_mask = grouped_batch(tiny_tokenizer.pad_token_id)
+    width = input_ids.shape[1] - WIDTH
+    for implementation in ("sdpa_grouped", "eager"):
+        torch.manual_seed(0)
+        config = preset_config("qwen2.5-0.5b", shrunk, attn_implementation=implementation)
+        model = wrap_lora(AutoModelForCausalLM.from_config(config),
+                          config_from_dict({"model": {"lora": {"r": 2, "alpha": 4}}}).model.lora)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+        model.train()
+        plain, plain_loss, plain_grads = scored_with_grads(model, input_ids, attention_mask, completion_mask, WIDTH,
+                                                           shared_prefix=False)
+        model.zero_grad(set_to_none=True)
+        kept = keep_prefills(model, input_ids[::G, :width], attention_mask[::G, :width], ["x", "y", "x"])
+        scored = score_completions(model, input_ids, attention_mask, WIDTH, TEMPERATURE, shared_prefix=True,
+                                   prefills=kept)
+        loss = -(scored.logprobs * completion_mask).sum() - 0.3 * (scored.entropy * completion_mask).sum()
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+        torch.testing.assert_close(scored.logprobs[completion_mask], plain.logprobs[completion_mask], rtol=0, atol=1e-5)
+        torch.testing.assert_close(grads, plain_grads, rtol=0, atol=1e-5)
+        assert plain_grads.abs().max() > 1e-4, implementation
