@@ -229,7 +229,8 @@ def test_step_reports_the_time_of_every_phase(tiny_model, tiny_tokenizer, record
     ({"shared_prefix": False}, False),
     ({"num_iterations": 2}, False),  # the second optimizer step would score with moved weights
     ({"grad_accum": 2}, False),  # each micro-batch's backward would run through the same prompt graph
-], ids=["default", "off", "no-shared-prefix", "two-iterations", "two-micro-batches"])
+    ({"dynamic_sampling": "filter"}, False),  # the selected groups are a new rollout: the graph would be waste
+], ids=["default", "off", "no-shared-prefix", "two-iterations", "two-micro-batches", "dynamic-sampling"])
 def test_the_rollouts_prefill_is_kept_only_where_the_update_would_repeat_it(tiny_model, tiny_tokenizer, records,
                                                                              grpo, kept):
     ctx = make_context(tiny_model, tiny_tokenizer, **grpo)

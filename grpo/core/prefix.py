@@ -97,16 +97,20 @@ def prefilled_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
     ``repeats`` times (row ``i`` of the result is prompt ``i // repeats``), for ``generate``: given
     it, ``generate`` runs only the last prompt column and the new tokens. prompt_ids, prompt_mask: [n, P]
     left-padded, P >= 2. Positions as ``generate`` counts them (real tokens only)."""
-    out = model(
+    cache = _prefill(model, prompt_ids, prompt_mask)
+    cache.batch_repeat_interleave(repeats)
+    return cache
+
+
+def _prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """The model's key/value cache of every column of the prompts [n, P] but the last."""
+    return model(
         input_ids=prompt_ids[:, :-1],
         attention_mask=model_attention_mask(model, prompt_mask[:, :-1], prompt_ids.shape[1] - 1),
         position_ids=position_ids_from_mask(prompt_mask)[:, :-1],
         logits_to_keep=1,
         use_cache=True,
-    )
-    cache = out.past_key_values
-    cache.batch_repeat_interleave(repeats)
-    return cache
+    ).past_key_values
 
 
 @dataclass(frozen=True)
@@ -141,13 +145,7 @@ def keep_prefills(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask:
         for label in dict.fromkeys(segments):
             index = torch.tensor([i for i, s in enumerate(segments) if s == label], device=prompt_ids.device)
             ids, mask = prompt_ids[index], prompt_mask[index]
-            cache = model(
-                input_ids=ids[:, :-1],
-                attention_mask=model_attention_mask(model, mask[:, :-1], ids.shape[1] - 1),
-                position_ids=position_ids_from_mask(mask)[:, :-1],
-                logits_to_keep=1,
-                use_cache=True,
-            ).past_key_values
+            cache = _prefill(model, ids, mask)
             layers = tuple((layer.keys, layer.values) for layer in cache.layers)
             out.append(PromptPrefill(ids, mask, index, layers, weights, type(cache)))
     return tuple(out)
