@@ -262,6 +262,12 @@ class PretrainConfig(OptimizerConfig):
     polarities of a fairness scene), not only its own. Measured (README): the same in-distribution reading
     from half the steps, and on the 3.2M model fairness read on training scenes; on the 1.0M default it
     made SFT abstain more on eval (it teaches mostly abstentions), so params.yaml leaves it off."""
+    chat_tasks: list[Literal["fairness", "hallucination"]] = Field(default_factory=list)
+    """Tasks whose pretraining records are the chat conversation SFT and GRPO render (system turn, user
+    turn with its instruction, the answer; loss on every token) instead of the plain text. The 1M model
+    reads only in the layout it was pretrained in; measured (README): with ``[fairness]`` SFT reads
+    ambiguity in the chat prompt, which it never did from plain-text pretraining. A chat-rendered
+    record asks only its own question (``every_question`` applies to the plain texts)."""
 
 
 # --------------------------------------------------------------------------- grpo

@@ -14,7 +14,7 @@ from grpo.data.prompts import sft_target
 from grpo.data.synthetic_fairness import templates_for
 from grpo.data.synthetic_grounded import NAME_PARTS
 from grpo.errors import GrpoError
-from grpo.train.pretrain import pretrain_examples, pretrain_records, pretraining_text, run
+from grpo.train.pretrain import pretrain_examples, pretrain_records, pretraining_text, run, tokenizer_corpus
 
 TINY = {"vocab_size": 400, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
@@ -72,6 +72,50 @@ def test_examples_are_the_plain_record_text_with_the_loss_on_every_token(tmp_pat
         assert text.count("Question: ") == 1, "one question unless pretrain.every_question"
         if record["task"] == "fairness":
             assert all(f"{letter}. {choice}" in text for letter, choice in zip("ABC", record["choices"], strict=True))
+
+
+def test_chat_task_records_are_the_sft_conversation_with_the_loss_on_every_token(tmp_path, tiny_tokenizer):
+    """``pretrain.chat_tasks``: those tasks' records are exactly the ids the SFT stage builds (its prompt
+    is the one GRPO samples from), with the loss on every token; the other task stays plain text."""
+    from grpo.data.prompts import example_messages
+    from grpo.model.chat import render_prompt
+    from grpo.train.supervised import build_examples
+
+    cfg = config_from_dict({**_cfg(tmp_path, 8).model_dump(), "pretrain": {"records": 8, "chat_tasks": ["fairness"]}})
+    records = [r.model_dump() for r in pretrain_records(cfg)]
+    examples = pretrain_examples(records, tiny_tokenizer, cfg)
+    assert {r["task"] for r in records} == {"fairness", "hallucination"}
+    for record, example in zip(records, examples, strict=True):
+        assert all(example.loss_mask) and len(example.loss_mask) == len(example.ids)
+        if record["task"] == "fairness":
+            (sft,) = build_examples([record], tiny_tokenizer, 512, cfg.model.chat_template_kwargs)
+            assert example.ids == sft.ids
+            prompt = render_prompt(tiny_tokenizer, example_messages(record))
+            assert example.ids[: len(prompt)] == prompt
+            assert tiny_tokenizer.decode(example.ids[len(prompt):-1]) == sft_target(record)
+        else:
+            assert tiny_tokenizer.decode(example.ids[1:-1]) == pretraining_text(record)
+
+
+def test_the_tokenizer_learns_the_prompt_words_it_reads_in_every_record(tmp_path):
+    """The base stage trains the embedded tokenizer on the training records as the model reads them
+    (system prompt, user turn, answer): the prompt's fixed words, in every record, become whole tokens."""
+    from grpo.data import prepare
+    from grpo.data.prompts import FAIRNESS_INSTRUCTION, HALLUCINATION_INSTRUCTION, SYSTEM_PROMPT
+    from grpo.model.modeling import load_tokenizer
+
+    cfg = _cfg(tmp_path, 0, n_train=40, n_eval=4)
+    assert prepare.run(cfg) == 0
+    corpus = list(tokenizer_corpus(cfg))
+    assert corpus.count(SYSTEM_PROMPT) == 40
+    assert sum(text.endswith(FAIRNESS_INSTRUCTION) for text in corpus) == 20
+    assert sum(text.endswith(HALLUCINATION_INSTRUCTION) for text in corpus) == 20
+    assert run(cfg) == 0
+    tokenizer = load_tokenizer(tmp_path / "models_dir" / "base", cfg.model)
+    for text in (SYSTEM_PROMPT, FAIRNESS_INSTRUCTION, HALLUCINATION_INSTRUCTION, "Context:", "Question:", "Options:"):
+        pieces = tokenizer.encode(text, add_special_tokens=False)
+        words_and_marks = re.findall(r"\w+|[^\w\s]", text)
+        assert len(pieces) <= len(words_and_marks) + 1, (text, tokenizer.convert_ids_to_tokens(pieces))
 
 
 def test_a_text_longer_than_the_model_is_an_error_that_names_the_key(tmp_path, tiny_tokenizer):

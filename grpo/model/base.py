@@ -5,8 +5,7 @@ The stage itself (``grpo/train/pretrain.py``) calls ``build_base`` and then pret
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -16,19 +15,6 @@ from grpo.config import Config
 from grpo.model.architectures import build_architecture, count_parameters, tokenizer_folder
 from grpo.model.modeling import build_tiny, load_model, load_tokenizer, save_model, write_pointer
 
-TEXT_FIELDS = ("context", "question", "answer")
-
-
-def corpus_texts(train_file: Path) -> Iterator[str]:
-    """The text fields of the training records (the tokenizer's own training text)."""
-    if not train_file.is_file():
-        return
-    with train_file.open(encoding="utf-8") as lines:
-        for line in lines:
-            record = json.loads(line)
-            yield from (record[key] for key in TEXT_FIELDS if record.get(key))
-            yield from record.get("choices") or ()
-
 
 def base_inputs(cfg: Config) -> dict[str, Path]:
     """What ``models/base`` is made from: a preset's real tokenizer, or ``paths.stage_inputs``."""
@@ -37,9 +23,12 @@ def base_inputs(cfg: Config) -> dict[str, Path]:
     return paths.stage_inputs(cfg, "base")
 
 
-def build_base(cfg: Config, out: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase] | None:
+def build_base(
+    cfg: Config, out: Path, corpus: Iterable[str] = ()
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase] | None:
     """Write the configured base model to ``out``; return the embedded tiny model and its tokenizer
-    (the one ``grpo/train/pretrain.py`` may pretrain), None for a preset or a resolved model."""
+    (the one ``grpo/train/pretrain.py`` may pretrain), None for a preset or a resolved model.
+    ``corpus`` is the text the embedded tokenizer is trained on (unused by other models)."""
     if cfg.model.architecture is not None:
         model, tokenizer = build_architecture(cfg.model, cfg.seed)
         save_model(model, tokenizer, out)
@@ -47,8 +36,7 @@ def build_base(cfg: Config, out: Path) -> tuple[PreTrainedModel, PreTrainedToken
               f"parameters, {cfg.model.dtype}) and its real tokenizer written to {out}")
         return None
     if cfg.model.name_or_path is None:
-        texts = corpus_texts(paths.data_file(cfg, "train"))
-        model, tokenizer = build_tiny(out, texts, cfg.model.tiny, cfg.seed)
+        model, tokenizer = build_tiny(out, corpus, cfg.model.tiny, cfg.seed)
         print(f"base: embedded tiny Llama ({count_parameters(model) / 1e6:.2f}M parameters) written to {out}")
         return model, tokenizer
     # Load once so a bad path or a missing chat template fails here, not in SFT.
