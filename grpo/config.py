@@ -253,8 +253,8 @@ class SftConfig(OptimizerConfig):
 
 class PretrainConfig(OptimizerConfig):
     records: int = Field(0, ge=0)
-    """Generated training-split records the embedded model learns as plain text, loss on every token, in the
-    ``base`` stage (``grpo/train/pretrain.py``); 0 leaves it with random weights. Other models ignore it."""
+    """Generated training-split records the embedded model learns, loss on every token, in the ``base``
+    stage (``grpo/train/pretrain.py``); 0 leaves it with random weights. Other models ignore it."""
     epochs: int = Field(1, ge=1)
     """Passes over the pretraining records."""
     every_question: bool = False
