@@ -47,6 +47,16 @@ def test_corpus_is_generated_training_split_text_with_the_sft_noise(tmp_path):
     assert sum(r.sft_answer != r.answer for r in unanswerable) == round(0.5 * len(unanswerable))
 
 
+def test_pretrain_fairness_fraction_sets_the_corpus_mix_and_defaults_to_the_datas(tmp_path):
+    def fair(cfg):
+        return sum(r.task == "fairness" for r in pretrain_records(cfg))
+
+    assert fair(_cfg(tmp_path, 40, fairness_fraction=0.75)) == 30
+    mixed = config_from_dict({**_cfg(tmp_path, 40, fairness_fraction=0.75).model_dump(),
+                              "pretrain": {"records": 40, "fairness_fraction": 0.3}})
+    assert fair(mixed) == 12 and len(pretrain_records(mixed)) == 40
+
+
 def test_corpus_differs_from_the_prepared_train_split_and_is_reproducible(tmp_path):
     from grpo.data.prepare import build_records
 

@@ -68,12 +68,14 @@ def tokenizer_corpus(cfg: Config) -> Iterator[str]:
 def pretrain_records(cfg: Config) -> list[Record]:
     """``pretrain.records`` generated training-split records, SFT targets filled and noised as in prepare.
 
-    ``data.fairness_fraction`` of them are fairness items, ``data.answerable_fraction`` of the rest are
-    answerable; the seed is derived from ``seed``, so the corpus differs from the prepared train split.
+    ``pretrain.fairness_fraction`` (else ``data.fairness_fraction``) of them are fairness items,
+    ``data.answerable_fraction`` of the rest are answerable; the seed is derived from ``seed``, so the
+    corpus differs from the prepared train split.
     """
     n = cfg.pretrain.records
     seed = derive_seed(cfg.seed, ("pretrain", 0))
-    n_fair = round(n * cfg.data.fairness_fraction)
+    fraction = cfg.pretrain.fairness_fraction
+    n_fair = round(n * (cfg.data.fairness_fraction if fraction is None else fraction))
     fields = generate_fairness(n_fair, "train", seed)
     fields += generate_grounded(n - n_fair, "train", seed, cfg.data.answerable_fraction)
     return apply_sft_noise([make_record(item, "train") for item in fields], cfg.data.sft_noise, seed)
