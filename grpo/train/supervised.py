@@ -24,13 +24,18 @@ from grpo.model.device import to_device
 from grpo.model.precision import bf16_autocast
 
 
+def conversation(record: dict, tokenizer: PreTrainedTokenizerBase, template_kwargs: dict) -> SftExample:
+    """A record as SFT trains on it: the prompt every stage renders, its target and end-of-turn (I1, I2)."""
+    return render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)
+
+
 def build_examples(
     records: Sequence[dict], tokenizer: PreTrainedTokenizerBase, max_length: int, template_kwargs: dict
 ) -> list[SftExample]:
     """Render every record; a conversation longer than ``max_length`` is an error, never cut."""
     examples = []
     for record in records:
-        example = render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)
+        example = conversation(record, tokenizer, template_kwargs)
         if len(example.ids) > max_length:
             raise GrpoError(
                 f"record {record.get('id')}: {len(example.ids)} tokens > sft.max_length={max_length}; "
