@@ -24,18 +24,18 @@ class Mutation(NamedTuple):
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "sft_joins_text_by_hand", "I1", "grpo/train/supervised.py",
-        "        example = render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)\n",
-        "        text = example_messages(record)[-1]['content'] + '\\n\\n' + sft_target(record)\n"
-        "        ids = tokenizer.encode(text) + [tokenizer.eos_token_id]\n"
-        "        example = SftExample(ids, [False] * 3 + [True] * (len(ids) - 3))\n",
+        "    return render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)\n",
+        "    text = example_messages(record)[-1]['content'] + '\\n\\n' + sft_target(record)\n"
+        "    ids = tokenizer.encode(text) + [tokenizer.eos_token_id]\n"
+        "    return SftExample(ids, [False] * 3 + [True] * (len(ids) - 3))\n",
         ("tests/test_stage_invariants.py::test_i1_sft_stage_examples_start_with_the_rl_prompt_ids",),
         "render_parity", retrain_sft=True,
     ),
     Mutation(
         "sft_target_loses_end_of_turn", "I2", "grpo/train/supervised.py",
-        "        example = render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)\n",
-        "        example = render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)\n"
-        "        example = SftExample(example.ids[:-1], example.loss_mask[:-1])\n",
+        "    return render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)\n",
+        "    example = render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)\n"
+        "    return SftExample(example.ids[:-1], example.loss_mask[:-1])\n",
         ("tests/test_stage_invariants.py::test_i2_sft_stage_examples_supervise_the_end_of_turn_token",),
         "render_parity", retrain_sft=True,
     ),
