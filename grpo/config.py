@@ -238,6 +238,11 @@ class OptimizerConfig(Section):
     bf16: bool = False
     """bf16 autocast of the forward pass over fp32 master weights and optimizer state, on GPU and on a CPU
     with native bf16 (AVX512-BF16/AMX; elsewhere fp32, see grpo/model/precision.py). params.yaml sets it."""
+    group_by_length: bool = False
+    """Batch examples of similar length: each epoch's shuffled order is cut into chunks of 50 batches,
+    each chunk sorted by length into batches, and the batches shuffled. Off, a batch pads to its longest
+    of randomly drawn examples; measured on the default pretraining corpus (chat fairness records of ~140
+    tokens among plain texts of ~50), 53 % of the padded tokens were padding, 2 % with it on."""
 
 
 class SftConfig(OptimizerConfig):

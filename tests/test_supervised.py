@@ -12,7 +12,7 @@ from grpo.config import SftConfig, config_from_dict
 from grpo.core.batching import sft_batch
 from grpo.data.prepare import build_records
 from grpo.errors import GrpoError
-from grpo.train.supervised import build_examples, sft_loss, train_sft
+from grpo.train.supervised import LENGTH_GROUP_BATCHES, build_examples, epoch_batches, sft_loss, train_sft
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +69,33 @@ def test_training_lowers_the_loss_and_is_reproducible(records, tiny_model, tiny_
                       accelerator=Accelerator(cpu=True), progress=False)
     assert [h["loss"] for h in again] == [h["loss"] for h in history]
     assert all(torch.equal(a, b) for a, b in zip(tiny_model.parameters(), twin.parameters(), strict=True))
+
+
+def _padded(lengths, batches):
+    return sum(max(lengths[i] for i in batch) * len(batch) for batch in batches)
+
+
+def test_epoch_batches_are_a_plain_shuffle_unless_grouped_by_length():
+    lengths = [10 + (i * 37) % 150 for i in range(2000)]
+    plain = epoch_batches(lengths, 16, torch.Generator().manual_seed(3))
+    order = torch.randperm(2000, generator=torch.Generator().manual_seed(3)).tolist()
+    assert plain == [order[s : s + 16] for s in range(0, 2000, 16)], "off, the order SFT always drew"
+    grouped = epoch_batches(lengths, 16, torch.Generator().manual_seed(3), group_by_length=True)
+    assert sorted(i for batch in grouped for i in batch) == list(range(2000)), "every example once"
+    assert len(grouped) == len(plain) and all(len(batch) <= 16 for batch in grouped)
+    assert _padded(lengths, grouped) < 0.6 * _padded(lengths, plain)
+    # Each batch comes from one chunk of the shuffled order, and the batches are shuffled across chunks.
+    position = {index: p for p, index in enumerate(order)}
+    chunks = [{position[i] // (16 * LENGTH_GROUP_BATCHES) for i in batch} for batch in grouped]
+    assert all(len(chunk) == 1 for chunk in chunks)
+    assert [c.pop() for c in chunks] != sorted(position[b[0]] // (16 * LENGTH_GROUP_BATCHES) for b in grouped)
+    again = epoch_batches(lengths, 16, torch.Generator().manual_seed(3), group_by_length=True)
+    assert again == grouped
+
+
+def test_grouped_training_steps_every_example_and_lowers_the_loss(records, tiny_model, tiny_tokenizer):
+    examples = build_examples(records, tiny_tokenizer, 512, {})
+    cfg = SftConfig(epochs=3, batch_size=4, lr=1e-2, warmup_ratio=0.0, group_by_length=True)
+    history = train_sft(tiny_model, examples, tiny_tokenizer.pad_token_id, cfg, seed=1,
+                        accelerator=Accelerator(cpu=True), progress=False)
+    assert len(history) == 3 * 2 and history[-1]["loss"] < history[0]["loss"]

@@ -66,6 +66,27 @@ def sft_loss(model: PreTrainedModel, batch: SftBatch) -> tuple[torch.Tensor, dic
     return loss, {"loss": loss.item(), "token_accuracy": accuracy.item(), "tokens": int(mask.sum())}
 
 
+LENGTH_GROUP_BATCHES = 50
+"""Batches per length-sorted chunk of ``group_by_length``: long enough that batches pad little, short
+enough that an epoch's order stays random."""
+
+
+def epoch_batches(lengths: Sequence[int], batch_size: int, generator: torch.Generator,
+                  group_by_length: bool = False) -> list[list[int]]:
+    """One epoch's batches of example indices: a random permutation cut in order, or with
+    ``group_by_length`` cut into chunks of ``LENGTH_GROUP_BATCHES`` batches, each chunk sorted by length
+    into batches, and all the batches shuffled. Every index comes once either way."""
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    if not group_by_length:
+        return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    chunk = batch_size * LENGTH_GROUP_BATCHES
+    batches = []
+    for begin in range(0, len(order), chunk):
+        part = sorted(order[begin : begin + chunk], key=lengths.__getitem__)
+        batches.extend(part[start : start + batch_size] for start in range(0, len(part), batch_size))
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+
+
 def train_sft(
     model: PreTrainedModel,
     examples: Sequence[SftExample],
@@ -89,9 +110,9 @@ def train_sft(
     model.train()
     bar = tqdm(total=total, desc=desc, disable=not progress)
     for epoch in range(cfg.epochs):
-        order = torch.randperm(len(examples), generator=generator).tolist()
-        for start in range(0, len(order), cfg.batch_size):
-            batch = sft_batch([examples[i] for i in order[start : start + cfg.batch_size]], pad_id)
+        for rows in epoch_batches([len(example.ids) for example in examples], cfg.batch_size, generator,
+                                  cfg.group_by_length):
+            batch = sft_batch([examples[i] for i in rows], pad_id)
             batch = SftBatch(*to_device(accelerator.device, *batch))
             with bf16_autocast(accelerator.device, cfg.bf16):  # over fp32 master weights
                 loss, stats = sft_loss(model, batch)
