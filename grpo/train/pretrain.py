@@ -10,7 +10,7 @@ question of a context in it) or, for the tasks of ``pretrain.chat_tasks``, the v
 renders: the 1M model reads only in the layout it was pretrained in (README: one extra ``Options:``
 line halves its ambiguous-item reading), so fairness, whose reading must survive into the chat prompt,
 is pretrained in it. Measured on the default (README): SFT answers none of the answerable eval
-questions exactly without pretraining, 27–53 % with it (four seeds).
+questions exactly without pretraining, 26–54 % with it (four seeds).
 
 The embedded tokenizer is trained first, on the training records as the model reads them
 (``tokenizer_corpus``), so the prompt's fixed words are whole tokens.
