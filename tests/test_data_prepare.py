@@ -95,11 +95,12 @@ def test_a_source_too_small_for_the_sizes_says_how_to_fix(tmp_path):
 def test_cli_prepare_then_validate(tmp_path, capsys):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({
-        "paths": {"data_dir": str(tmp_path / "data"), "reports_dir": str(tmp_path / "reports")},
+        "paths": {name: str(tmp_path / name.removesuffix("_dir")) for name in ("data_dir", "reports_dir", "metrics_dir")},
         "data": {"n_train": 40, "n_eval": 20, "checks": {"data_docs": False}},
     }))
     assert main(["prepare", "--params", str(params)]) == 0
     assert main(["validate", "--params", str(params)]) == 0
+    assert json.loads((tmp_path / "metrics" / "key" / "validate.json").read_text())["rows"] == 60
     # A broken file makes the command fail with the rule in its message.
     train = tmp_path / "data" / "train.jsonl"
     train.write_text(train.read_text().replace('"task": "fairness"', '"task": "fair"', 1))
