@@ -96,6 +96,13 @@ def test_epoch_batches_are_a_plain_shuffle_unless_grouped_by_length():
 def test_grouped_training_steps_every_example_and_lowers_the_loss(records, tiny_model, tiny_tokenizer):
     examples = build_examples(records, tiny_tokenizer, 512, {})
     cfg = SftConfig(epochs=3, batch_size=4, lr=1e-2, warmup_ratio=0.0, group_by_length=True)
+    plain = train_sft(copy.deepcopy(tiny_model), examples, tiny_tokenizer.pad_token_id,
+                      cfg.model_copy(update={"group_by_length": False}), seed=1,
+                      accelerator=Accelerator(cpu=True), progress=False)
     history = train_sft(tiny_model, examples, tiny_tokenizer.pad_token_id, cfg, seed=1,
                         accelerator=Accelerator(cpu=True), progress=False)
     assert len(history) == 3 * 2 and history[-1]["loss"] < history[0]["loss"]
+    for epoch in range(3):  # every supervised token once an epoch, in other batches than the plain order's
+        assert sum(h["tokens"] for h in history if h["epoch"] == epoch) == \
+            sum(h["tokens"] for h in plain if h["epoch"] == epoch)
+    assert [h["tokens"] for h in history] != [h["tokens"] for h in plain]

@@ -109,9 +109,9 @@ def train_sft(
     history: list[dict] = []
     model.train()
     bar = tqdm(total=total, desc=desc, disable=not progress)
+    lengths = [len(example.ids) for example in examples]
     for epoch in range(cfg.epochs):
-        for rows in epoch_batches([len(example.ids) for example in examples], cfg.batch_size, generator,
-                                  cfg.group_by_length):
+        for rows in epoch_batches(lengths, cfg.batch_size, generator, cfg.group_by_length):
             batch = sft_batch([examples[i] for i in rows], pad_id)
             batch = SftBatch(*to_device(accelerator.device, *batch))
             with bf16_autocast(accelerator.device, cfg.bf16):  # over fp32 master weights
