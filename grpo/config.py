@@ -92,6 +92,10 @@ class DataConfig(Section):
     """Share of answerable hallucination records in both splits."""
     sft_noise: float = Field(0.25, ge=0.0, le=1.0)
     """Share of ambiguous/unanswerable SFT targets taught the biased/hallucinated answer (the flaw GRPO removes)."""
+    grpo_holdout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Share of the train records kept out of SFT as GRPO's prompts (``grpo.data.select.train_records``).
+    0: SFT and GRPO both read every train record. Above 0, GRPO samples prompts the SFT model never
+    trained on, so its groups are not replays of memorised targets (whose only signal is the SFT noise)."""
     checks: DataChecksConfig = Field(default_factory=DataChecksConfig)
     """Bounds and tolerances of ``grpo validate``."""
 

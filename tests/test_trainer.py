@@ -16,8 +16,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from grpo import paths
 from grpo.config import load_config
+from grpo.data.jsonl import read_records
+from grpo.data.select import train_records
 from grpo.health.metrics import HEALTH_METRICS
+from grpo.train import trainer
 from tests.tiny_project import prepared_project, run_stages
 
 pytestmark = pytest.mark.slow
@@ -186,3 +190,26 @@ def test_lora_off_trains_every_weight_against_the_frozen_sft_model(project, tmp_
         moved = score_completions(policy.model, batch.inputs.input_ids, batch.inputs.attention_mask, width, 1.0).logprobs
     torch.testing.assert_close(batch.ref_logprobs[mask], expected[mask], rtol=0, atol=1e-5)
     assert (moved[mask] - expected[mask]).abs().max() > 1e-4, "the reference would equal the moving policy"
+
+
+def test_grpo_holdout_keeps_grpo_prompts_out_of_sft(tmp_path, monkeypatch):
+    """With ``data.grpo_holdout`` the SFT stage trains on one part of the train records and the GRPO
+    stage samples every prompt from the other: the stage code paths, not the selection helper alone."""
+    params = prepared_project(tmp_path / "p", data={"grpo_holdout": 0.5})
+    cfg = load_config(params)
+    held_out = {r["id"] for r in train_records(cfg, "grpo")}
+    everything = read_records(paths.data_file(cfg, "train"))
+    sft_summary = json.loads(paths.metrics_file(cfg, "sft").read_text())
+    assert 0 < len(held_out) < len(everything)
+    assert sft_summary["examples"] == len(everything) - len(held_out)
+    prompted = []
+    real_step = trainer.grpo_step
+
+    def spy(context, records, *args, **kwargs):
+        prompted.extend(record["id"] for record in records)
+        return real_step(context, records, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "grpo_step", spy)
+    run_stages(params, "train")
+    assert len(prompted) == cfg.grpo.steps * cfg.grpo.prompts_per_step
+    assert set(prompted) <= held_out

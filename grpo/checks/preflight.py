@@ -21,7 +21,7 @@ from grpo.checks.invariants import CHECKS
 from grpo.checks.probes import Check
 from grpo.checks.subject import Subject, make_subject
 from grpo.config import Config
-from grpo.data.jsonl import read_records
+from grpo.data.select import train_records
 from grpo.errors import GrpoError
 from grpo.files import write_atomically
 from grpo.model.modeling import load_model
@@ -57,7 +57,7 @@ def run_checks(cfg: Config) -> dict[str, Any]:
     reference = policy.reference
     if reference is None and not cfg.model.lora.enabled:
         reference = frozen_copy(policy.model)
-    records = read_records(paths.data_file(cfg, "train"))
+    records = train_records(cfg, "grpo")
     sft = load_model(paths.model_dir(cfg, "sft"), cfg.model)
     base = load_model(paths.model_dir(cfg, "base"), cfg.model)
     checks = run_checks_on(make_subject(cfg, policy.model, policy.tokenizer, records, sft, base, reference))

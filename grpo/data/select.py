@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
+from typing import Literal
 
 from grpo import paths
 from grpo.config import Config
@@ -34,6 +36,35 @@ def interleave(groups: Sequence[Sequence[dict]], limit: int | None = None) -> li
 def balanced_records(records: Sequence[dict], n: int) -> list[dict]:
     """At most ``n`` records, alternating tasks (file order within a task), so a cap keeps both tasks."""
     return interleave(list(split_by_task(records).values()), limit=n)
+
+
+def held_out_for_grpo(record_id: str, seed: int, share: float) -> bool:
+    """Whether a train record is one of GRPO's prompts: a seeded hash of its id below ``share``, so the
+    same record lands on the same side whatever the file order or the other records."""
+    digest = hashlib.sha256(f"grpo_holdout\x1f{seed}\x1f{record_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < share
+
+
+def train_records(cfg: Config, stage: Literal["sft", "grpo"]) -> list[dict]:
+    """The train records ``stage`` reads, in file order.
+
+    With ``data.grpo_holdout`` at 0 both stages read all of them. Above it, that share of the records
+    (by ``held_out_for_grpo``) are GRPO's prompts and SFT never trains on them; SFT reads the rest.
+    """
+    path = paths.data_file(cfg, "train")
+    if not path.is_file():
+        raise DataSourceError(f"{path}: no train split; run `grpo prepare` (or `dvc repro prepare`) first")
+    records = read_records(path)
+    share = cfg.data.grpo_holdout
+    if share > 0:
+        want_grpo = stage == "grpo"
+        records = [r for r in records if held_out_for_grpo(r["id"], cfg.seed, share) == want_grpo]
+    if not records:
+        raise DataSourceError(
+            f"{path}: data.grpo_holdout={share} leaves no train record for {stage}; "
+            "raise data.n_train or move data.grpo_holdout away from 0 or 1"
+        )
+    return records
 
 
 def eval_records(cfg: Config) -> list[dict]:

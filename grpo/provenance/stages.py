@@ -85,7 +85,8 @@ STAGES: dict[str, StageSpec] = {
                    "data.sft_noise", "paths"),
                   ("prepare", "validate"), "build the base model; pretrain the embedded one on generated text"),
         StageSpec(
-            "sft", "sft", ("grpo.train.sft",), ("seed", "model", "sft", "paths"), ("prepare", "validate", "base"),
+            "sft", "sft", ("grpo.train.sft",), ("seed", "model", "sft", "data.grpo_holdout", "paths"),
+            ("prepare", "validate", "base"),
             "supervised fine-tuning with the one chat renderer",
         ),
         StageSpec(
@@ -93,8 +94,8 @@ STAGES: dict[str, StageSpec] = {
             "preflight",
             ("grpo.checks.preflight",),
             # Only what the checks use: a new step count or learning rate needs no new pre-flight.
-            ("seed", "model", "sft.max_length", "grpo.group_size", "grpo.sampling", "grpo.loss.scale_rewards",
-             "grpo.multitask", "paths"),
+            ("seed", "model", "sft.max_length", "data.grpo_holdout", "grpo.group_size", "grpo.sampling",
+             "grpo.loss.scale_rewards", "grpo.multitask", "paths"),
             ("prepare", "validate", "base", "sft"),
             "check invariants I1-I12 on the configured model",
         ),
@@ -102,7 +103,8 @@ STAGES: dict[str, StageSpec] = {
             "grpo",
             "train",
             ("grpo.train.trainer",),
-            ("seed", "experiment", "model", "grpo", "rewards", "monitor", "checkpoint", "tracking", "paths"),
+            ("seed", "experiment", "model", "grpo", "data.grpo_holdout", "rewards", "monitor", "checkpoint",
+             "tracking", "paths"),
             ("prepare", "validate", "sft", "preflight"),
             "GRPO on both reward tasks",
         ),

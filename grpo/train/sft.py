@@ -15,7 +15,7 @@ import torch
 
 from grpo import paths
 from grpo.config import Config
-from grpo.data.jsonl import read_records
+from grpo.data.select import train_records
 from grpo.files import write_atomically
 from grpo.locks import writes
 from grpo.model.device import make_accelerator
@@ -30,7 +30,7 @@ from grpo.train.supervised import build_examples, train_sft
 def run(cfg: Config) -> int:
     model, tokenizer = load_base(cfg)
     model = apply_memory_settings(model, cfg.model)
-    records = read_records(paths.data_file(cfg, "train"))
+    records = train_records(cfg, "sft")
     examples = build_examples(records, tokenizer, cfg.sft.max_length, cfg.model.chat_template_kwargs)
     if cfg.sft.lora:
         torch.manual_seed(cfg.seed)  # LoRA init draws from the global generator

@@ -28,8 +28,7 @@ from tqdm.auto import tqdm
 
 from grpo import paths
 from grpo.config import Config, config_to_dict
-from grpo.data.jsonl import read_records
-from grpo.data.select import split_by_task
+from grpo.data.select import split_by_task, train_records
 from grpo.errors import GrpoError
 from grpo.files import write_json
 from grpo.health.metrics import MetricsWriter
@@ -148,7 +147,7 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
     policy = build_policy(cfg, accelerator.device, shard=sharding.policy_sharder(cfg, accelerator))
     lineage = make_lineage("grpo", cfg, paths.stage_inputs(cfg, "grpo"))
     start, history = resume(cfg, policy)
-    by_task = split_by_task(read_records(paths.data_file(cfg, "train")))
+    by_task = split_by_task(train_records(cfg, "grpo"))
     context = _context(cfg, policy, accelerator)
     monitor = Monitor(cfg.monitor)
     writer = MetricsWriter(paths.run_dir(cfg), cfg.experiment, cfg.tracking, config_to_dict(cfg),
