@@ -94,8 +94,8 @@ class DataConfig(Section):
     """Share of ambiguous/unanswerable SFT targets taught the biased/hallucinated answer (the flaw GRPO removes)."""
     grpo_holdout: float = Field(0.0, ge=0.0, lt=1.0)
     """Share of the train records kept out of SFT as GRPO's prompts (``grpo.data.select.train_records``).
-    0: SFT and GRPO both read every train record. Above 0, GRPO samples prompts the SFT model never
-    trained on, so its groups are not replays of memorised targets (whose only signal is the SFT noise)."""
+    0 (the default): SFT and GRPO both read every train record. Above 0, GRPO samples prompts the SFT
+    model never trained on, as an RL prompt set kept apart from the SFT data (README: measured both ways)."""
     checks: DataChecksConfig = Field(default_factory=DataChecksConfig)
     """Bounds and tolerances of ``grpo validate``."""
 
