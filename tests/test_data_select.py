@@ -53,13 +53,18 @@ def test_a_holdout_that_leaves_a_stage_nothing_is_an_error_naming_the_param(tmp_
     stage = "grpo" if held_out_for_grpo(only, 1234, 0.5) else "sft"
     empty = "sft" if stage == "grpo" else "grpo"
     assert [r["id"] for r in train_records(cfg, stage)] == [only]
-    with pytest.raises(DataSourceError, match=f"data.grpo_holdout=0.5 leaves no train record for {empty}"):
+    with pytest.raises(DataSourceError, match=f"data.grpo_holdout=0.5 leaves no train record for {empty}; raise"):
         train_records(cfg, empty)
 
 
-def test_no_train_split_is_an_error_naming_the_fix(tmp_path):
+def test_a_missing_or_empty_train_split_is_an_error_naming_the_fix(tmp_path):
     with pytest.raises(DataSourceError, match="no train split; run `grpo prepare`"):
         train_records(_cfg(tmp_path / "none", 0.0), "sft")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "train.jsonl").write_text("")
+    with pytest.raises(DataSourceError, match="holds no record; check data.n_train"):
+        train_records(_cfg(empty, 0.25), "grpo")
 
 
 @pytest.mark.parametrize("share", [-0.1, 1.0])

@@ -45,34 +45,38 @@ def held_out_for_grpo(record_id: str, seed: int, share: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < share
 
 
+def _split_records(cfg: Config, split: str) -> list[dict]:
+    """Every record of ``split``'s file; a missing or empty file is an error naming the fix."""
+    path = paths.data_file(cfg, split)
+    if not path.is_file():
+        raise DataSourceError(f"{path}: no {split} split; run `grpo prepare` (or `dvc repro prepare`) first")
+    records = read_records(path)
+    if not records:
+        raise DataSourceError(f"{path} holds no record; check data.n_{split} and rerun `grpo prepare`")
+    return records
+
+
 def train_records(cfg: Config, stage: Literal["sft", "grpo"]) -> list[dict]:
     """The train records ``stage`` reads, in file order.
 
     With ``data.grpo_holdout`` at 0 both stages read all of them. Above it, that share of the records
     (by ``held_out_for_grpo``) are GRPO's prompts and SFT never trains on them; SFT reads the rest.
     """
-    path = paths.data_file(cfg, "train")
-    if not path.is_file():
-        raise DataSourceError(f"{path}: no train split; run `grpo prepare` (or `dvc repro prepare`) first")
-    records = read_records(path)
+    records = _split_records(cfg, "train")
     share = cfg.data.grpo_holdout
-    if share > 0:
-        want_grpo = stage == "grpo"
-        records = [r for r in records if held_out_for_grpo(r["id"], cfg.seed, share) == want_grpo]
-    if not records:
+    if share == 0:
+        return records
+    want_grpo = stage == "grpo"
+    part = [r for r in records if held_out_for_grpo(r["id"], cfg.seed, share) == want_grpo]
+    if not part:
         raise DataSourceError(
-            f"{path}: data.grpo_holdout={share} leaves no train record for {stage}; "
-            "raise data.n_train or move data.grpo_holdout away from 0 or 1"
+            f"{paths.data_file(cfg, 'train')}: data.grpo_holdout={share} leaves no train record for "
+            f"{stage}; raise data.n_train or move data.grpo_holdout away from {'0' if want_grpo else '1'}"
         )
-    return records
+    return part
 
 
 def eval_records(cfg: Config) -> list[dict]:
     """The eval split; with ``eval.max_examples``, that many records drawn alternately from each task."""
-    path = paths.data_file(cfg, "eval")
-    if not path.is_file():
-        raise DataSourceError(f"{path}: no eval split; run `grpo prepare` (or `dvc repro prepare`) first")
-    records = read_records(path)
-    if not records:
-        raise DataSourceError(f"{path} holds no record; check data.n_eval and rerun `grpo prepare`")
+    records = _split_records(cfg, "eval")
     return balanced_records(records, cfg.eval.max_examples) if cfg.eval.max_examples else records
