@@ -325,7 +325,8 @@ class LossConfig(Section):
     entropy_coef: float = 0.0
     """Entropy bonus: loss -= entropy_coef * entropy (negative values push entropy down)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """Divide centred rewards by the group std, the batch std, or nothing."""
+    """Divide centred rewards by the group std, the batch std (the global batch's over processes, each
+    process's own under ``dynamic_sampling: resample``), or nothing."""
 
 
 class MultitaskConfig(Section):

@@ -16,6 +16,8 @@ configurations of ``FSDP_CONFIGS``; the test compares it with the unsharded one-
 processes see it, so both stop (``trainer.watch``); a process that stopped alone would leave the
 other waiting in the all-reduce below.
 ``nan``: process 1 alone has a NaN reward; every process must raise.
+``batch_std <out_dir>``: each process's own rewards (other values and counts) through the step's
+``step_advantages`` with ``batch`` scaling, together and alone; each process writes both.
 
 ``resume_state <params> <out_dir>``: the trainer's policy (sharded under ``ACCELERATE_USE_FSDP=true``)
 resumed from the run's latest checkpoint, then its weights and optimizer state gathered whole, the
@@ -51,6 +53,7 @@ from grpo.train.step import (
     global_result,
     prepare_batch,
     raise_on_nonfinite_rewards,
+    step_advantages,
     step_result,
     update,
 )
@@ -182,6 +185,19 @@ def run_nan() -> None:
     print(f"rank {rank} CONTINUED", flush=True)
 
 
+def run_batch_std(out: Path) -> None:
+    """Each process scores its own groups (different rewards, different counts); ``batch`` scaling must
+    divide by the std of all of them, as one process holding every group would."""
+    accelerator = Accelerator(cpu=True)
+    rank = accelerator.process_index
+    generator = torch.Generator().manual_seed(rank)
+    rewards = (torch.randint(0, 3, (4 * (2 + rank),), generator=generator).float() - 1.0) * (1 + 2 * rank)
+    advantages, _ = step_advantages(accelerator, rewards, 4, "batch")
+    local, _ = step_advantages(accelerator, rewards, 4, "batch", together=False)
+    save_file({"rewards": rewards, "advantages": advantages, "local": local}, str(out / f"rank{rank}.safetensors"))
+    accelerator.wait_for_everyone()
+
+
 def run_resume_state(params: Path, out: Path) -> None:
     cfg = load_config(params)
     accelerator = make_accelerator()
@@ -206,7 +222,9 @@ if __name__ == "__main__":
         run_monitor()
     elif scenario == "nan":
         run_nan()
+    elif scenario == "batch_std":
+        run_batch_std(Path(sys.argv[2]))
     elif scenario == "resume_state":
         run_resume_state(Path(sys.argv[2]), Path(sys.argv[3]))
     else:
-        raise SystemExit(f"unknown scenario {scenario!r}: equal, equal_fsdp, monitor, nan or resume_state")
+        raise SystemExit(f"unknown scenario {scenario!r}: equal, equal_fsdp, monitor, nan, batch_std or resume_state")

@@ -54,6 +54,13 @@ def test_batch_mode_divides_by_the_batch_std():
     torch.testing.assert_close(advantages, expected, atol=1e-6, rtol=0)
 
 
+def test_batch_mode_takes_a_given_global_batch_std():
+    """Several processes: the std of the global batch, passed in, replaces this process's own."""
+    rewards = torch.tensor([0.0, 1.0, 0.0, 3.0])
+    advantages, _ = group_advantages(rewards, group_size=2, scale_rewards="batch", eps=1e-4, batch_std=2.5)
+    torch.testing.assert_close(advantages, torch.tensor([-0.5, 0.5, -1.5, 1.5]) / (2.5 + 1e-4), atol=1e-6, rtol=0)
+
+
 def test_none_mode_only_centres():
     advantages, _ = group_advantages(torch.tensor([0.0, 4.0, 1.0, 2.0]), group_size=2, scale_rewards="none")
     assert torch.equal(advantages, torch.tensor([-2.0, 2.0, -0.5, 0.5]))

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from grpo.core.advantages import group_advantages
 from tests.distributed_run import CONFIGS, FSDP_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,3 +107,18 @@ def test_a_stop_on_one_process_stops_every_process(scenario, word):
     assert done.returncode == 0, output[-3000:]
     assert f"rank 0 {word}" in output and f"rank 1 {word}" in output, output[-3000:]
     assert "CONTINUED" not in output
+
+
+# --------------------------------------------------------------------------- batch-scaled advantages
+
+
+def test_batch_scaling_divides_by_the_global_batch_std(tmp_path):
+    """``scale_rewards: batch`` on 2 processes: each process's advantages are those one process holding
+    both processes' groups computes (the std of all rewards), and differ from each process's own std."""
+    done = torchrun(2, "batch_std", str(tmp_path), timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [load_file(str(tmp_path / f"rank{rank}.safetensors")) for rank in (0, 1)]
+    whole, _ = group_advantages(torch.cat([r["rewards"] for r in ranks]), 4, "batch")
+    torch.testing.assert_close(torch.cat([r["advantages"] for r in ranks]), whole)
+    local = torch.cat([r["local"] for r in ranks])
+    assert not torch.allclose(local, whole), "the processes' own stds equal the global one: nothing tested"

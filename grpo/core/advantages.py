@@ -50,11 +50,13 @@ def group_advantages(
     group_size: int,
     scale_rewards: ScaleRewards = "group",
     eps: float = 1e-4,
+    batch_std: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Advantages ``(r - mean_group) / (std + eps)`` -> ``(advantages [N] fp32, stats)``.
 
     ``scale_rewards``: ``group`` divides by the group's std, ``batch`` by the std of all N rewards
-    (less noisy for small G), ``none`` not at all (Dr. GRPO, arXiv 2503.20783: the std division
+    (less noisy for small G; ``batch_std``, where given, is that std over the global batch of several
+    processes, each holding N of its rows), ``none`` not at all (Dr. GRPO, arXiv 2503.20783: the std division
     up-weights near-uniform groups). Stats: ``reward`` (mean), ``reward_std`` (mean of per-group
     std), ``frac_reward_zero_std`` (share of groups with all rewards equal), ``advantages/abs_mean``.
     """
@@ -65,7 +67,7 @@ def group_advantages(
     if scale_rewards == "group":
         centred = centred / (group_std.unsqueeze(-1) + eps)
     elif scale_rewards == "batch":
-        centred = centred / (_std(grouped.reshape(-1)) + eps)
+        centred = centred / ((_std(grouped.reshape(-1)) if batch_std is None else batch_std) + eps)
     zero_std = grouped.amax(dim=-1) == grouped.amin(dim=-1)  # [n_groups], exact equality
     advantages = torch.where(zero_std.unsqueeze(-1), torch.zeros_like(centred), centred).reshape(-1)
     stats = {

@@ -128,7 +128,8 @@ def draw(ctx: StepContext, records: list[dict], seed: int, timer: Callable = unt
     rollout, group = sampled.rollout, cfg.grpo.group_size
     with timer("reward"):
         rewards = torch.tensor(group_rewards(rollout.texts, records, group, cfg.rewards.weights))
-        advantages, stats = group_advantages(rewards, group, cfg.grpo.loss.scale_rewards)
+        advantages, stats = step_advantages(ctx.accelerator, rewards, group, cfg.grpo.loss.scale_rewards,
+                                            together=cfg.grpo.dynamic_sampling != "resample")
     weights = None
     if sampled.sampler_logprobs is not None:  # another engine sampled: measure and correct the mismatch
         correction, weights = sampler_correction(ctx.model, rollout, sampled.sampler_logprobs,
@@ -137,6 +138,22 @@ def draw(ctx: StepContext, records: list[dict], seed: int, timer: Callable = unt
     tasks = row_tasks(records, group)
     return Draw(rollout, list(records), rewards, advantages, stats | task_reward_stats(rewards, tasks), weights,
                 sampled.prefills)
+
+
+def step_advantages(accelerator: Accelerator, rewards: torch.Tensor, group_size: int,
+                    scale_rewards: str, together: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+    """Group advantages of this process's rows -> ``(advantages [N], stats)``. A group never spans
+    processes, so only ``batch`` scaling needs the others: its std is the global batch's (from the
+    processes' summed count, sum and sum of squares), as one process drawing every prompt would use.
+    ``together``: every process draws the same number of times (not so under dynamic resampling, whose
+    extra draws are each process's own: there the std stays the process's, as no collective may wait)."""
+    if scale_rewards != "batch" or accelerator.num_processes == 1 or not together:
+        return group_advantages(rewards, group_size, scale_rewards)
+    r = rewards.double()
+    totals = torch.stack([torch.tensor(float(r.numel()), dtype=torch.float64), r.sum(), (r * r).sum()])
+    n, total, squares = accelerator.reduce(totals.to(accelerator.device), "sum").cpu().tolist()
+    variance = (squares - total * total / n) / (n - 1) if n > 1 else 0.0
+    return group_advantages(rewards, group_size, scale_rewards, batch_std=max(variance, 0.0) ** 0.5)
 
 
 def reuses_prefill(ctx: StepContext) -> bool:
