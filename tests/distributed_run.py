@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from grpo.model.device import make_accelerator
 from grpo.model.modeling import build_tiny_model, build_tiny_tokenizer, wrap_lora
 from grpo.model.rollout import stop_ids
 from grpo.train import checkpoint as ckpt
+from grpo.train import step as step_module
 from grpo.train.policy import build_policy, frozen_copy
 from grpo.train.sharding import full_tensor, is_sharded, policy_sharder, shard_model
 from grpo.train.step import (
@@ -185,16 +187,34 @@ def run_nan() -> None:
     print(f"rank {rank} CONTINUED", flush=True)
 
 
+def _spread_rewards(texts: list[str], records: list[dict], group_size: int, weights: dict) -> list[float]:
+    """Seeded rewards in place of the scorer (a random tiny model earns -1 everywhere, so every
+    advantage would be 0): values in {-1, 0, 1} times a per-process scale, so the processes' stds differ."""
+    rank = int(os.environ["RANK"])
+    generator = torch.Generator().manual_seed(10 + rank)
+    return ((torch.randint(0, 3, (len(texts),), generator=generator).float() - 1.0) * (1 + 2 * rank)).tolist()
+
+
 def run_batch_std(out: Path) -> None:
     """Each process scores its own groups (different rewards, different counts); ``batch`` scaling must
-    divide by the std of all of them, as one process holding every group would."""
+    divide by the std of all of them, as one process holding every group would: through
+    ``step_advantages`` and through the step's ``draw`` (its rollouts real, its scorer ``_spread_rewards``)."""
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
     generator = torch.Generator().manual_seed(rank)
     rewards = (torch.randint(0, 3, (4 * (2 + rank),), generator=generator).float() - 1.0) * (1 + 2 * rank)
     advantages, _ = step_advantages(accelerator, rewards, 4, "batch")
     local, _ = step_advantages(accelerator, rewards, 4, "batch", together=False)
-    save_file({"rewards": rewards, "advantages": advantages, "local": local}, str(out / f"rank{rank}.safetensors"))
+    tokenizer = build_tiny_tokenizer(TINY_TEXTS * 4, vocab_size=400)
+    sizes = TinyModelConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    ctx = make_context(accelerator, tokenizer, build_tiny_model(tokenizer, sizes, seed=0).eval(),
+                       {"loss": {"scale_rewards": "batch"}})
+    records = [r.model_dump(mode="json") for r in build_records(config_from_dict({"data": {"n_train": 8}}))["train"]]
+    step_module.group_rewards = _spread_rewards
+    drawn = draw(ctx, records[: 2 + rank], seed=7)
+    save_file({"rewards": rewards, "advantages": advantages, "local": local, "draw_rewards": drawn.rewards,
+               "draw_advantages": drawn.advantages}, str(out / f"rank{rank}.safetensors"))
     accelerator.wait_for_everyone()
 
 

@@ -122,3 +122,8 @@ def test_batch_scaling_divides_by_the_global_batch_std(tmp_path):
     torch.testing.assert_close(torch.cat([r["advantages"] for r in ranks]), whole)
     local = torch.cat([r["local"] for r in ranks])
     assert not torch.allclose(local, whole), "the processes' own stds equal the global one: nothing tested"
+    # The step's own path: draw() on each process's 2 and 3 prompts (4 completions each).
+    drawn, _ = group_advantages(torch.cat([r["draw_rewards"] for r in ranks]), 4, "batch")
+    own = torch.cat([group_advantages(r["draw_rewards"], 4, "batch")[0] for r in ranks])
+    assert not torch.allclose(own, drawn), "the processes' own stds equal the global one: nothing tested"
+    torch.testing.assert_close(torch.cat([r["draw_advantages"] for r in ranks]), drawn)
