@@ -87,6 +87,14 @@ CONFIGS["cagrad_full_weights"] = (6, 0.5, {"multitask": {"mode": "cagrad"}})
 FULL_WEIGHTS = {"cagrad_full_weights"}
 
 
+def tiny_base():
+    """``(tokenizer, model)``: the small tokenizer and the 2-layer model every scenario starts from."""
+    tokenizer = build_tiny_tokenizer(TINY_TEXTS * 4, vocab_size=400)
+    sizes = TinyModelConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return tokenizer, build_tiny_model(tokenizer, sizes, seed=0).eval()
+
+
 def make_context(accelerator: Accelerator, tokenizer, base, grpo: dict, fsdp: bool = False,
                  lora: bool = True) -> StepContext:
     """The tiny policy with a LoRA adapter drawn from one seed; SGD, so a wrong gradient SCALE shows in
@@ -128,10 +136,7 @@ def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def run_equal(out: Path, fsdp: bool = False) -> None:
     accelerator = Accelerator(cpu=True)
-    tokenizer = build_tiny_tokenizer(TINY_TEXTS * 4, vocab_size=400)
-    sizes = TinyModelConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    base = build_tiny_model(tokenizer, sizes, seed=0).eval()
+    tokenizer, base = tiny_base()
     data = config_from_dict({"data": {"n_train": 32, "n_eval": 4}})
     by_task = split_by_task([r.model_dump(mode="json") for r in build_records(data)["train"]])
     cache: dict[tuple[int, float], list] = {}
@@ -205,11 +210,7 @@ def run_batch_std(out: Path) -> None:
     rewards = (torch.randint(0, 3, (4 * (2 + rank),), generator=generator).float() - 1.0) * (1 + 2 * rank)
     advantages, _ = step_advantages(accelerator, rewards, 4, "batch")
     local, _ = step_advantages(accelerator, rewards, 4, "batch", together=False)
-    tokenizer = build_tiny_tokenizer(TINY_TEXTS * 4, vocab_size=400)
-    sizes = TinyModelConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    ctx = make_context(accelerator, tokenizer, build_tiny_model(tokenizer, sizes, seed=0).eval(),
-                       {"loss": {"scale_rewards": "batch"}})
+    ctx = make_context(accelerator, *tiny_base(), {"loss": {"scale_rewards": "batch"}})
     records = [r.model_dump(mode="json") for r in build_records(config_from_dict({"data": {"n_train": 8}}))["train"]]
     step_module.group_rewards = _spread_rewards
     drawn = draw(ctx, records[: 2 + rank], seed=7)
