@@ -17,7 +17,8 @@ processes see it, so both stop (``trainer.watch``); a process that stopped alone
 other waiting in the all-reduce below.
 ``nan``: process 1 alone has a NaN reward; every process must raise.
 ``batch_std <out_dir>``: each process's own rewards (other values and counts) through the step's
-``step_advantages`` with ``batch`` scaling, together and alone; each process writes both.
+``step_advantages`` with ``batch`` scaling, together and alone, and through ``draw`` on its own
+prompts; each process writes all three.
 
 ``resume_state <params> <out_dir>``: the trainer's policy (sharded under ``ACCELERATE_USE_FSDP=true``)
 resumed from the run's latest checkpoint, then its weights and optimizer state gathered whole, the
