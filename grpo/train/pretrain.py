@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -58,9 +58,13 @@ def tokenizer_corpus(cfg: Config) -> Iterator[str]:
     them into whole words: the default eval prompts are 90–179 tokens instead of 145–227 when the fixed
     words were seen once and spelled letter by letter (README)."""
     train_file = paths.data_file(cfg, "train")
-    if not train_file.is_file():
-        return
-    for record in read_records(train_file):
+    if train_file.is_file():
+        yield from record_texts(read_records(train_file))
+
+
+def record_texts(records: Iterable[dict]) -> Iterator[str]:
+    """Each record's messages and SFT target, the texts ``tokenizer_corpus`` trains the tokenizer on."""
+    for record in records:
         yield from (message["content"] for message in example_messages(record))
         yield sft_target(record)
 
