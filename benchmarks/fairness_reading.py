@@ -11,7 +11,7 @@ fresh items (none trained on), of the training scenes and of the held-out eval s
 whole answer, and prints the accuracy (chance: 0.5 between the two people). ``--answer text`` teaches
 ``Answer: The Brasken nurse`` instead of the letter, so no letter has to be looked up in the options;
 ``--polarity neg`` keeps only the negative questions, whose answer is always the first person of the
-disambiguating sentence. README ("What was tried") gives what it measured on the default model.
+disambiguating sentence; ``--curriculum`` trains on as many negative-question items first. README ("What was tried") gives what it measured on the default model.
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer", choices=ANSWERS, default="letter")
     parser.add_argument("--polarity", choices=POLARITIES, default="both")
     parser.add_argument("--records", type=int, default=3000, help="disambiguated training items")
+    parser.add_argument("--curriculum", action="store_true",
+                        help="train on as many negative-question items first (a fresh schedule each phase)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--probe", type=int, default=150, help="fresh items per split to score")
     parser.add_argument("--out", help="also write the results as JSON here")
@@ -107,18 +109,23 @@ def main(argv: list[str] | None = None) -> int:
     model = build_tiny_model(tokenizer, cfg.model.tiny, cfg.seed)
     kwargs = cfg.model.chat_template_kwargs
     train = disambiguated(args.records, "train", cfg.seed + 1, args.polarity)
-    examples: list[SftExample] = [
-        render_sft(tokenizer, example_messages(r), answer_target(r, r["label"], args.answer), **kwargs)
-        for r in train
-    ]
-    started = time.perf_counter()
-    history = train_sft(model, examples, tokenizer.pad_token_id, cfg.pretrain, cfg.seed, make_accelerator(),
-                        progress=False, desc="probe")
-    seen = {(r["context"], r["question"]) for r in train}
+    phases = [train]
+    if args.curriculum:  # as many negative-only items first, as long
+        phases.insert(0, disambiguated(args.records, "train", cfg.seed + 4, "neg"))
+    started, history = time.perf_counter(), []
+    for records in phases:
+        examples: list[SftExample] = [
+            render_sft(tokenizer, example_messages(r), answer_target(r, r["label"], args.answer), **kwargs)
+            for r in records
+        ]
+        history += train_sft(model, examples, tokenizer.pad_token_id, cfg.pretrain, cfg.seed, make_accelerator(),
+                             progress=False, desc="probe")
+        model.train()
+    seen = {(r["context"], r["question"]) for records in phases for r in records}
     fresh = disambiguated(2 * args.probe, "train", cfg.seed + 2, args.polarity)
     unseen = [r for r in fresh if (r["context"], r["question"]) not in seen][: args.probe]
     results = {
-        "answer": args.answer, "polarity": args.polarity, "records": len(train),
+        "answer": args.answer, "polarity": args.polarity, "curriculum": args.curriculum, "records": len(train),
         "parameters": sum(p.numel() for p in model.parameters()), "steps": len(history),
         "train_s": round(time.perf_counter() - started, 1), "final_loss": round(history[-1]["loss"], 4),
         "training_scenes": probe(model, tokenizer, unseen, args.answer, kwargs),
