@@ -42,9 +42,11 @@ def _check_counts(result: dict, items: int) -> None:
     assert result["accuracy"] == round(picked.get("right person", 0) / items, 3)
 
 
-def test_results_count_every_probed_item(tmp_path):
-    results = _run(tmp_path, "--records", "32", "--epochs", "1", "--probe", "12")
-    assert results["records"] == 32 and results["steps"] == 2  # pretrain.batch_size 16
+@pytest.mark.parametrize(("extra", "steps"), [((), 2), (("--curriculum",), 4)])
+def test_results_count_every_probed_item(tmp_path, extra, steps):
+    """32 records at pretrain.batch_size 16: 2 steps, and 2 more for the negative-only phase first."""
+    results = _run(tmp_path, "--records", "32", "--epochs", "1", "--probe", "12", *extra)
+    assert results["records"] == 32 and results["steps"] == steps and results["curriculum"] == bool(extra)
     for split in ("training_scenes", "held_out_scenes"):
         _check_counts(results[split], 12)
 
