@@ -120,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
         ]
         history += train_sft(model, examples, tokenizer.pad_token_id, cfg.pretrain, cfg.seed, make_accelerator(),
                              progress=False, desc="probe")
-        model.train()
     seen = {(r["context"], r["question"]) for records in phases for r in records}
     fresh = disambiguated(2 * args.probe, "train", cfg.seed + 2, args.polarity)
     unseen = [r for r in fresh if (r["context"], r["question"]) not in seen][: args.probe]
