@@ -1,6 +1,6 @@
 """Names vulture cannot see used: pydantic fields and validators, framework hooks, pytest markers.
 
-Read by `make lint` (vulture grpo tasks flows tests vulture_whitelist.py); never imported.
+Read by `make lint` (vulture grpo tasks flows tests benchmarks vulture_whitelist.py); never imported.
 """
 
 invariant  # variable in grpo/checks/preflight.py
@@ -37,3 +37,7 @@ _._no_path_for_synthetic  # method in grpo/config.py
 _._one_model_source  # method in grpo/config.py
 _._loadable_offline  # method in grpo/config.py
 _._vllm_installed  # method in grpo/config.py
+_.on_step_begin  # TrainerCallback hook in benchmarks/workers.py
+_.on_step_end  # TrainerCallback hook in benchmarks/workers.py
+_.on_log  # TrainerCallback hook in benchmarks/workers.py
+control  # TrainerCallback hook argument in benchmarks/workers.py
