@@ -6,12 +6,13 @@
 
 A probe, not a stage: it builds the embedded tokenizer and a fresh model as the ``base`` stage does
 (``model.tiny`` of params.yaml), trains it on disambiguated synthetic fairness items of the training
-scenes with the loss on the answer only (the purest signal the task has), then scores every option of
-fresh items (none trained on), of the training scenes and of the held-out eval scenes, by the log-probability of its
-whole answer, and prints the accuracy (chance: 0.5 between the two people). ``--answer text`` teaches
-``Answer: The Brasken nurse`` instead of the letter, so no letter has to be looked up in the options;
-``--polarity neg`` keeps only the negative questions, whose answer is always the first person of the
-disambiguating sentence; ``--curriculum`` trains on as many negative-question items first. README ("What was tried") gives what it measured on the default model.
+scenes with the loss on the answer only (the purest signal the task has), then scores every option
+of fresh items (none trained on) of the training scenes and of the held-out eval scenes by the
+log-probability of its whole answer, and prints the accuracy (chance: 0.5 between the two people).
+``--answer text`` teaches ``Answer: The Brasken nurse`` instead of the letter, so no letter has to
+be looked up in the options; ``--polarity neg`` keeps only the negative questions, whose answer is
+always the first person of the disambiguating sentence; ``--curriculum`` trains on as many
+negative-question items first. README ("What was tried") gives what it measured on the default model.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from typing import Any
 import torch
 
 from grpo.config import load_config
+from grpo.core.logprobs import selective_log_softmax
 from grpo.data.prepare import build_records
 from grpo.data.prompts import example_messages, sft_target
-from grpo.data.schema import make_record
+from grpo.data.schema import LETTERS, make_record
 from grpo.data.synthetic_fairness import generate_fairness
 from grpo.model.chat import SftExample, render_sft
 from grpo.model.device import make_accelerator
@@ -62,9 +64,8 @@ def option_scores(model, tokenizer, record: dict[str, Any], answer: str, templat
     for option in range(len(record["choices"])):
         example = render_sft(tokenizer, example_messages(record), answer_target(record, option, answer),
                              **template_kwargs)
-        ids = torch.tensor([example.ids])
-        logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
-        token_logprobs = logprobs.gather(-1, ids[0, 1:, None])[:, 0]  # position t predicts token t + 1
+        ids = torch.tensor([example.ids])  # [1, T]
+        token_logprobs = selective_log_softmax(model(ids).logits[:, :-1], ids[:, 1:])[0]  # t predicts t + 1
         scores.append(float(token_logprobs[torch.tensor(example.loss_mask[1:])].sum()))
     return scores
 
@@ -83,7 +84,7 @@ def probe(model, tokenizer, records: list[dict[str, Any]], answer: str, template
             picked["unknown"] += 1
         else:
             picked["right person" if choice == record["label"] else "other person"] += 1
-        picked[f"option {'ABC'[choice]}"] += 1
+        picked[f"option {LETTERS[choice]}"] += 1
     return {"items": len(records), "accuracy": round(right / len(records), 3), "picked": dict(sorted(picked.items()))}
 
 
