@@ -18,23 +18,20 @@ negative-question items first. README ("What was tried") gives what it measured 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import Counter
 from typing import Any
 
 import torch
 
+from benchmarks.embedded import fresh_embedded, report
 from grpo.config import load_config
 from grpo.core.logprobs import selective_log_softmax
-from grpo.data.prepare import build_records
 from grpo.data.prompts import example_messages, sft_target
 from grpo.data.schema import LETTERS, make_record
 from grpo.data.synthetic_fairness import generate_fairness
 from grpo.model.chat import SftExample, render_sft
 from grpo.model.device import make_accelerator
-from grpo.model.modeling import build_tiny_model, build_tiny_tokenizer
-from grpo.train.pretrain import record_texts
 from grpo.train.supervised import train_sft
 
 ANSWERS = ("letter", "text")
@@ -104,10 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     cfg = load_config(args.params, [f"pretrain.epochs={args.epochs}", *args.overrides])
-    torch.manual_seed(cfg.seed)
-    tokenizer = build_tiny_tokenizer(record_texts(r.model_dump() for r in build_records(cfg)["train"]),
-                                     cfg.model.tiny.vocab_size)
-    model = build_tiny_model(tokenizer, cfg.model.tiny, cfg.seed)
+    model, tokenizer = fresh_embedded(cfg)
     kwargs = cfg.model.chat_template_kwargs
     train = disambiguated(args.records, "train", cfg.seed + 1, args.polarity)
     phases = [train]
@@ -132,11 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         "held_out_scenes": probe(model, tokenizer, disambiguated(args.probe, "eval", cfg.seed + 3, args.polarity),
                                  args.answer, kwargs),
     }
-    print(json.dumps(results, indent=2))
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(results, handle, indent=2)
-    return 0
+    return report(results, args.out)
 
 
 if __name__ == "__main__":
