@@ -281,6 +281,20 @@ class PretrainConfig(OptimizerConfig):
     reads only in the layout it was pretrained in; measured (README): with ``[fairness]`` SFT reads
     ambiguity in the chat prompt, which it never did from plain-text pretraining. A chat-rendered
     record asks only its own question (``every_question`` applies to the plain texts)."""
+    copy_texts: int = Field(0, ge=0)
+    """Copy texts (``grpo/train/copying.py``: ``<bos> s s``, ``s`` 10–60 random tokens, the loss on the
+    second copy) drawn anew for every epoch and shuffled in with the records; 0: none. Only copying by
+    content (an induction head) predicts them, the skill reading a year or a held-out name from the
+    context takes, and being fresh they cannot be learned by heart. Measured (README): with
+    ``copy_warmup_steps`` the base keeps the head through pretraining and SFT reads years; it costs
+    time, and fairness reads no better, so params.yaml leaves both at 0."""
+    copy_warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps on fresh copy texts alone before the records, at ``copy_warmup_lr`` with no
+    gradient clipping; 0: none. Measured (``benchmarks/copying.py``): at the base settings (lr 3e-3,
+    clipped at 1.0, or unclipped) the head does not form in 1500 steps; at 1e-3 unclipped it forms
+    between steps 1000 and 1200."""
+    copy_warmup_lr: float = Field(1e-3, gt=0.0)
+    """Peak learning rate of the copy warm-up (linear warmup over 2 % of it, then linear decay)."""
 
 
 # --------------------------------------------------------------------------- grpo

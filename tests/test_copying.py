@@ -1,5 +1,6 @@
-"""benchmarks/copying.py: the texts are what it says (the loss on the second copy only), and the probe
-sees a model that copies (so a variable-length loss that stays near ln(vocabulary) is the model's)."""
+"""grpo/train/copying.py and benchmarks/copying.py: the texts are what they say (the loss on the second
+copy only), and the probe sees a model that copies (so a variable-length loss that stays near
+ln(vocabulary) is the model's)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import math
 
 import pytest
 
-from benchmarks.copying import copy_texts, main
+from benchmarks.copying import main
+from benchmarks.embedded import fresh_embedded
+from grpo.config import load_config
+from grpo.train.copying import copy_accuracy, copy_texts, copy_vocab
 from tests.conftest import ROOT
 
 
@@ -43,3 +47,18 @@ def test_probe_sees_a_model_that_copies_at_a_fixed_distance(tmp_path):
     did not reach the second copy, or whose second copy were not a copy, would stay near ln(600)."""
     results = _run(tmp_path, "--length", "fixed", "--steps", "300")
     assert results["fresh_texts"]["loss"] < 1.0 and results["fresh_texts"]["token_accuracy"] > 0.8
+
+
+def test_model_option_measures_the_saved_model_without_training_it(tmp_path):
+    """``--model PATH --steps 0`` scores the saved weights themselves: the same loss as scoring them
+    directly, and not the loss of the fresh model the probe would otherwise build."""
+    cfg = load_config(ROOT / "params.yaml", ["seed=7"])
+    model, tokenizer = fresh_embedded(cfg)  # other weights than the probe's own fresh model (seed 1234)
+    model.save_pretrained(tmp_path / "saved")
+    tokenizer.save_pretrained(tmp_path / "saved")
+    results = _run(tmp_path, "--model", str(tmp_path / "saved"), "--steps", "0")
+    seed = load_config(ROOT / "params.yaml").seed + 1  # the probe's fresh texts
+    fresh = copy_texts(64, copy_vocab(tokenizer), tokenizer.bos_token_id, "variable", seed)
+    assert results["steps"] == 0 and results["model"] == str(tmp_path / "saved")
+    assert results["fresh_texts"] == copy_accuracy(model, fresh, tokenizer.pad_token_id)
+    assert results["fresh_texts"] != _run(tmp_path, "--steps", "0")["fresh_texts"]

@@ -181,3 +181,27 @@ def test_every_document_asks_each_question_its_context_answers(tmp_path, tiny_to
             else:  # the two people, one per polarity
                 assert unknown not in answers and len(set(answers)) == 2
                 assert answers[0] == LETTERS[record["label"]]
+
+
+def test_copy_texts_go_first_and_into_every_epoch_and_the_summary_scores_the_copying(tmp_path):
+    """``pretrain.copy_warmup_steps`` steps on copy texts alone, at ``copy_warmup_lr``, then the records
+    with ``pretrain.copy_texts`` fresh copy texts an epoch; ``copy_check`` scores the base on fresh ones."""
+    from grpo.data import prepare
+    from grpo.model.modeling import build_tiny
+    from grpo.train.pretrain import copy_warmup, copy_warmup_settings
+
+    cfg = config_from_dict({**_cfg(tmp_path, 48, n_train=16, n_eval=4).model_dump(), "pretrain": {
+        "records": 48, "epochs": 2, "batch_size": 8, "lr": 0.02, "copy_texts": 8, "copy_warmup_steps": 3,
+        "copy_warmup_lr": 0.005}})
+    assert prepare.run(cfg) == 0 and run(cfg) == 0
+    summary = json.loads((tmp_path / "metrics_dir" / "pretrain.json").read_text())
+    assert summary["copy_texts"] == 16 and summary["steps"] == 2 * 7  # (48 + 8) / 8 an epoch
+    assert summary["copy_warmup_steps"] == 3 and summary["copy_warmup_loss_final"] > 0
+    assert set(summary["copy_check"]) == {"loss", "token_accuracy"}
+    model, tokenizer = build_tiny(tmp_path / "fresh", ["a b c d e f g h"] * 50, cfg.model.tiny, seed=0)
+    warm = copy_warmup(model, tokenizer, cfg)
+    # No warmup step in 3 (2 % of them), then linear decay from the peak, copy_warmup_lr: 2/3 of it after step 1.
+    assert len(warm) == 3 and warm[0]["lr"] == pytest.approx(0.005 * 2 / 3)
+    assert copy_warmup_settings(cfg).max_grad_norm == float("inf") and copy_warmup_settings(cfg).epochs == 1
+    off = config_from_dict({**cfg.model_dump(), "pretrain": {"copy_warmup_steps": 0}})
+    assert copy_warmup(model, tokenizer, off) == []

@@ -12,6 +12,11 @@ line halves its ambiguous-item reading), so fairness, whose reading must survive
 is pretrained in it. Measured on the default (README): SFT answers none of the answerable eval
 questions exactly without pretraining, 26–54 % with it (four seeds).
 
+Copy texts (``grpo/train/copying.py``) can go first (``pretrain.copy_warmup_steps``) and into every
+epoch (``pretrain.copy_texts``, drawn anew each time): only copying by content predicts them, which
+the base settings alone never teach. ``metrics/pretrain.json`` says whether the base copies
+(``copy_check``: its loss on fresh copy texts, near ln(vocabulary) when it does not).
+
 The embedded tokenizer is trained first, on the training records as the model reads them
 (``tokenizer_corpus``), so the prompt's fixed words are whole tokens.
 
@@ -25,13 +30,14 @@ preset architecture or a resolved model is built as before and not pretrained.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterable, Iterator
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo import paths
-from grpo.config import Config
+from grpo.config import Config, PretrainConfig
 from grpo.data.jsonl import read_records
 from grpo.data.prompts import example_messages, sft_target
 from grpo.data.schema import LETTERS, Record, make_record
@@ -47,6 +53,7 @@ from grpo.model.device import make_accelerator
 from grpo.model.modeling import save_model
 from grpo.provenance.lineage import make_lineage, write_lineage
 from grpo.seeding import derive_seed
+from grpo.train.copying import copy_accuracy, copy_texts, copy_vocab
 from grpo.train.supervised import conversation, train_sft
 
 
@@ -129,13 +136,44 @@ def pretrain_examples(records: list[dict], tokenizer: PreTrainedTokenizerBase, c
     return examples
 
 
+COPY_CHECK_TEXTS = 64
+"""Fresh variable-length copy texts ``metrics/pretrain.json`` scores the base on (``copy_check``)."""
+
+
+def copy_warmup(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> list[dict]:
+    """``pretrain.copy_warmup_steps`` steps on fresh copy texts alone, at ``pretrain.copy_warmup_lr`` and
+    unclipped (the settings at which an induction head forms); its history, empty when off."""
+    steps = cfg.pretrain.copy_warmup_steps
+    if not steps:
+        return []
+    texts = copy_texts(steps * cfg.pretrain.batch_size, copy_vocab(tokenizer), tokenizer.bos_token_id, "variable",
+                       derive_seed(cfg.seed, ("copy_warmup", 0)))
+    return train_sft(model, texts, tokenizer.pad_token_id, copy_warmup_settings(cfg), cfg.seed, make_accelerator(),
+                     desc="copy warm-up")
+
+
+def copy_warmup_settings(cfg: Config) -> PretrainConfig:
+    """The copy warm-up's optimizer settings: one pass, peak ``pretrain.copy_warmup_lr`` after 2 % of the
+    steps, gradients never clipped (clipped at 1.0, the head did not form; ``benchmarks/copying.py``)."""
+    return cfg.pretrain.model_copy(update={"epochs": 1, "lr": cfg.pretrain.copy_warmup_lr, "warmup_ratio": 0.02,
+                                           "max_grad_norm": math.inf})
+
+
 def pretrain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> dict:
-    """Causal-LM pretraining of ``model`` in place; returns the summary ``metrics/pretrain.json`` holds."""
+    """Causal-LM pretraining of ``model`` in place (after the copy warm-up, with ``pretrain.copy_texts``
+    fresh copy texts in every epoch); returns the summary ``metrics/pretrain.json`` holds."""
     records = [record.model_dump() for record in pretrain_records(cfg)]
     examples = pretrain_examples(records, tokenizer, cfg)
+    vocab, bos, n_copy = copy_vocab(tokenizer), tokenizer.bos_token_id, cfg.pretrain.copy_texts
+
+    def fresh_copy_texts(epoch: int) -> list[SftExample]:
+        return copy_texts(n_copy, vocab, bos, "variable", derive_seed(cfg.seed, ("copy_texts", epoch)))
+
     started = time.perf_counter()
+    warmup = copy_warmup(model, tokenizer, cfg)
     history = train_sft(model, examples, tokenizer.pad_token_id, cfg.pretrain, cfg.seed,
-                        make_accelerator(), desc="pretrain")
+                        make_accelerator(), desc="pretrain", fresh=fresh_copy_texts if n_copy else None)
+    check = copy_texts(COPY_CHECK_TEXTS, vocab, bos, "variable", derive_seed(cfg.seed, ("copy_check", 0)))
     return {
         "loss_first": history[0]["loss"],
         "loss_final": history[-1]["loss"],
@@ -143,6 +181,11 @@ def pretrain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: Co
         "steps": len(history),
         "examples": len(examples),
         "tokens": sum(len(example.ids) for example in examples),
+        "copy_texts": n_copy * cfg.pretrain.epochs,
+        "copy_warmup_steps": len(warmup),
+        "copy_warmup_loss_final": warmup[-1]["loss"] if warmup else None,
+        # Loss on the second copy of fresh copy texts: near ln(vocabulary) unless the base copies by content.
+        "copy_check": copy_accuracy(model, check, tokenizer.pad_token_id),
         "wall_time_s": round(time.perf_counter() - started, 2),
     }
 
@@ -158,7 +201,7 @@ def run(cfg: Config) -> int:
         save_model(model.cpu(), tokenizer, out)
         print(f"base: pretrained on {summary['examples']} generated records ({summary['tokens']} tokens), "
               f"{summary['steps']} steps in {summary['wall_time_s']:.1f}s, loss {summary['loss_first']:.3f} -> "
-              f"{summary['loss_final']:.3f}")
+              f"{summary['loss_final']:.3f}; loss on fresh copy texts {summary['copy_check']['loss']:.3f}")
     write_lineage(out, make_lineage("base", cfg, base_inputs(cfg)))
     write_atomically({paths.metrics_file(cfg, "pretrain"): json.dumps(summary, indent=2) + "\n"})
     return 0

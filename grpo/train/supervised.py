@@ -7,7 +7,7 @@ run ``train_sft``: AdamW, linear warmup and decay, gradient clipping, the accele
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from accelerate import Accelerator
@@ -96,23 +96,26 @@ def train_sft(
     accelerator: Accelerator,
     progress: bool = True,
     desc: str = "sft",
+    fresh: Callable[[int], Sequence[SftExample]] | None = None,
 ) -> list[dict]:
     """AdamW over shuffled mini-batches on ``accelerator``'s device and precision (as GRPO); returns
-    one metrics dict per optimizer step. ``desc`` labels the progress bar (``sft``, ``pretrain``)."""
+    one metrics dict per optimizer step. ``desc`` labels the progress bar (``sft``, ``pretrain``).
+    ``fresh(epoch)``, when given, adds examples drawn anew for that epoch, shuffled in with ``examples``
+    (the base stage's copy texts, so that none is seen twice)."""
     model.to(accelerator.device)
     generator = torch.Generator().manual_seed(seed)
-    steps_per_epoch = -(-len(examples) // cfg.batch_size)
-    total = steps_per_epoch * cfg.epochs
+    epochs = [[*examples, *fresh(epoch)] if fresh else examples for epoch in range(cfg.epochs)]
+    total = sum(-(-len(shown) // cfg.batch_size) for shown in epochs)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total), total)
     history: list[dict] = []
     model.train()
     bar = tqdm(total=total, desc=desc, disable=not progress)
-    lengths = [len(example.ids) for example in examples]
-    for epoch in range(cfg.epochs):
+    for epoch, shown in enumerate(epochs):
+        lengths = [len(example.ids) for example in shown]
         for rows in epoch_batches(lengths, cfg.batch_size, generator, cfg.group_by_length):
-            batch = sft_batch([examples[i] for i in rows], pad_id)
+            batch = sft_batch([shown[i] for i in rows], pad_id)
             batch = SftBatch(*to_device(accelerator.device, *batch))
             with bf16_autocast(accelerator.device, cfg.bf16):  # over fp32 master weights
                 loss, stats = sft_loss(model, batch)
