@@ -12,6 +12,7 @@ import pytest
 from benchmarks.copying import main
 from benchmarks.embedded import fresh_embedded
 from grpo.config import load_config
+from grpo.model.chat import special_ids
 from grpo.train.copying import copy_accuracy, copy_texts, copy_vocab
 from tests.conftest import ROOT
 
@@ -62,3 +63,12 @@ def test_model_option_measures_the_saved_model_without_training_it(tmp_path):
     assert results["steps"] == 0 and results["model"] == str(tmp_path / "saved")
     assert results["fresh_texts"] == copy_accuracy(model, fresh, tokenizer.pad_token_id)
     assert results["fresh_texts"] != _run(tmp_path, "--steps", "0")["fresh_texts"]
+
+
+def test_copy_vocab_leaves_out_every_special_token(any_tokenizer):
+    """Added special tokens count too (Phi-3's ``<|end|>`` is none of ``all_special_ids``): a copy text
+    holding an end-of-turn token would teach copying across a turn's end."""
+    vocab = set(copy_vocab(any_tokenizer))
+    special = special_ids(any_tokenizer)
+    assert not vocab & special
+    assert vocab | special >= set(range(len(any_tokenizer)))

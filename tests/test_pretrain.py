@@ -183,12 +183,16 @@ def test_every_document_asks_each_question_its_context_answers(tmp_path, tiny_to
                 assert answers[0] == LETTERS[record["label"]]
 
 
-def test_copy_texts_go_first_and_into_every_epoch_and_the_summary_scores_the_copying(tmp_path):
-    """``pretrain.copy_warmup_steps`` steps on copy texts alone, at ``copy_warmup_lr``, then the records
-    with ``pretrain.copy_texts`` fresh copy texts an epoch; ``copy_check`` scores the base on fresh ones."""
+def test_copy_warmup_and_copy_texts_every_epoch_and_copy_check_scores_the_saved_base(tmp_path):
+    """``pretrain.copy_warmup_steps`` steps on copy texts alone, at ``copy_warmup_lr`` and unclipped, the
+    records with ``pretrain.copy_texts`` fresh copy texts an epoch, and ``copy_check`` is the saved base's
+    score on fresh copy texts."""
+    from grpo.config import ModelConfig
     from grpo.data import prepare
-    from grpo.model.modeling import build_tiny
-    from grpo.train.pretrain import copy_warmup, copy_warmup_settings
+    from grpo.model.modeling import build_tiny, load_model, load_tokenizer
+    from grpo.seeding import derive_seed
+    from grpo.train.copying import copy_accuracy, copy_texts, copy_vocab
+    from grpo.train.pretrain import COPY_CHECK_TEXTS, copy_warmup, copy_warmup_settings
 
     cfg = config_from_dict({**_cfg(tmp_path, 48, n_train=16, n_eval=4).model_dump(), "pretrain": {
         "records": 48, "epochs": 2, "batch_size": 8, "lr": 0.02, "copy_texts": 8, "copy_warmup_steps": 3,
@@ -197,7 +201,11 @@ def test_copy_texts_go_first_and_into_every_epoch_and_the_summary_scores_the_cop
     summary = json.loads((tmp_path / "metrics_dir" / "pretrain.json").read_text())
     assert summary["copy_texts"] == 16 and summary["steps"] == 2 * 7  # (48 + 8) / 8 an epoch
     assert summary["copy_warmup_steps"] == 3 and summary["copy_warmup_loss_final"] > 0
-    assert set(summary["copy_check"]) == {"loss", "token_accuracy"}
+    base = tmp_path / "models_dir" / "base"
+    saved, tokenizer = load_model(base, ModelConfig()), load_tokenizer(base, ModelConfig())
+    fresh = copy_texts(COPY_CHECK_TEXTS, copy_vocab(tokenizer), tokenizer.bos_token_id, "variable",
+                       derive_seed(cfg.seed, ("copy_check", 0)))
+    assert summary["copy_check"] == copy_accuracy(saved, fresh, tokenizer.pad_token_id)
     model, tokenizer = build_tiny(tmp_path / "fresh", ["a b c d e f g h"] * 50, cfg.model.tiny, seed=0)
     warm = copy_warmup(model, tokenizer, cfg)
     # No warmup step in 3 (2 % of them), then linear decay from the peak, copy_warmup_lr: 2/3 of it after step 1.

@@ -59,7 +59,7 @@ def render_prompt(
     return _apply(tokenizer, messages, True, template_kwargs)
 
 
-def _special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """Every special id: the configured ones and the added tokens marked special (Phi-3's ``<|end|>``)."""
     added = {int(i) for i, tok in tokenizer.added_tokens_decoder.items() if tok.special}
     return added | {int(i) for i in tokenizer.all_special_ids}
@@ -89,7 +89,7 @@ def render_sft(
             "one format and sampled in another); fix the template so that add_generation_prompt=True "
             "yields exactly the start of the rendered assistant turn"
         )
-    end = _first_special_after(full, len(prompt), _special_ids(tokenizer))
+    end = _first_special_after(full, len(prompt), special_ids(tokenizer))
     if end < 0:
         raise ChatError(
             f"{_template_name(tokenizer)}: no end-of-turn token after the assistant content {target!r}; "

@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.core.batching import SftBatch, sft_batch
-from grpo.model.chat import SftExample
+from grpo.model.chat import SftExample, special_ids
 from grpo.model.device import to_device
 from grpo.train.supervised import sft_loss
 
@@ -26,8 +26,8 @@ LENGTHS = {"fixed": (30, 30), "variable": (10, 60)}
 
 
 def copy_vocab(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Every token id of ``tokenizer`` but its special tokens: what ``s`` is drawn from."""
-    special = set(tokenizer.all_special_ids)
+    """Every token id of ``tokenizer`` but its special ones (``special_ids``): what ``s`` is drawn from."""
+    special = special_ids(tokenizer)
     return [token for token in range(len(tokenizer)) if token not in special]
 
 

@@ -104,15 +104,15 @@ def train_sft(
     (the base stage's copy texts, so that none is seen twice)."""
     model.to(accelerator.device)
     generator = torch.Generator().manual_seed(seed)
-    epochs = [[*examples, *fresh(epoch)] if fresh else examples for epoch in range(cfg.epochs)]
-    total = sum(-(-len(shown) // cfg.batch_size) for shown in epochs)
+    per_epoch = [[*examples, *fresh(epoch)] if fresh else examples for epoch in range(cfg.epochs)]
+    total = sum(-(-len(shown) // cfg.batch_size) for shown in per_epoch)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total), total)
     history: list[dict] = []
     model.train()
     bar = tqdm(total=total, desc=desc, disable=not progress)
-    for epoch, shown in enumerate(epochs):
+    for epoch, shown in enumerate(per_epoch):
         lengths = [len(example.ids) for example in shown]
         for rows in epoch_batches(lengths, cfg.batch_size, generator, cfg.group_by_length):
             batch = sft_batch([shown[i] for i in rows], pad_id)
