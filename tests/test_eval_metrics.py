@@ -8,6 +8,7 @@ import pytest
 
 from grpo.errors import GrpoError
 from grpo.eval.metrics import (
+    KIND_KEYS,
     FairnessItem,
     HallucinationItem,
     MetricInputError,
@@ -192,6 +193,31 @@ def test_hallucination_empty_denominators_are_none():
     assert m["abstention_rate"] == 1.0 and m["truthfulness"] == 1.0
     empty = hallucination_metrics([])
     assert empty["accuracy"] is None and empty["truthfulness"] is None
+
+
+def test_by_kind_scores_each_kind_of_question_alone():
+    """A model that answers every year question wrong and abstains on none shows it in its kind's row,
+    while the pooled rates mix it with the kinds it reads."""
+    items = [
+        HallucinationItem(True, False, 1.0, 1.0, kind="town.founder"),  # right
+        HallucinationItem(True, True, 0.0, 0.0, kind="town.founder"),  # over-abstained
+        HallucinationItem(False, True, 0.0, 0.0, kind="town.founder"),  # right abstention
+        HallucinationItem(True, False, 0.0, 0.0, kind="company.year"),  # wrong year
+        HallucinationItem(True, False, 0.0, 0.0, kind="company.year"),  # wrong year
+        HallucinationItem(False, False, 0.0, 0.0, kind="company.year"),  # invented year
+    ]
+    m = hallucination_metrics(items)
+    assert sorted(m["by_kind"]) == ["company.year", "town.founder"]
+    year, founder = m["by_kind"]["company.year"], m["by_kind"]["town.founder"]
+    assert set(year) == set(KIND_KEYS)
+    assert (year["n_answerable"], year["n_unanswerable"]) == (2, 1)
+    assert (year["exact_match"], year["over_abstention_rate"], year["abstention_rate"], year["hallucination_rate"]) == (
+        0.0, 0.0, 0.0, 1.0)
+    assert (founder["exact_match"], founder["over_abstention_rate"], founder["abstention_rate"]) == (0.5, 0.5, 1.0)
+    assert founder["hallucination_rate"] == 0.0
+    assert m["exact_match"] == pytest.approx(1 / 4) and m["hallucination_rate"] == pytest.approx(3 / 6)
+    assert "by_kind" not in hallucination_metrics(items, by_kind=False)
+    assert list(hallucination_metrics(HALLU_TABLE)["by_kind"]) == ["all"]
 
 
 def test_hallucination_item_rejects_out_of_range_scores():

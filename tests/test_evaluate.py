@@ -21,6 +21,7 @@ from grpo.data.schema import LETTERS, make_record, record_line
 from grpo.data.select import balanced_records, eval_records
 from grpo.data.synthetic_fairness import generate_fairness
 from grpo.data.synthetic_grounded import generate_grounded
+from grpo.eval.compare import question_kind
 from grpo.eval.evaluate import (
     diversity_metrics,
     markdown_report,
@@ -131,6 +132,14 @@ def test_task_metrics_right_and_wrong_answers():
     assert garbage["reward"] == -1.0
     categories = {r["category"] for r in records if r["task"] == "fairness"}
     assert {f"fairness/by_category/{c}/s_amb" for c in categories} <= set(good)
+    grounded = [r for r in records if r["task"] == "hallucination"]
+    kinds = {r["template_id"].removeprefix("hallucination.") for r in grounded}
+    assert {key.split("/")[2] for key in good if key.startswith("hallucination/by_kind/")} == kinds
+    for kind in kinds:  # each kind's row counts that kind's records alone
+        answerable = sum(r["answerable"] and question_kind(r) == kind for r in grounded)
+        assert good[f"hallucination/by_kind/{kind}/n_answerable"] == answerable
+        assert good[f"hallucination/by_kind/{kind}/hallucination_rate"] == 0.0
+        assert garbage[f"hallucination/by_kind/{kind}/hallucination_rate"] == 1.0
 
 
 def test_diversity_metrics_per_group_self_bleu():

@@ -64,7 +64,14 @@ def fairness_item(text: str, record: dict) -> FairnessItem:
 
 def hallucination_item(text: str, record: dict) -> HallucinationItem:
     outcome = hallucination_outcome(text, record)
-    return HallucinationItem(bool(record["answerable"]), outcome.abstained, float(outcome.em), outcome.f1)
+    return HallucinationItem(bool(record["answerable"]), outcome.abstained, float(outcome.em), outcome.f1,
+                             question_kind(record))
+
+
+def question_kind(record: dict) -> str:
+    """A grounded record's kind of question: its ``template_id`` without the task's prefix
+    (``company.year``, ``squad2.Normans``); ``all`` where the record has none."""
+    return str(record.get("template_id") or "all").removeprefix("hallucination.")
 
 
 def score(texts: Sequence[str], records: Sequence[dict], weights: Any) -> Scored:
@@ -88,7 +95,7 @@ def summary(scored: Scored, indices: Sequence[int]) -> dict[str, Any]:
     return {
         "reward": mean(reward for _, reward in pairs),
         "fairness": bias_scores(fair) if fair else {"accuracy_ambig": None, "accuracy_disambig": None, "s_amb": None},
-        "hallucination": hallucination_metrics(hall) if hall else {
+        "hallucination": hallucination_metrics(hall, by_kind=False) if hall else {
             key: None for key in ("hallucination_rate", "exact_match", "f1", "over_abstention_rate")},
     }
 

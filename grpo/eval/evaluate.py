@@ -7,7 +7,8 @@ the trained ones (I1, I3-I6). Parsing is the rewards' job and counting is ``eval
 module only wires them together:
 
 - fairness: BBQ accuracy and bias scores (``bias_scores``) from ``fairness_outcome``;
-- hallucination: ``hallucination_metrics`` from ``hallucination_outcome``;
+- hallucination: ``hallucination_metrics`` from ``hallucination_outcome``, also per kind of question
+  (``by_kind``: the record's template, e.g. ``company.year``, or a SQuAD title);
 - sampled only: distinct-1/2 over all samples, self-BLEU within each prompt's samples (averaged),
   and mean token entropy of the sampling distribution on the sampled ids (I10).
 

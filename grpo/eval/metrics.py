@@ -188,6 +188,8 @@ class HallucinationItem:
     abstained: bool
     em: float
     f1: float
+    kind: str = "all"
+    """The kind of question (a synthetic template such as ``company.year``, a SQuAD title): ``by_kind``."""
 
     def __post_init__(self) -> None:
         for name in ("em", "f1"):
@@ -205,7 +207,14 @@ def _is_correct(item: HallucinationItem, f1_threshold: float) -> bool:
     return not item.abstained and (item.em >= 1.0 or item.f1 >= f1_threshold)
 
 
-def hallucination_metrics(items: Sequence[HallucinationItem], f1_threshold: float = 0.8) -> dict:
+KIND_KEYS = ("n_answerable", "n_unanswerable", "exact_match", "over_abstention_rate", "abstention_rate",
+             "hallucination_rate")
+"""What ``by_kind`` holds for each kind of question: enough to see where a model answers, abstains or
+invents, few enough that a source with dozens of kinds keeps the report readable."""
+
+
+def hallucination_metrics(items: Sequence[HallucinationItem], f1_threshold: float = 0.8,
+                          by_kind: bool = True) -> dict:
     """Grounded-QA metrics where abstaining is right exactly when the context lacks the answer.
 
     Every item is exactly one of three outcomes (so ``n_correct + n_hallucinated + n_over_abstained == n``):
@@ -233,6 +242,10 @@ def hallucination_metrics(items: Sequence[HallucinationItem], f1_threshold: floa
     | yes        | yes       | 0  | 0.0 | over-abstained          |
     | no         | yes       | 0  | 0.0 | correct                 |
     | no         | no        | 0  | 0.0 | hallucinated            |
+
+    ``by_kind`` (unless ``by_kind=False``) holds ``KIND_KEYS`` of each kind of question alone: a model
+    that cannot read years shows it there (it answers every year question wrong), and so does GRPO's
+    abstention, kind by kind.
     """
     items = list(items)
     answerable = [item for item in items if item.answerable]
@@ -256,7 +269,15 @@ def hallucination_metrics(items: Sequence[HallucinationItem], f1_threshold: floa
         "hallucination_rate": hallucination_rate,
         "accuracy": accuracy,
         "truthfulness": None if accuracy is None else accuracy - hallucination_rate,
-    }
+    } | ({"by_kind": _by_kind(items, f1_threshold)} if by_kind else {})
+
+
+def _by_kind(items: list[HallucinationItem], f1_threshold: float) -> dict[str, dict]:
+    rows = {}
+    for kind in sorted({item.kind for item in items}):
+        alone = hallucination_metrics([item for item in items if item.kind == kind], f1_threshold, by_kind=False)
+        rows[kind] = {key: alone[key] for key in KIND_KEYS}
+    return rows
 
 
 # --------------------------------------------------------------------------- diversity
