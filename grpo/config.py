@@ -170,7 +170,9 @@ class LoraConfig(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the LoRA branch."""
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """Module names that get an adapter."""
+    """Module names that get an adapter. params.yaml takes ``[v_proj, o_proj]`` for the embedded model:
+    measured (README), GRPO then keeps exact match and disambiguated accuracy in every seed, where on
+    all four projections it learned to abstain more and lowered them."""
 
 
 class ModelConfig(Section):
