@@ -203,6 +203,14 @@ def test_repro_reruns_exactly_what_changed(project):
     assert rerun - {"fingerprint"} == {"grpo", "evaluate"}, rerun
     assert set(_status(project)) <= {"fingerprint"}
 
+    # A new GRPO adapter reruns what applies it, never the pretraining (BASE_MODEL_KEYS).
+    rank = params["model"]["lora"]["r"]
+    write_params(project, {"model": {"lora": {"r": rank * 2}}})
+    why = _status(project)
+    assert set(why) - {"fingerprint"} == {"sft", "preflight", "grpo", "evaluate"}, why
+    write_params(project, {"model": {"lora": {"r": rank}}})
+    assert set(_status(project)) <= {"fingerprint"}
+
 
 @pytest.mark.slow
 @needs_all_stages

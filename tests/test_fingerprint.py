@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from grpo.cli import COMMANDS
-from grpo.config import Config
+from grpo.config import Config, ModelConfig
 from grpo.provenance import fingerprint, stages
 from grpo.provenance.fingerprint import (
     FingerprintError,
@@ -181,6 +181,14 @@ def test_every_real_stage_has_a_fingerprint_of_its_own_code():
     for module in ("grpo/health/monitor.py", "grpo/train/step.py", "grpo/train/checkpoint.py", "grpo/checks/preflight.py"):
         assert module not in stage_fingerprint("evaluate")["modules"], module
     assert "grpo/model/chat.py" in stage_fingerprint("sft")["modules"]
+
+
+def test_base_reads_every_model_key_but_the_adapter_and_the_adapter_stages_read_it():
+    base = stages.get_stage("base").params
+    assert set(stages.BASE_MODEL_KEYS) == {f"model.{f}" for f in ModelConfig.model_fields} - {"model.lora"}
+    assert set(stages.BASE_MODEL_KEYS) <= set(base) and "model" not in base
+    for name in ("sft", "preflight", "grpo", "evaluate"):  # each applies or loads the adapter
+        assert any(key in ("model", "model.lora") for key in stages.get_stage(name).params), name
 
 
 def test_bookkeeping_modules_are_in_no_stage_closure():

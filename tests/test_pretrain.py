@@ -153,6 +153,26 @@ def test_base_stage_pretrains_the_embedded_model_only_when_asked(tmp_path):
     assert any(not torch.equal(before[key], after[key]) for key in before), "pretraining saved no new weights"
 
 
+def test_the_adapter_settings_leave_the_base_stage_alone(tmp_path):
+    """`model.lora` is GRPO's (and LoRA SFT's): the base stage builds the same weights and the same
+    lineage under any adapter, so DVC and the lineage guard need not rebuild it (BASE_MODEL_KEYS)."""
+    from grpo.data import prepare
+    from grpo.provenance.lineage import read_lineage
+
+    bases = []
+    for name, lora in (("default", {}), ("other", {"r": 4, "alpha": 4, "target_modules": ["q_proj"]})):
+        cfg = _cfg(tmp_path / name, 48, n_train=16, n_eval=4)
+        cfg = config_from_dict({**cfg.model_dump(mode="json"), "model": {"tiny": TINY, "lora": lora}})
+        assert prepare.run(cfg) == 0 and run(cfg) == 0
+        bases.append(tmp_path / name / "models_dir" / "base")
+    first, second = (load_file(base / "model.safetensors") for base in bases)
+    assert first.keys() == second.keys() and all(torch.equal(first[key], second[key]) for key in first)
+    lineages = [read_lineage(base) for base in bases]
+    assert lineages[0]["params_hash"] == lineages[1]["params_hash"], (lineages[0]["params"], lineages[1]["params"])
+    assert not any(key.startswith("model.lora") for key in lineages[0]["params"]), lineages[0]["params"]
+    assert lineages[0]["params"]["model.tiny"]["vocab_size"] == TINY["vocab_size"]
+
+
 def test_every_document_asks_each_question_its_context_answers(tmp_path, tiny_tokenizer):
     """With ``pretrain.every_question`` the stage's examples ask all four attributes of a grounded entity
     (stated: the value, copied; not stated: the abstention) and both polarities of a fairness scene

@@ -70,6 +70,18 @@ class StageSpec:
         return self.modules + tuple(m for m in COMMON_MODULES if m not in self.modules)
 
 
+# The model keys the base stage reads: the whole section but `model.lora`, which only SFT (with
+# `sft.lora`), pre-flight and GRPO apply. A new adapter setting then reruns no pretraining. Every other
+# field of ModelConfig is here (tests/test_fingerprint.py holds the two together).
+BASE_MODEL_KEYS: tuple[str, ...] = tuple(
+    f"model.{field}"
+    for field in (
+        "name_or_path", "allow_download", "trust_remote_code", "dtype", "pad_token", "extra_stop_tokens",
+        "chat_template_kwargs", "tiny", "architecture", "architecture_overrides", "tokenizers_dir",
+        "attn_implementation", "gradient_checkpointing",
+    )
+)
+
 # Validate gates the data: every stage that reads the processed data lists it upstream, so bad data
 # stops the pipeline before the tokenizer or any model is rebuilt from it (DESIGN.md "Reliability").
 STAGES: dict[str, StageSpec] = {
@@ -81,7 +93,7 @@ STAGES: dict[str, StageSpec] = {
                   "Great Expectations gate over the processed data"),
         # The pretraining corpus is generated with the data section's mix and SFT noise.
         StageSpec("base", "base", ("grpo.train.pretrain",),
-                  ("seed", "model", "pretrain", "data.fairness_fraction", "data.answerable_fraction",
+                  ("seed", *BASE_MODEL_KEYS, "pretrain", "data.fairness_fraction", "data.answerable_fraction",
                    "data.sft_noise", "paths"),
                   ("prepare", "validate"), "build the base model; pretrain the embedded one on generated text"),
         StageSpec(
