@@ -5,7 +5,8 @@ Each seed runs every stage (``grpo pipeline``) with ``seed`` set and every outpu
 overwrite an artifact and the default outputs are untouched. The table (printed and written to
 ``<reports_dir>/seeds.md``) shows, per seed, the headline reward of SFT and GRPO and the GRPO − SFT
 difference of the key metrics with their 95 % paired-bootstrap intervals (``grpo/eval/compare.py``),
-and a last row that says in how many seeds each difference went the wanted way beyond noise.
+and a last row that says in how many seeds each difference went the wanted way beyond noise: once
+for greedy replies, once for sampled ones (the policy GRPO trains) when evaluation sampled any.
 """
 
 from __future__ import annotations
@@ -41,18 +42,27 @@ def seed_config(cfg: Config, seed: int) -> Config:
     return cfg.model_copy(update={"seed": seed, "paths": paths})
 
 
-def seed_row(cfg: Config) -> dict[str, Any]:
-    """The figures of one finished seed run, read from its ``eval.json`` and ``eval_compare.json``."""
+MODES = ("greedy", "sampled")
+"""The decodings evaluation scores, each with a table of its own."""
+
+
+def seed_row(cfg: Config, mode: str = "greedy") -> dict[str, Any] | None:
+    """The figures of one finished seed run under ``mode``'s decoding, read from its ``eval.json`` and
+    ``eval_compare.json``; None when evaluation did not decode that way (``eval.samples_per_prompt: 0``)."""
     metrics = Path(cfg.paths.metrics_dir)
     results = json.loads((metrics / "eval.json").read_text())
     compare = json.loads((metrics / "eval_compare.json").read_text())
+    diffs, sft, grpo = (compare["grpo_minus_sft"].get(mode), results["sft"].get(mode),
+                        results["grpo"].get(mode))
+    if not diffs or not sft or not grpo:
+        return None
     return {
         "seed": cfg.seed,
-        "sft_reward": results["sft"]["greedy"]["reward"],
-        "grpo_reward": results["grpo"]["greedy"]["reward"],
+        "sft_reward": sft["reward"],
+        "grpo_reward": grpo["reward"],
         "abstain_reward": compare["baselines"]["abstain"]["reward"],
-        "over_abstention_grpo": results["grpo"]["greedy"]["hallucination/over_abstention_rate"],
-        "diffs": {key: compare["grpo_minus_sft"]["greedy"][key] for key in COLUMNS},
+        "over_abstention_grpo": grpo["hallucination/over_abstention_rate"],
+        "diffs": {key: diffs[key] for key in COLUMNS},
     }
 
 
@@ -71,7 +81,7 @@ def improved(row: dict[str, float | None], sign: int) -> bool:
 
 
 def seeds_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: one row per seed (greedy decoding), then the count of seeds improved beyond noise."""
+    """Markdown: one row per seed (one decoding), then the count of seeds improved beyond noise."""
     head = ["seed", "SFT reward", "GRPO reward", "abstain-all reward", "GRPO over-abstention",
             *(f"Δ {key}" for key in COLUMNS)]
     lines = ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
@@ -95,9 +105,20 @@ def run(cfg: Config, seeds: Sequence[int] = (1, 2, 3)) -> int:
         if code:
             print(f"seeds: seed {seed} stopped with exit code {code}; later seeds not run")
             return code
-        rows.append(seed_row(seeded))
-    table = seeds_table(rows)
+        rows.append({mode: seed_row(seeded, mode) for mode in MODES})
+    report = seeds_report(rows, cfg)
     out = Path(cfg.paths.reports_dir) / "seeds.md"
-    write_text(out, "# GRPO − SFT across seeds (greedy, 95 % paired-bootstrap intervals)\n\n" + table)
-    print(table + f"seeds: table written to {out}")
+    write_text(out, report)
+    print(report + f"seeds: table written to {out}")
     return 0
+
+
+def seeds_report(rows: list[dict[str, dict[str, Any] | None]], cfg: Config) -> str:
+    """seeds.md: the greedy table, then the sampled one where every seed has sampled figures."""
+    sampled = (f"{cfg.eval.samples_per_prompt} samples per prompt at temperature "
+               f"{cfg.grpo.sampling.temperature}, the policy GRPO trains")
+    parts = ["# GRPO − SFT across seeds (95 % paired-bootstrap intervals)\n"]
+    for mode, title in (("greedy", "greedy decoding"), ("sampled", sampled)):
+        if rows and all(row[mode] is not None for row in rows):
+            parts.append(f"## {mode}: {title}\n\n" + seeds_table([row[mode] for row in rows]))
+    return "\n".join(parts)

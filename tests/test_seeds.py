@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from grpo.cli import build_parser
-from grpo.seeds import COLUMNS, improved, seed_config, seed_row, seeds_table
+from grpo.seeds import COLUMNS, improved, seed_config, seed_row, seeds_report, seeds_table
 from tests.test_evaluate import project_cfg
 
 
@@ -47,16 +47,46 @@ def test_seeds_table_counts_seeds_improved_beyond_noise(tmp_path):
     assert [c.strip() for c in counts] == ["1/2" if sign > 0 else "0/2" for sign in COLUMNS.values()]
 
 
-def test_seed_row_reads_the_seed_run_outputs(tmp_path):
-    cfg = seed_config(project_cfg(tmp_path), 7)
+def _write_seed_run(cfg, sampled: bool) -> None:
     metrics = Path(cfg.paths.metrics_dir)
     metrics.mkdir(parents=True)
-    greedy = {"reward": 0.5, "hallucination/over_abstention_rate": 0.1}
-    (metrics / "eval.json").write_text(json.dumps({m: {"greedy": greedy} for m in ("sft", "grpo")}))
-    compare = {"baselines": {"abstain": {"reward": 0.25}}, "grpo_minus_sft": {"greedy": _diffs(0.0, 0.0, 0.0)}}
+    results = {"sft": {"greedy": {"reward": 0.3, "hallucination/over_abstention_rate": 0.05}},
+               "grpo": {"greedy": {"reward": 0.5, "hallucination/over_abstention_rate": 0.1}}}
+    compare = {"baselines": {"abstain": {"reward": 0.25}},
+               "grpo_minus_sft": {"greedy": _diffs(0.2, 0.1, 0.3), "sampled": {}}}
+    if sampled:
+        results["sft"]["sampled"] = {"reward": 0.1, "hallucination/over_abstention_rate": 0.07}
+        results["grpo"]["sampled"] = {"reward": 0.4, "hallucination/over_abstention_rate": 0.2}
+        compare["grpo_minus_sft"]["sampled"] = _diffs(0.3, -0.1, 0.6)
+    (metrics / "eval.json").write_text(json.dumps(results))
     (metrics / "eval_compare.json").write_text(json.dumps(compare))
-    row = seed_row(cfg)
-    assert row["seed"] == 7 and row["abstain_reward"] == 0.25 and row["grpo_reward"] == 0.5
+
+
+def test_seed_row_reads_the_seed_run_outputs_of_each_decoding(tmp_path):
+    cfg = seed_config(project_cfg(tmp_path), 7)
+    _write_seed_run(cfg, sampled=True)
+    greedy, sampled = seed_row(cfg, "greedy"), seed_row(cfg, "sampled")
+    assert greedy["seed"] == 7 and greedy["abstain_reward"] == 0.25
+    assert (greedy["sft_reward"], greedy["grpo_reward"], greedy["over_abstention_grpo"]) == (0.3, 0.5, 0.1)
+    assert (sampled["sft_reward"], sampled["grpo_reward"], sampled["over_abstention_grpo"]) == (0.1, 0.4, 0.2)
+    assert sampled["diffs"]["reward"] == {"diff": 0.3, "low": -0.1, "high": 0.6}
+
+
+def test_seeds_report_has_a_sampled_table_only_where_every_seed_sampled(tmp_path):
+    cfg = project_cfg(tmp_path)
+    both, greedy_only = seed_config(cfg, 1), seed_config(cfg, 2)
+    _write_seed_run(both, sampled=True)
+    _write_seed_run(greedy_only, sampled=False)
+    assert seed_row(greedy_only, "sampled") is None
+    rows = [{mode: seed_row(c, mode) for mode in ("greedy", "sampled")} for c in (both, greedy_only)]
+    report = seeds_report(rows, cfg)
+    assert "## greedy" in report and "## sampled" not in report
+    report = seeds_report(rows[:1], cfg)
+    greedy, sampled = report.split("## sampled")
+    assert "| 1 | 0.300 | 0.500 | 0.250 | 0.100 | +0.200 [+0.10, +0.30] |" in greedy
+    assert f"{cfg.eval.samples_per_prompt} samples per prompt" in sampled
+    assert "| 1 | 0.100 | 0.400 | 0.250 | 0.200 | +0.300 [-0.10, +0.60] |" in sampled
+    assert sampled.splitlines()[-1].startswith("| improved beyond noise | | | | | 0/1 |")
 
 
 def test_seeds_command_takes_a_list_of_seeds():
