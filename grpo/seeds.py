@@ -115,10 +115,10 @@ def run(cfg: Config, seeds: Sequence[int] = (1, 2, 3)) -> int:
 
 def seeds_report(rows: list[dict[str, dict[str, Any] | None]], cfg: Config) -> str:
     """seeds.md: the greedy table, then the sampled one where every seed has sampled figures."""
-    sampled = (f"{cfg.eval.samples_per_prompt} samples per prompt at temperature "
-               f"{cfg.grpo.sampling.temperature}, the policy GRPO trains")
+    sampled = (f"Sampled replies ({cfg.eval.samples_per_prompt} per prompt at temperature "
+               f"{cfg.grpo.sampling.temperature}, the policy GRPO trains)")
     parts = ["# GRPO − SFT across seeds (95 % paired-bootstrap intervals)\n"]
-    for mode, title in (("greedy", "greedy decoding"), ("sampled", sampled)):
+    for mode, title in (("greedy", "Greedy replies"), ("sampled", sampled)):
         if rows and all(row[mode] is not None for row in rows):
-            parts.append(f"## {mode}: {title}\n\n" + seeds_table([row[mode] for row in rows]))
+            parts.append(f"## {title}\n\n" + seeds_table([row[mode] for row in rows]))
     return "\n".join(parts)

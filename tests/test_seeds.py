@@ -80,11 +80,11 @@ def test_seeds_report_has_a_sampled_table_only_where_every_seed_sampled(tmp_path
     assert seed_row(greedy_only, "sampled") is None
     rows = [{mode: seed_row(c, mode) for mode in ("greedy", "sampled")} for c in (both, greedy_only)]
     report = seeds_report(rows, cfg)
-    assert "## greedy" in report and "## sampled" not in report
+    assert "## Greedy replies" in report and "## Sampled" not in report
     report = seeds_report(rows[:1], cfg)
-    greedy, sampled = report.split("## sampled")
+    greedy, sampled = report.split("## Sampled replies")
     assert "| 1 | 0.300 | 0.500 | 0.250 | 0.100 | +0.200 [+0.10, +0.30] |" in greedy
-    assert f"{cfg.eval.samples_per_prompt} samples per prompt" in sampled
+    assert f"({cfg.eval.samples_per_prompt} per prompt at temperature" in sampled
     assert "| 1 | 0.100 | 0.400 | 0.250 | 0.200 | +0.300 [-0.10, +0.60] |" in sampled
     assert sampled.splitlines()[-1].startswith("| improved beyond noise | | | | | 0/1 |")
 
