@@ -545,12 +545,23 @@ class DiagnoseConfig(Section):
 class EvalConfig(Section):
     max_examples: int | None = Field(None, ge=1)
     """Evaluate at most this many eval records (file order); null evaluates all."""
-    samples_per_prompt: int = Field(4, ge=2)
-    """Sampled completions per prompt for diversity and entropy (self-BLEU needs at least two)."""
+    samples_per_prompt: int = Field(4, ge=0)
+    """Sampled completions per prompt for diversity and entropy (self-BLEU needs at least two); 0
+    decodes greedily only (a quicker evaluation, e.g. of a large eval split)."""
     batch_size: int = Field(16, ge=1)
     """Prompts per generate() call."""
     bootstrap: int = Field(1000, ge=100)
     """Paired bootstrap resamples over eval items for the GRPO − SFT intervals of ``reports/eval.md``."""
+
+    @field_validator("samples_per_prompt")
+    @classmethod
+    def _none_or_a_group(cls, value: int) -> int:
+        if value == 1:
+            raise ValueError(
+                "is 1, but one sample per prompt has no within-prompt diversity (self-BLEU) to measure: "
+                "use 0 to decode greedily only, or 2 or more"
+            )
+        return value
     diagnose: DiagnoseConfig = Field(default_factory=DiagnoseConfig)
     """Thresholds and settings of ``grpo diagnose``."""
 

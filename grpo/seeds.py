@@ -18,6 +18,7 @@ from typing import Any
 
 from grpo import pipeline
 from grpo.config import Config
+from grpo.eval.compare import MODES
 from grpo.files import write_text
 
 COLUMNS: dict[str, int] = {
@@ -40,10 +41,6 @@ def seed_config(cfg: Config, seed: int) -> Config:
         for name in ("data_dir", "models_dir", "metrics_dir", "reports_dir", "runs_dir")
     })
     return cfg.model_copy(update={"seed": seed, "paths": paths})
-
-
-MODES = ("greedy", "sampled")
-"""The decodings evaluation scores, each with a table of its own."""
 
 
 def seed_row(cfg: Config, mode: str = "greedy") -> dict[str, Any] | None:

@@ -302,3 +302,25 @@ def test_evaluate_without_grpo_has_no_intervals(project):
     compare = json.loads((Path(project.paths.metrics_dir) / "eval_compare.json").read_text())
     assert compare["grpo_minus_sft"] is None and set(compare["baselines"]) == {"abstain", "random"}
     assert "bootstrap intervals" not in (Path(project.paths.reports_dir) / "eval.md").read_text()
+
+
+def test_evaluate_greedy_only_when_no_samples_are_asked(evaluated, tmp_path):
+    """``eval.samples_per_prompt: 0``: every model decodes greedily only, with the same greedy figures,
+    and the report, the headline and the intervals carry no sampled column."""
+    full_cfg, full, _ = evaluated
+    for name in ("data", "models"):
+        shutil.copytree(Path(getattr(full_cfg.paths, f"{name}_dir")), tmp_path / name)
+    cfg = project_cfg(tmp_path, eval={"samples_per_prompt": 0})
+    assert run(cfg) == 0
+    results = json.loads((Path(cfg.paths.metrics_dir) / "eval.json").read_text())
+    compare = json.loads((Path(cfg.paths.metrics_dir) / "eval_compare.json").read_text())
+    report = (Path(cfg.paths.reports_dir) / "eval.md").read_text()
+    assert {name: set(modes) for name, modes in results.items()} == dict.fromkeys(("base", "sft", "grpo"), {"greedy"})
+    assert {name: modes["greedy"] for name, modes in results.items()} == {
+        name: modes["greedy"] for name, modes in full.items()}
+    assert set(compare["grpo_minus_sft"]) == {"greedy"}
+    assert "## greedy" in report and "## sampled" not in report and "sampled" not in report
+    assert "greedy decoding only (`eval.samples_per_prompt: 0`)" in report
+    assert "| policy | greedy |\n" in report
+    assert f"| GRPO | {results['grpo']['greedy']['reward']:.3f} |\n" in report
+    assert "| metric | greedy Δ | greedy 95 % CI |\n" in report

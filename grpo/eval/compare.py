@@ -42,6 +42,9 @@ INTERVAL_METRICS: dict[str, Callable[[dict[str, Any]], float | None]] = {
 }
 """The metrics whose GRPO − SFT difference gets a bootstrap interval (key -> how to read it)."""
 
+MODES = ("greedy", "sampled")
+"""The decodings evaluation scores: greedy, and ``eval.samples_per_prompt`` samples (none when 0)."""
+
 BASELINES = ("abstain", "random")
 BASELINE_LABELS = {"abstain": "always abstain / \"unknown\"", "random": "random choice"}
 
@@ -166,16 +169,24 @@ def _fmt(value: float | None, signed: bool = False) -> str:
     return f"{value:+.3f}" if signed else f"{value:.3f}"
 
 
+def decoded_modes(results: dict[str, dict]) -> list[str]:
+    """The decodings (of ``MODES``) that any model of ``results`` (``{model: {mode: metrics}}``) was scored in."""
+    return [mode for mode in MODES if any(mode in modes for modes in results.values())]
+
+
 def headline_markdown(results: dict[str, dict], baselines: dict[str, dict], labels: dict[str, str]) -> list[str]:
-    """The headline table: mean reward (greedy and sampled) of each model and each baseline."""
+    """The headline table: mean reward of each model (per decoding) and of each baseline."""
+    modes = decoded_modes(results)
     lines = ["## headline: mean reward on eval items", "",
              "Abstaining everywhere earns +1 where abstaining is right and −0.5 elsewhere: a model beats it "
              "only by answering the answerable items right.", "",
-             "| policy | greedy | sampled |", "| --- | ---: | ---: |"]
-    for name, modes in results.items():
-        lines.append(f"| {labels[name]} | {_fmt(modes['greedy'].get(HEADLINE))} | {_fmt(modes['sampled'].get(HEADLINE))} |")
-    for name, metrics in baselines.items():
-        lines.append(f"| baseline: {BASELINE_LABELS[name]} | {_fmt(metrics.get(HEADLINE))} | — |")
+             "| policy | " + " | ".join(modes) + " |", "| --- |" + " ---: |" * len(modes)]
+    for name, scored in results.items():
+        cells = [_fmt(scored.get(mode, {}).get(HEADLINE)) for mode in modes]
+        lines.append(f"| {labels[name]} | " + " | ".join(cells) + " |")
+    for name, metrics in baselines.items():  # a baseline's reply is fixed: one column, the greedy one
+        cells = [_fmt(metrics.get(HEADLINE)), *("—" for _ in modes[1:])]
+        lines.append(f"| baseline: {BASELINE_LABELS[name]} | " + " | ".join(cells) + " |")
     return lines
 
 

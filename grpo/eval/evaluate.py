@@ -37,6 +37,7 @@ from grpo.errors import GrpoError
 from grpo.eval.compare import (
     BASELINES,
     baseline_texts,
+    decoded_modes,
     fairness_item,
     hallucination_item,
     headline_markdown,
@@ -178,6 +179,7 @@ def evaluate_model(
     texts: dict[str, list[str]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """``{"greedy": {...}, "sampled": {...}}`` of one model on ``records``; sampling is seeded per batch.
+    Greedy only (no ``"sampled"`` key) when ``eval.samples_per_prompt`` is 0.
 
     ``texts``, when given, receives the replies: ``{"greedy": [N], "sampled": [N * samples_per_prompt]}``.
     """
@@ -189,19 +191,19 @@ def evaluate_model(
     for index, start in enumerate(tqdm(starts, desc=desc, disable=not progress)):
         batch = prompts[start : start + size]
         greedy.add(generate_rollout(model, tokenizer, batch, 1, sampling, eos_ids, cfg.seed, greedy=True))
-        # Seeded by batch index, not by model: every model draws from the same random stream.
-        rollout = generate_rollout(model, tokenizer, batch, group, sampling, eos_ids,
-                                   seed=derive_seed(cfg.seed, ("eval_batch", index)))
-        sampled.add(rollout, entropy_sum(model, rollout))
-    repeated = per_row(records, group)
+        if group:
+            # Seeded by batch index, not by model: every model draws from the same random stream.
+            rollout = generate_rollout(model, tokenizer, batch, group, sampling, eos_ids,
+                                       seed=derive_seed(cfg.seed, ("eval_batch", index)))
+            sampled.add(rollout, entropy_sum(model, rollout))
     if texts is not None:
-        texts.update(greedy=greedy.texts, sampled=sampled.texts)
-    return {
-        "greedy": task_metrics(greedy.texts, records, cfg) | greedy.length_stats(),
-        "sampled": task_metrics(sampled.texts, repeated, cfg) | sampled.length_stats()
-        | diversity_metrics(sampled.texts, group)
-        | {"entropy": sampled.entropy_sum / max(sampled.entropy_tokens, 1)},
-    }
+        texts.update(greedy=greedy.texts, **({"sampled": sampled.texts} if group else {}))
+    results = {"greedy": task_metrics(greedy.texts, records, cfg) | greedy.length_stats()}
+    if group:
+        results["sampled"] = (task_metrics(sampled.texts, per_row(records, group), cfg) | sampled.length_stats()
+                              | diversity_metrics(sampled.texts, group)
+                              | {"entropy": sampled.entropy_sum / max(sampled.entropy_tokens, 1)})
+    return results
 
 
 # --------------------------------------------------------------------------- report
@@ -227,18 +229,19 @@ def markdown_report(
 ) -> str:
     """Markdown: the headline against the baselines, GRPO − SFT intervals, then one table per decoding
     mode (rows = metrics, columns base / SFT / GRPO and deltas)."""
-    sampling = cfg.grpo.sampling
+    sampling, group = cfg.grpo.sampling, cfg.eval.samples_per_prompt
+    decoding = (f"greedy decoding, and {group} samples per prompt at temperature {sampling.temperature}"
+                if group else "greedy decoding only (`eval.samples_per_prompt: 0`)")
     lines = ["# Evaluation", "",
-             f"{n_records} eval records from `{paths.data_file(cfg, 'eval')}`; greedy decoding, "
-             f"and {cfg.eval.samples_per_prompt} samples per prompt at temperature {sampling.temperature} "
-             f"(seed {cfg.seed}). `—`: not measured (no item of that kind) or model absent.", ""]
+             f"{n_records} eval records from `{paths.data_file(cfg, 'eval')}` (seed {cfg.seed}); {decoding}. "
+             "`—`: not measured (no item of that kind) or model absent.", ""]
     lines += [f"- {LABELS[name]} skipped: {reason}" for name, reason in skipped.items()]
     if compare is not None:
         lines += ["", *headline_markdown(results, compare["baselines"], LABELS)]
         if compare["grpo_minus_sft"] is not None:
             lines += ["", *intervals_markdown(compare["grpo_minus_sft"], cfg.eval.bootstrap)]
     header = [*(LABELS[name] for name in MODELS), "GRPO − SFT", "SFT − base"]
-    for mode in ("greedy", "sampled"):
+    for mode in decoded_modes(results):
         keys = list(dict.fromkeys(k for name in MODELS for k in results.get(name, {}).get(mode, {})))
         lines += ["", f"## {mode}", "", "| metric | " + " | ".join(header) + " |",
                   "| --- |" + " ---: |" * len(header)]
@@ -296,12 +299,12 @@ def grpo_intervals(texts: dict[str, dict], records: Sequence[dict], cfg: Config)
     """``{mode: {metric: {diff, low, high}}}`` of GRPO − SFT; None unless both models were evaluated."""
     if not {"sft", "grpo"} <= set(texts):
         return None
-    repeated = per_row(records, cfg.eval.samples_per_prompt)
+    rows = {"greedy": records, "sampled": per_row(records, cfg.eval.samples_per_prompt)}
     return {
-        mode: paired_bootstrap(score(texts["grpo"][mode], rows, cfg.rewards.weights),
-                               score(texts["sft"][mode], rows, cfg.rewards.weights),
+        mode: paired_bootstrap(score(texts["grpo"][mode], rows[mode], cfg.rewards.weights),
+                               score(texts["sft"][mode], rows[mode], cfg.rewards.weights),
                                cfg.eval.bootstrap, cfg.seed)
-        for mode, rows in (("greedy", records), ("sampled", repeated))
+        for mode in rows if mode in texts["grpo"]
     }
 
 
