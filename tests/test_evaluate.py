@@ -81,6 +81,7 @@ def build_project(root: Path) -> Config:
     texts = [r[key] for r in train for key in ("context", "question", "answer")]
     base = Path(cfg.paths.models_dir) / "base"
     build_tiny(base, texts, SIZES, seed=0)
+    write_lineage(base, make_lineage("base", cfg, paths.stage_inputs(cfg, "base")))
     shutil.copytree(base, paths.model_dir(cfg, "sft"))
     write_lineage(paths.model_dir(cfg, "sft"), make_lineage("sft", cfg, paths.stage_inputs(cfg, "sft")))
     return cfg

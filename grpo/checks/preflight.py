@@ -24,6 +24,7 @@ from grpo.config import Config
 from grpo.data.select import train_records
 from grpo.errors import GrpoError
 from grpo.files import write_atomically
+from grpo.model.load import load_base
 from grpo.model.modeling import load_model
 from grpo.provenance.gate import REPORT_NAME, PreflightError, preflight_lineage
 from grpo.train.policy import build_policy, frozen_copy
@@ -59,7 +60,7 @@ def run_checks(cfg: Config) -> dict[str, Any]:
         reference = frozen_copy(policy.model)
     records = train_records(cfg, "grpo")
     sft = load_model(paths.model_dir(cfg, "sft"), cfg.model)
-    base = load_model(paths.model_dir(cfg, "base"), cfg.model)
+    base, _ = load_base(cfg)
     checks = run_checks_on(make_subject(cfg, policy.model, policy.tokenizer, records, sft, base, reference))
     return {"passed": all(c.passed for c in checks), "checks": [c.as_dict() for c in checks],
             "lineage": preflight_lineage(cfg)}

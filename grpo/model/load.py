@@ -1,7 +1,7 @@
 """The pipeline's three models, loaded from their folders and refused when stale.
 
-``models/sft`` and ``models/grpo`` carry ``lineage.json``; loading one built by other code, params or
-inputs raises ``StaleArtifactError`` naming what changed. Every stage that reads a trained model (the
+``models/base``, ``models/sft`` and ``models/grpo`` carry ``lineage.json``; loading one built by other
+code, params or inputs raises ``StaleArtifactError`` naming what changed. Every stage that reads a trained model (the
 trainer, pre-flight, evaluation, diagnosis) loads it here, so none of them imports the stage that
 wrote it (which would also put that stage's code into its fingerprint).
 """
@@ -12,18 +12,28 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo import paths
 from grpo.config import Config
+from grpo.model.base import base_inputs
 from grpo.model.modeling import load_model, load_tokenizer
 from grpo.provenance.lineage import check_lineage
 
 
+def check_base(cfg: Config) -> None:
+    """Raise ``StaleArtifactError`` unless ``models/base`` was built by the current code, params and inputs."""
+    check_lineage(paths.model_dir(cfg, "base"), "base", cfg, base_inputs(cfg))
+
+
 def load_base(cfg: Config) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``models/base``: the embedded tiny model or the pointer to ``model.name_or_path``."""
+    """``models/base``: the embedded tiny model or the pointer to ``model.name_or_path``, refusing one
+    built by other code, params or inputs (StaleArtifactError)."""
+    check_base(cfg)
     folder = paths.model_dir(cfg, "base")
     return load_model(folder, cfg.model), load_tokenizer(folder, cfg.model)
 
 
 def check_sft(cfg: Config) -> None:
-    """Raise ``StaleArtifactError`` unless ``models/sft`` was built by the current code, params and inputs."""
+    """Raise ``StaleArtifactError`` unless ``models/sft``, and the base model under it, were built by the
+    current code, params and inputs (SFT's lineage holds the base's content, not whether it is current)."""
+    check_base(cfg)
     check_lineage(paths.model_dir(cfg, "sft"), "sft", cfg, paths.stage_inputs(cfg, "sft"))
 
 
