@@ -185,9 +185,9 @@ def test_repro_reruns_exactly_what_changed(project):
     assert {"preflight", "grpo", "evaluate"} <= semantic and not semantic & set(DATA_STAGES), semantic
 
     params = yaml.safe_load((project / "params.yaml").read_text(encoding="utf-8"))
-    coef = params["grpo"]["loss"]["entropy_coef"] + 0.01
-    write_params(project, {"grpo": {"loss": {"entropy_coef": coef}}})
-    key = "grpo.loss.entropy_coef"
+    coef = params["grpo"]["lr"] * 2  # a learning rate: the pre-flight checks do not read it
+    write_params(project, {"grpo": {"lr": coef}})
+    key = "grpo.lr"
     readers = {n for n, spec in stages.STAGES.items() if any(_covers(k, key) for k in spec.params)}
     why = _status(project)
     assert set(why) - {"fingerprint"} == readers, why

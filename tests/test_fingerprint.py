@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from grpo.cli import COMMANDS
-from grpo.config import Config, ModelConfig
+from grpo.config import Config, GrpoConfig, ModelConfig, config_from_dict
 from grpo.provenance import fingerprint, stages
 from grpo.provenance.fingerprint import (
     FingerprintError,
@@ -19,6 +19,7 @@ from grpo.provenance.fingerprint import (
     stage_fingerprint,
     write_fingerprints,
 )
+from grpo.provenance.lineage import params_hash
 from grpo.provenance.stages import StageSpec
 
 ROOT = Path(fingerprint.__file__).resolve().parents[2]
@@ -189,6 +190,22 @@ def test_base_reads_every_model_key_but_the_adapter_and_the_adapter_stages_read_
     assert set(stages.BASE_MODEL_KEYS) <= set(base) and "model" not in base
     for name in ("sft", "preflight", "grpo", "evaluate"):  # each applies or loads the adapter
         assert any(key in ("model", "model.lora") for key in stages.get_stage(name).params), name
+
+
+def test_preflight_reads_every_grpo_key_the_step_uses_and_the_rewards():
+    """The checks drive the step: every grpo field but the run's length, speed and prompt draw is a
+    pre-flight param, so a new precision, scoring path or loss reruns (and re-gates) the checks."""
+    params = stages.get_stage("preflight").params
+    unread = {"steps", "lr", "warmup_steps", "prompts_per_step", "fairness_fraction"}
+    assert set(stages.PREFLIGHT_GRPO_KEYS) == {f"grpo.{f}" for f in GrpoConfig.model_fields if f not in unread}
+    assert set(stages.PREFLIGHT_GRPO_KEYS) <= set(params) and "rewards" in params
+    for key in ("grpo.bf16", "grpo.shared_prefix", "grpo.loss", "rewards"):
+        changed = {"grpo.bf16": {"grpo": {"bf16": True}}, "grpo.shared_prefix": {"grpo": {"shared_prefix": False}},
+                   "grpo.loss": {"grpo": {"loss": {"beta": 0.5}}},
+                   "rewards": {"rewards": {"weights": {"hallucination": 0.5}}}}[key]
+        assert params_hash(config_from_dict(changed), "preflight") != params_hash(config_from_dict({}), "preflight"), key
+    assert params_hash(config_from_dict({"grpo": {"steps": 7, "lr": 1e-4}}), "preflight") == params_hash(
+        config_from_dict({}), "preflight")
 
 
 def test_bookkeeping_modules_are_in_no_stage_closure():

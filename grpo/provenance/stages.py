@@ -81,6 +81,17 @@ BASE_MODEL_KEYS: tuple[str, ...] = tuple(
         "attn_implementation", "gradient_checkpointing",
     )
 )
+# The grpo keys pre-flight reads: the checks drive the step itself, so its precision, scoring path, loss,
+# gradient modes and sampling are all here. Left out: how long and how fast the run trains and which
+# prompts it draws (steps, lr, warmup_steps, prompts_per_step, fairness_fraction), so a new step count
+# or learning rate needs no new pre-flight (tests/test_fingerprint.py holds this to GrpoConfig).
+PREFLIGHT_GRPO_KEYS: tuple[str, ...] = tuple(
+    f"grpo.{field}"
+    for field in (
+        "group_size", "max_grad_norm", "num_iterations", "grad_accum", "dynamic_sampling", "max_resample",
+        "bf16", "shared_prefix", "reuse_prefill", "sampling", "rollout", "loss", "multitask",
+    )
+)
 
 # Validate gates the data: every stage that reads the processed data lists it upstream, so bad data
 # stops the pipeline before the tokenizer or any model is rebuilt from it (DESIGN.md "Reliability").
@@ -105,9 +116,8 @@ STAGES: dict[str, StageSpec] = {
             "preflight",
             "preflight",
             ("grpo.checks.preflight",),
-            # Only what the checks use: a new step count or learning rate needs no new pre-flight.
-            ("seed", "model", "sft.max_length", "data.grpo_holdout", "grpo.group_size", "grpo.sampling",
-             "grpo.loss.scale_rewards", "grpo.multitask", "paths"),
+            # Only what the checks use (PREFLIGHT_GRPO_KEYS; the rewards score the probe's completions).
+            ("seed", "model", "sft.max_length", "data.grpo_holdout", *PREFLIGHT_GRPO_KEYS, "rewards", "paths"),
             ("prepare", "validate", "base", "sft"),
             "check invariants I1-I12 on the configured model",
         ),
