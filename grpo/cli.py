@@ -67,8 +67,17 @@ def _seeds_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="seeds to run (default: 1 2 3)")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a step count: give 1 or more, or leave the option out "
+                                         "to train all grpo.steps")
+    return value
+
+
 def _train_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    parser.add_argument("--max-steps", type=_positive_int, default=None,
+                        help="stop after this many steps (at least 1; default: all grpo.steps)")
 
 
 AddArgs = Callable[[argparse.ArgumentParser], None]
@@ -97,7 +106,7 @@ COMMANDS: dict[str, Command] = {
     "fingerprint": Command("grpo.provenance.fingerprint:run", "write the semantic code fingerprint of every stage"),
     "status": Command("grpo.provenance.status:run",
                       "what is stale and why (refreshes fingerprints, then dvc status)"),
-    "pipeline": Command("grpo.pipeline:run", "run every stage in order (what `make run` does)"),
+    "pipeline": Command("grpo.pipeline:run", "run every stage in order in one process, without DVC (`make run` runs them by `dvc repro`)"),
     "seeds": Command("grpo.seeds:run", "run the pipeline once per seed and print GRPO − SFT across seeds",
                      _seeds_args),
 }

@@ -75,6 +75,16 @@ def test_options_reach_the_stage_function_typed(params, monkeypatch):
     assert seen["max_steps"] == 3 and seen["cfg"].grpo.steps == 9 and seen["cfg"].seed == 1
 
 
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_max_steps_below_one_is_refused_before_training(params, monkeypatch, capsys, steps):
+    """``--max-steps 0`` once trained every step and ``-3`` none, exiting 0: both are usage errors."""
+    monkeypatch.setattr("grpo.train.trainer.run", lambda cfg, max_steps=None: pytest.fail("trained"))
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--params", str(params), "--max-steps", steps])
+    assert done.value.code == 2
+    assert f"{int(steps)} is not a step count: give 1 or more" in capsys.readouterr().err
+
+
 def test_a_bad_params_value_exits_2_naming_key_value_and_fix(params, capsys):
     assert main(["prepare", "--params", str(params), "--set", "grpo.group_size=1"]) == 2
     err = capsys.readouterr().err
