@@ -13,6 +13,7 @@ from grpo.data.bbq import _names_group
 from grpo.data.errors import DataSourceError
 from grpo.data.loaders import load_bbq, load_halueval, load_squad2
 from grpo.data.schema import ABSTENTION
+from grpo.data.text import contains
 from grpo.data.validate import validate_files
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -99,6 +100,39 @@ def test_squad2_answers_aliases_distractors_and_article_split():
     assert lind["answer"] == "Oskar Lind" and lind["answerable"]
     titles = {split: {i["category"] for i in pool} for split, pool in loaded.pools.items()}
     assert len(titles["eval"]) == 1 and not titles["train"] & titles["eval"]
+
+
+def _answerable(question: str, context: str, *texts: str) -> dict:
+    answers = [{"text": text, "answer_start": context.index(text)} for text in texts]
+    return {"question": question, "id": question, "answers": answers, "is_impossible": False}
+
+
+def test_squad2_gold_answer_is_a_whole_word_span_else_the_question_is_skipped(tmp_path):
+    # SQuAD answers are character spans that may cut a word, as in dev-v2.0's Normans article:
+    # "Rollo" of "Rollo's", "the Adriatic" of "Adriatic—fell" (an em dash is no ASCII punctuation).
+    normans = ("The treaty gave Rollo's Vikings the lower Seine. Dyrrachium—one of the most important "
+               "naval bases of the Adriatic—fell again to Byzantine hands.")
+    glass = "The glassworks of Vell were opened in 1788 by the merchant Oskar Lind."
+    articles = [
+        {"title": "Normans", "paragraphs": [{"context": normans, "qas": [
+            _answerable("Whose Vikings got the lower Seine?", normans, "Rollo", "Rollo's Vikings"),
+            _answerable("Where was Dyrrachium?", normans, "the Adriatic", "Adriatic"),
+        ]}]},
+        {"title": "Glassworks_of_Vell", "paragraphs": [{"context": glass, "qas": [
+            _answerable("Who opened the glassworks of Vell?", glass, "Oskar Lind", "the merchant Oskar Lind"),
+        ]}]},
+    ]
+    path = tmp_path / "squad.json"
+    path.write_text(json.dumps({"version": "v2.0", "data": articles}, ensure_ascii=False))
+    loaded = load_squad2(path, eval_share=0.5, seed=0)
+    items = {i["question"]: i for i in loaded.pools["train"] + loaded.pools["eval"]}
+    assert set(items) == {"Whose Vikings got the lower Seine?", "Who opened the glassworks of Vell?"}
+    seine = items["Whose Vikings got the lower Seine?"]
+    assert seine["answer"] == "Rollo's Vikings" and seine["aliases"] == ["Rollo"]
+    lind = items["Who opened the glassworks of Vell?"]
+    assert lind["answer"] == "Oskar Lind" and lind["aliases"] == ["the merchant Oskar Lind"]
+    assert all(contains(i["context"], i["answer"]) for i in items.values())
+    assert loaded.skipped == {(str(path), "Normans", "no answer is a whole-word span of the context"): 1}
 
 
 def test_missing_and_malformed_sources_name_the_file(tmp_path):

@@ -10,10 +10,13 @@ import pytest
 import yaml
 
 from grpo.cli import main
-from grpo.config import config_from_dict
+from grpo.config import DataChecksConfig, config_from_dict
 from grpo.data import prepare
 from grpo.data.errors import DataSourceError
+from grpo.data.loaders import load_bbq, load_halueval
 from grpo.data.validate import validate_files
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def make_cfg(root: Path, seed: int = 1234, **data):
@@ -83,13 +86,54 @@ def test_a_failing_prepare_leaves_earlier_outputs_untouched(tmp_path):
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["eval.jsonl", "sources.json", "train.jsonl"]
 
 
-def test_a_source_too_small_for_the_sizes_says_how_to_fix(tmp_path):
-    fixtures = Path(__file__).parent / "fixtures"
-    cfg = make_cfg(tmp_path, n_train=400, n_eval=100, fairness_source="bbq", fairness_path=str(fixtures / "bbq"))
+@pytest.mark.parametrize(
+    ("task", "source", "path", "hint", "wrong_hint"),
+    [
+        # data.fairness_fraction is the fairness share: raising it asks for fewer hallucination records.
+        ("fairness", "bbq", "bbq", "lower data.fairness_fraction", "raise data.fairness_fraction"),
+        ("hallucination", "halueval", "halueval_qa.json", "raise data.fairness_fraction",
+         "lower data.fairness_fraction"),
+    ],
+)
+def test_a_source_too_small_for_the_sizes_says_how_to_fix(tmp_path, task, source, path, hint, wrong_hint):
+    cfg = make_cfg(tmp_path, n_train=400, n_eval=100,
+                   **{f"{task}_source": source, f"{task}_path": str(FIXTURES / path)})
     with pytest.raises(DataSourceError) as err:
         prepare.run(cfg)
-    assert "bbq" in str(err.value) and "lower data.n_train" in str(err.value)
-    assert "raw items skipped:" in str(err.value)  # the rows the loader dropped, by file, category and reason
+    message = str(err.value)
+    assert f"{source} gives" in message and f"{task} records" in message and "lower data.n_train" in message
+    assert hint in message and wrong_hint not in message
+    assert "raw items skipped:" in message  # the rows the loader dropped, by file, category and reason
+
+
+def test_a_distractor_or_a_choice_over_max_answer_chars_is_a_skip_reason():
+    """The suite bounds distractor and choices by data.checks.max_answer_chars, so prepare does too
+    (``sft_answer`` is the answer or the distractor, so it needs no bound of its own)."""
+    checks = DataChecksConfig()
+    long = "x" * (checks.max_answer_chars + 1)
+    fair = load_bbq(FIXTURES / "bbq", 0.25, 0).pools["train"][0]
+    other = (fair["label"] + 1) % 3
+    halueval = load_halueval(FIXTURES / "halueval_qa.json", 0.25, 0)
+    grounded = next(i for i in halueval.pools["train"] if i["distractor"])
+    assert prepare._too_long(fair, checks) is None and prepare._too_long(grounded, checks) is None
+    fair_long = {**fair, "choices": [long if k == other else c for k, c in enumerate(fair["choices"])]}
+    assert prepare._too_long(fair_long, checks) == "a choice longer than data.checks.max_answer_chars (200)"
+    assert prepare._too_long({**grounded, "distractor": long}, checks) == (
+        "distractor longer than data.checks.max_answer_chars (200)")
+
+
+def test_a_halueval_hallucinated_answer_over_the_bound_is_skipped_and_the_output_validates(tmp_path):
+    # Four of the fixture's hallucinated answers are longer than 60 characters, none of its right answers.
+    cfg = config_from_dict({
+        "paths": {"data_dir": str(tmp_path / "data"), "reports_dir": str(tmp_path / "reports")},
+        "data": {"n_train": 8, "n_eval": 4, "sft_noise": 0.5, "checks": {"max_answer_chars": 60},
+                 "hallucination_source": "halueval", "hallucination_path": str(FIXTURES / "halueval_qa.json")},
+    })
+    prepare.run(cfg)
+    skipped = json.loads((tmp_path / "data" / "sources.json").read_text())["hallucination"]["skipped"]
+    assert any(row["reason"] == "distractor longer than data.checks.max_answer_chars (60)" for row in skipped)
+    report = validate_files({s: tmp_path / "data" / f"{s}.jsonl" for s in ("train", "eval")}, cfg)
+    assert report.success, [(r.rule, r.examples[:1], r.observed) for r in report.failures]
 
 
 def test_cli_prepare_then_validate(tmp_path, capsys):

@@ -13,12 +13,15 @@ gives no item at all is an error naming the file and the skip reasons.
   same split (answer ABSTENTION, distractor = its hallucinated answer), kept only when neither the
   right nor the hallucinated answer appears in that borrowed knowledge.
 - SQuAD 2.0 (Rajpurkar et al. 2018, arXiv:1806.03822; nested ``data/paragraphs/qas`` JSON):
-  answerable questions keep their first answer (the others become aliases); ``is_impossible`` ones
-  get ABSTENTION and the first ``plausible_answers`` text as distractor. Files without
-  ``plausible_answers`` (several translated SQuAD 2.0 sets) take the distractor from another
-  question's answer in the same article; an unanswerable question of an article without any answer
-  is skipped. SQuAD 2.0's plausible answers are spans of the passage by design, so validation does
-  not require this distractor to be absent from the context (see ``IN_CONTEXT_DISTRACTOR_SOURCES``).
+  answerable questions keep their first answer that is a whole-word span of the context (the others
+  become aliases): SQuAD's answers are character spans, which may cut a word ("Rollo" of "Rollo's"),
+  and validation and the reward read a gold answer as whole words; a question with no such answer is
+  skipped. ``is_impossible`` ones get ABSTENTION and the first ``plausible_answers`` text as
+  distractor. Files without ``plausible_answers`` (several translated SQuAD 2.0 sets) take the
+  distractor from another question's answer in the same article; an unanswerable question of an
+  article without any answer is skipped. SQuAD 2.0's plausible answers are spans of the passage by
+  design, so validation does not require this distractor to be absent from the context (see
+  ``IN_CONTEXT_DISTRACTOR_SOURCES``).
 """
 
 from __future__ import annotations
@@ -121,8 +124,9 @@ def _squad_item(context: str, title: str, qa: dict[str, Any], fallback: str | No
         plausible = [answer["text"] for answer in qa.get("plausible_answers") or []]
         return {**base, "answer": ABSTENTION, "answerable": False, "distractor": plausible[0] if plausible else fallback}
     texts = list(dict.fromkeys(answer["text"] for answer in qa["answers"]))
-    aliases = [text for text in texts[1:] if normalize_answer(text) != normalize_answer(texts[0])]
-    return {**base, "answer": texts[0], "aliases": list(dict.fromkeys(aliases)), "answerable": True}
+    gold = next(text for text in texts if contains(context, text))
+    aliases = [text for text in texts if normalize_answer(text) != normalize_answer(gold)]
+    return {**base, "answer": gold, "aliases": aliases, "answerable": True}
 
 
 def _article_answers(article: dict[str, Any]) -> list[str]:
@@ -140,6 +144,9 @@ def _squad_article(file: Path, article: dict[str, Any], skipped: Counter) -> lis
             fallback = next((text for text in answers if normalize_answer(text) not in own), None)
             if not qa.get("is_impossible") and not qa.get("answers"):
                 skipped[(str(file), title, "answerable question without answers")] += 1
+            elif not qa.get("is_impossible") and not any(
+                    contains(paragraph["context"], answer["text"]) for answer in qa["answers"]):
+                skipped[(str(file), title, "no answer is a whole-word span of the context")] += 1
             elif qa.get("is_impossible") and not qa.get("plausible_answers") and fallback is None:
                 skipped[(str(file), title, "unanswerable question without plausible_answers, and no "
                          "answer elsewhere in its article to use as distractor")] += 1

@@ -48,10 +48,19 @@ def _strata(task: str, answerable_fraction: float) -> tuple[Any, dict[Any, float
 
 
 def _too_long(item: dict[str, Any], checks: DataChecksConfig) -> str | None:
-    for field, limit in (("context", checks.max_context_chars), ("question", checks.max_question_chars),
-                         ("answer", checks.max_answer_chars)):
-        if len(item[field]) > limit:
-            return f"{field} longer than data.checks.max_{field}_chars ({limit})"
+    """Why the item breaks a ``length.<field>`` rule of the suite, or None.
+
+    ``sft_answer`` is filled later with the answer or the distractor, so bounding those bounds it too.
+    """
+    texts = [("context", "max_context_chars", item["context"]),
+             ("question", "max_question_chars", item["question"]),
+             ("answer", "max_answer_chars", item["answer"]),
+             ("distractor", "max_answer_chars", item.get("distractor") or "")]
+    texts += [("a choice", "max_answer_chars", choice) for choice in item.get("choices") or ()]
+    for field, key, text in texts:
+        limit = getattr(checks, key)
+        if len(text) > limit:
+            return f"{field} longer than data.checks.{key} ({limit})"
     return None
 
 
@@ -75,8 +84,10 @@ def _usable(pools: Pools, checks: DataChecksConfig, skipped: Counter, path: Path
 
 def _too_few(path: Path, source: str, task: str, split: str, have: int, want: int, skipped: Counter) -> str:
     why = ("; raw items skipped: " + "; ".join(skip_lines(skipped))) if skipped else ""
+    # data.fairness_fraction is the fairness share: lowering it asks for more hallucination records.
+    share = "lower" if task == "fairness" else "raise"
     return (f"{path}: {source} gives {have} usable {split} {task} records but params ask for {want} "
-            f"(data.n_{split} x the task's share){why}; lower data.n_{split} or data.fairness_fraction"
+            f"(data.n_{split} x the task's share){why}; lower data.n_{split} or {share} data.fairness_fraction"
             + (", or fix the skipped rows" if skipped else ", or give a file with more items"))
 
 
