@@ -482,7 +482,7 @@ class MonitorConfig(Section):
     boundary_prompt_echo: RuleConfig = _rule(20.0)
     """Boundary: fires when a completion begins with the first threshold characters of its user message."""
     boundary_empty: RuleConfig = _rule(1.0)
-    """Boundary: fires when completions/mean_length (tokens) is below threshold."""
+    """Boundary: fires when the mean content length (tokens, the stop token not counted) is below threshold."""
     boundary_clipped: RuleConfig = _rule(0.95, action="warn")
     """Boundary: fires when completions/clipped_ratio exceeds threshold (the model never stops)."""
     boundary_entropy_low: RuleConfig = _rule(0.01)

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
-from grpo.config import MonitorConfig, RuleConfig
+from grpo.config import MonitorConfig, RuleConfig, SamplingConfig
+from grpo.core.batching import left_pad
+from grpo.data.prompts import example_messages
 from grpo.health.monitor import Finding, Monitor, MonitorError, TrainingStopped, raise_if_stop
+from grpo.model.chat import end_of_turn_ids, render_prompt
+from grpo.model.rollout import rollout_from_sequences
+from grpo.model.sampling import build_logits_processors
+from grpo.train.dynamic_sampling import Draw
+from grpo.train.step import StepResult, step_result
+from grpo.train.trainer import watch
+from tests.conftest import shared_tokenizer_path
 
 CONTEXT = "Context: Two friends, a tall one and a short one, met at the station."
 USER = f"{CONTEXT}\nQuestion: Who was late? Options: A. the tall one B. the short one C. Unknown"
@@ -187,7 +198,10 @@ def test_boundary_metric_rules(caplog):
         findings = monitor.observe(1, {"entropy": 0.001, "completions/mean_length": 24.0, "completions/clipped_ratio": 1.0})
     assert sorted((f.rule, f.action) for f in findings) == [("boundary_clipped", "warn"), ("boundary_entropy_low", "stop")]
     assert any("boundary_clipped" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-    assert [f.rule for f in Monitor(MonitorConfig()).observe(1, {"completions/mean_length": 0.0})] == ["boundary_empty"]
+    empty = {"completions/mean_length": 1.0, "completions/clipped_ratio": 0.0}  # every answer only its stop token
+    assert [f.rule for f in Monitor(MonitorConfig()).observe(1, empty)] == ["boundary_empty"]
+    clipped = {"completions/mean_length": 1.0, "completions/clipped_ratio": 1.0}  # one token each, no stop token
+    assert [f.rule for f in Monitor(MonitorConfig()).observe(1, clipped)] == ["boundary_clipped"]
     assert [f.rule for f in Monitor(MonitorConfig()).observe(2, {"entropy": 7.5})] == ["boundary_entropy_high"]
 
 
@@ -212,3 +226,80 @@ def test_missing_metric_is_warned_once_and_never_fires(caplog):
 def test_check_boundary_needs_one_prompt_per_completion():
     with pytest.raises(MonitorError, match="2 completions and 1 prompts"):
         Monitor(MonitorConfig()).check_boundary(1, ["a", "b"], ["p"], [], [])
+
+
+# --------------------------------------------------------------------------- the stage's own path
+
+
+def stage_result(tokenizer, eos_ids: list[int], completions: list[list[int]]) -> StepResult:
+    """What one training step hands the monitor when the decode loop generated ``completions`` (ids,
+    the pad id after a stop token): the stage's cut (``rollout_from_sequences``) and ``step_result``."""
+    record = {"task": "hallucination", "context": CONTEXT, "question": "Who was late?"}
+    n, width = len(completions), max(map(len, completions))
+    prompt = left_pad([render_prompt(tokenizer, example_messages(record))] * n, tokenizer.pad_token_id)
+    generated = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids in completions])
+    sampling = SamplingConfig()
+    _, suppressor = build_logits_processors(prompt.input_ids.shape[1], eos_ids, sampling)
+    rollout = rollout_from_sequences(tokenizer, prompt, torch.cat([prompt.input_ids, generated], dim=1),
+                                     eos_ids, suppressor, n, sampling)
+    ctx = SimpleNamespace(tokenizer=tokenizer, eos_ids=eos_ids, accelerator=SimpleNamespace(num_processes=1))
+    sampled = Draw(rollout, [record], torch.zeros(n), torch.zeros(n), {})
+    return step_result(ctx, [record], sampled, {}, {"entropy": 1.0}, elapsed=1.0)
+
+
+def watched(result: StepResult, step: int = 1) -> list[str]:
+    """The rules that stop the trainer's ``watch`` on this step (none: [])."""
+    try:
+        watch(Monitor(MonitorConfig()), step, result)
+    except TrainingStopped as stop:
+        return [f.rule for f in stop.findings]
+    return []
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize(
+    ("answers", "empty"),
+    [
+        (["", "", "", ""], True),  # every completion only its stop token: mean_length 1.0, content 0
+        (["", "", "", "A"], True),  # mostly empty: under one token of content on average
+        (["Answer: A", "", "Answer: C", ""], False),
+        (["Answer: A", "Answer: B", "I don't know.", "Answer: C"], False),
+    ],
+)
+def test_empty_completions_stop_on_the_stage_path(tiny_tokenizer, answers, empty):
+    """The stage counts the stop token in every length, so all-empty answers read mean_length 1.0:
+    the rule must still fire from the stage's own metrics."""
+    eot = tiny_tokenizer.convert_tokens_to_ids(EOT)
+    result = stage_result(tiny_tokenizer, [eot], [text_ids(tiny_tokenizer, a) + [eot] for a in answers])
+    if all(not a for a in answers):
+        assert result.metrics["completions/mean_length"] == 1.0
+    assert watched(result) == (["boundary_empty"] if empty else [])
+
+
+@pytest.mark.parametrize(("tokenizer_name", "end_token"),
+                         [("tiny", "<|end_of_text|>"), ("llama-3.2-instruct", "<|eom_id|>")])
+def test_writing_on_after_an_end_token_stops_on_the_stage_path(tiny_tokenizer, tokenizer_name, end_token):
+    """Stop ids of the template alone (a checkpoint whose generation config lists only <|eot_id|>): a
+    completion that ends a turn with another end token and writes a second answer is cut only at
+    <|eot_id|>. One such completion in four stops the run (the header rule needs more than a quarter)."""
+    if tokenizer_name == "tiny":
+        tokenizer = tiny_tokenizer
+    else:
+        from grpo.config import ModelConfig
+        from grpo.model.modeling import load_tokenizer
+
+        tokenizer = load_tokenizer(shared_tokenizer_path(tokenizer_name), ModelConfig())
+    eos_ids = end_of_turn_ids(tokenizer)
+    eot, end = tokenizer.convert_tokens_to_ids(EOT), tokenizer.convert_tokens_to_ids(end_token)
+    assert eos_ids == [eot] and end != tokenizer.unk_token_id
+    healthy = [text_ids(tokenizer, a) + [eot] for a in ("Answer: A", "Answer: C", "I don't know.")]
+    on_after = text_ids(tokenizer, "Answer: A") + [end] + text_ids(tokenizer, "Answer: B") + [eot]
+    result = stage_result(tokenizer, eos_ids, [*healthy, on_after])
+    assert result.raw_texts[-1] == f"Answer: A{end_token}Answer: B{EOT}"
+    assert watched(result) == ["boundary_end_of_turn"]
+    assert watched(stage_result(tokenizer, eos_ids, [*healthy, healthy[0]])) == []
+    # With the end token among the stop ids the completion is cut there: nothing wrote on.
+    assert watched(stage_result(tokenizer, [eot, end], [*healthy, on_after])) == []

@@ -79,6 +79,21 @@ def completion_stats(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str
     }
 
 
+def mean_content_length(metrics: Mapping[str, Any]) -> float | None:
+    """Mean tokens of content per completion, the stop token not counted; None when
+    ``completions/mean_length`` or ``completions/clipped_ratio`` is absent.
+
+    ``completions/mean_length`` counts the stop token that ends every completion that stopped
+    (``batching.completion_mask``), so a batch of empty answers reads 1.0, never 0; only the clipped
+    rows hold no stop token. Both are row means (merged over processes by rows), so
+    ``mean_length - (1 - clipped_ratio)`` is exactly the mean count of content tokens.
+    """
+    length, clipped = metrics.get("completions/mean_length"), metrics.get("completions/clipped_ratio")
+    if length is None or clipped is None:
+        return None
+    return float(length) - (1.0 - float(clipped))
+
+
 def task_reward_stats(rewards: torch.Tensor, tasks: Sequence[str]) -> dict[str, float]:
     """``rewards/<task>/mean|std`` over the rows of each task present; ``rewards`` is ``[N]``.
 

@@ -4,8 +4,10 @@ Two families of rules (DESIGN.md "Health"), each with ``threshold``, ``window`` 
 params ``monitor``:
 
 - **boundary** (steps ``<= monitor.boundary_steps``): no chat-header token inside a completion, at
-  most one end-of-turn, no completion that starts with prompt text, mean length and entropy in range.
-  A broken template shows on the very first rollout, so these stop at once.
+  most one end-of-turn (the stop token that ends it: any other end token inside means the model wrote
+  on after its turn), no completion that starts with prompt text, mean content length (the stop token
+  not counted) and entropy in range. A broken template shows on the very first rollout, so these
+  stop at once.
 - **collapse** (every step): entropy below a floor, ``frac_reward_zero_std`` near 1 (the reward_std = 0
   deadlock: every group's advantage is 0), lengths frozen, step time dropping to nothing, max
   probability near 1, loss and grad norms exactly 0 -- each for ``window`` consecutive steps.
@@ -26,6 +28,7 @@ from typing import Any, NamedTuple
 
 from grpo.config import MonitorConfig, RuleConfig
 from grpo.errors import GrpoError
+from grpo.health.metrics import mean_content_length
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,10 @@ BOUNDARY_CAUSES = (
     "SFT targets without the end-of-turn token, or loss on prompt tokens (invariant I2)",
 )
 _SPECIAL = re.compile(r"<\|[^<>|]{1,40}\|>")
+# Tokens that end a turn or a text in the chat families (Llama-3 <|eot_id|> <|eom_id|> <|end_of_text|>,
+# Qwen <|im_end|> <|endoftext|>, Phi-3 <|end|>, Gemma <end_of_turn> <eos>, Llama-2 </s>); not
+# <|end_header_id|>, <|vision_end|> and the like, which close a span inside a turn.
+_END_TOKEN = re.compile(r"</s>|<\|?(?:eot_id|eom_id|eos|end|im_end|endoftext|end_of_text|end_of_turn)\|?>")
 
 
 class Finding(NamedTuple):
@@ -127,6 +134,14 @@ def _entropy(test: Callable[[float, float], bool]) -> Condition:
     return condition
 
 
+def _content_length(test: Callable[[float, float], bool]) -> Condition:
+    def condition(metrics, threshold, previous):
+        value = mean_content_length(metrics)
+        return None if value is None else (test(value, threshold), value)
+
+    return condition
+
+
 def _lengths_frozen(metrics, threshold, previous):
     keys = ("completions/min_length", "completions/max_length", "completions/mean_length")
     if any(key not in metrics for key in keys):
@@ -150,7 +165,8 @@ def _zero_grad(metrics, threshold, previous):
 _BELOW, _ABOVE, _AT_LEAST = (lambda v, t: v < t), (lambda v, t: v > t), (lambda v, t: v >= t)
 
 BOUNDARY_METRIC_RULES: dict[str, tuple[str, Condition]] = {
-    "boundary_empty": ("completions/mean_length < {t}", _metric("completions/mean_length", _BELOW)),
+    "boundary_empty": ("mean content length (completions/mean_length without the stop token) < {t}",
+                       _content_length(_BELOW)),
     "boundary_clipped": ("completions/clipped_ratio > {t}", _metric("completions/clipped_ratio", _ABOVE)),
     "boundary_entropy_low": ("entropy < {t}", _entropy(_BELOW)),
     "boundary_entropy_high": ("entropy > {t}", _entropy(_ABOVE)),
@@ -256,9 +272,10 @@ class Monitor:
         header_tokens: Sequence[str],
         end_of_turn_tokens: Sequence[str],
     ) -> list[Finding]:
-        """Text checks of one step's completions (decoded WITH special tokens, cut at their first
-        end-of-turn) against their prompts (one per completion). Nothing is checked after the first
-        ``boundary_steps`` steps."""
+        """Text checks of one step's completions (decoded WITH special tokens, cut after their first
+        stop token) against their prompts (one per completion). ``header_tokens``: the special tokens
+        that are neither stop nor pad tokens; ``end_of_turn_tokens``: the stop tokens. Nothing is
+        checked after the first ``boundary_steps`` steps."""
         if not self.in_boundary(step) or not completions:
             return []
         if len(prompts) != len(completions):
@@ -287,11 +304,17 @@ class Monitor:
         return share > threshold, share, describe
 
     def _end_of_turn(self, completions, prompts, header_tokens, end_of_turn_tokens):
-        tokens = [t for t in end_of_turn_tokens if t]
+        # Generation stops at the first stop token and the completion is cut there, so a stop token
+        # ends a completion but never sits inside one. A model that wrote on after its turn ended
+        # shows an end token that is not a stop token (Llama-3's <|eom_id|> or <|end_of_text|> where
+        # the stop ids list only <|eot_id|>), or a stop token's text spelled in ordinary tokens.
+        stops = [t for t in end_of_turn_tokens if t]
+        tokens = stops + [t for t in header_tokens if t not in stops and _END_TOKEN.fullmatch(t)]
         counts = [sum(c.count(t) for t in tokens) for c in completions]
         worst = max(range(len(counts)), key=counts.__getitem__)
         threshold = self.cfg.boundary_end_of_turn.threshold
-        describe = f"end-of-turn tokens {tokens} in one completion > {_fmt(threshold)}; e.g. {completions[worst][:120]!r}"
+        describe = (f"end-of-turn tokens {tokens} in one completion (with the stop token that ends it) > "
+                    f"{_fmt(threshold)}; e.g. {completions[worst][:120]!r}")
         return counts[worst] > threshold, counts[worst], describe
 
     def _echo(self, completions, prompts, header_tokens, end_of_turn_tokens):
