@@ -73,6 +73,17 @@ def test_dvc_yaml_matches_stage_table():
         assert producers == set(spec.upstream), f"{name}: dvc.yaml upstream {producers} != table {spec.upstream}"
 
 
+def test_every_stage_param_is_in_params_yaml():
+    """DVC refuses to run a stage whose params key params.yaml lacks, even where the config has a default."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8"))
+    for name, spec in stages.STAGES.items():
+        for key in spec.params:
+            node = params
+            for part in key.split("."):
+                assert isinstance(node, dict) and part in node, f"{name}: params.yaml has no {key}"
+                node = node[part]
+
+
 def test_outputs_cached_and_metrics_not():
     by_stage = dvc_stages()
     for stage in by_stage.values():
@@ -139,7 +150,8 @@ def _changed_deps(status: dict, stage: str) -> dict:
 @pytest.mark.slow
 @needs_all_stages
 def test_load_sft_refuses_model_after_chat_change(project):
-    """A semantic edit in grpo/model/chat.py makes the trained SFT model stale: loading it raises."""
+    """A semantic edit in grpo/model/chat.py makes the trained models stale: loading SFT raises, naming
+    the base model under it first (the base stage pretrains on chat-rendered records too)."""
     chat = project / "grpo" / "model" / "chat.py"
     chat.write_text(chat.read_text(encoding="utf-8") + "\n_SEMANTIC_PROBE = 1\n", encoding="utf-8")
     code = ("from grpo.config import load_config\nfrom grpo.model.load import load_sft\n"
@@ -151,7 +163,8 @@ def test_load_sft_refuses_model_after_chat_change(project):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert proc.stdout.startswith("StaleArtifactError"), proc.stdout
-    assert "grpo/model/chat.py changed" in proc.stdout and "dvc repro sft" in proc.stdout
+    assert "grpo/model/chat.py changed since models/base was built" in proc.stdout, proc.stdout
+    assert "dvc repro base" in proc.stdout, proc.stdout
 
 
 @pytest.mark.slow
