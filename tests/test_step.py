@@ -9,11 +9,11 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from grpo.config import config_from_dict
+from grpo.config import ModelConfig, config_from_dict
 from grpo.core.multitask import MultitaskError
 from grpo.data.prepare import build_records
 from grpo.model.modeling import wrap_lora
-from grpo.model.precision import cpu_has_native_bf16
+from grpo.model.precision import apply_memory_settings, cpu_has_native_bf16
 from grpo.model.rollout import stop_ids
 from grpo.train.step import StepContext, draw, grpo_step, prepare_batch, reuses_prefill, update
 
@@ -188,6 +188,40 @@ def test_fast_path_gives_the_plain_paths_numbers(tiny_model, tiny_tokenizer, rec
     fast_grads = torch.cat([p.grad.flatten() for p in fast.model.parameters() if p.requires_grad])
     assert plain_grads.abs().max() > 1e-3
     torch.testing.assert_close(fast_grads, plain_grads, rtol=0, atol=1e-5)
+
+
+def test_gradient_checkpointing_step_recomputes_and_gives_the_same_numbers(tiny_model, tiny_tokenizer, records,
+                                                                          monkeypatch):
+    """``model.gradient_checkpointing`` with the default shared prefix: the step runs (checkpointed layers
+    return no cache in train mode, so it scores whole sequences), its layers are recomputed, and loss,
+    KL and gradients equal the step's without checkpointing."""
+    import transformers.modeling_utils as checkpoint_module  # where gradient_checkpointing_enable finds it
+
+    calls = []
+    original = checkpoint_module.checkpoint  # bound when checkpointing is enabled: patched before
+    monkeypatch.setattr(checkpoint_module, "checkpoint", lambda *a, **k: calls.append(1) or original(*a, **k))
+    loss = {"beta": 0.04, "entropy_coef": 0.01}
+    plain = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss=loss, **FAST)
+    checkpointed_model = apply_memory_settings(copy.deepcopy(tiny_model), ModelConfig(gradient_checkpointing=True))
+    checkpointed = make_context(checkpointed_model, tiny_tokenizer, loss=loss, **FAST)
+    assert checkpointed.model.training and checkpointed.model.is_gradient_checkpointing
+    with torch.no_grad():
+        for ctx in (plain, checkpointed):
+            for name, param in ctx.model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+    advantages = torch.linspace(-1, 1, 2 * len(records))
+    expected_batch = prepare_batch(plain, with_advantages(draw(plain, records, seed=11), advantages))
+    assert not calls  # the plain model checkpoints nothing
+    got_batch = prepare_batch(checkpointed, with_advantages(draw(checkpointed, records, seed=11), advantages))
+    got, expected = update(checkpointed, got_batch), update(plain, expected_batch)
+    assert calls, "no layer was checkpointed"
+    for key in ("loss", "entropy", "kl"):
+        assert got[key] == pytest.approx(expected[key], abs=1e-5), key
+    grads = [torch.cat([p.grad.flatten() for p in ctx.model.parameters() if p.requires_grad])
+             for ctx in (checkpointed, plain)]
+    assert grads[1].abs().max() > 1e-3
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-5)
 
 
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="this CPU has no native bf16: grpo.bf16 runs fp32 here")

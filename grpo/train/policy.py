@@ -51,7 +51,9 @@ def build_policy(cfg: Config, device: torch.device,
         model = wrap_lora(model, cfg.model.lora)
     elif cfg.grpo.loss.beta > 0:
         reference = frozen_copy(model).to(device)
-    model = model.to(device)
+    # The update runs in train mode (LoRA's wrap leaves it so; a loaded model is in eval mode): gradient
+    # checkpointing and dropout act only there. The rollout switches to eval mode and back.
+    model = model.to(device).train()
     if shard is not None:
         model = shard(model)
     params = [p for p in model.parameters() if p.requires_grad]

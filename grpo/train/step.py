@@ -172,10 +172,17 @@ def reuses_prefill(ctx: StepContext) -> bool:
             and not getattr(model, "is_gradient_checkpointing", False) and not has_dropout(model))
 
 
+def shares_prefix(ctx: StepContext) -> bool:
+    """Whether the step scores each prompt once for its group (``grpo.shared_prefix``). Not under gradient
+    checkpointing: its layers return no key/value cache in train mode, and the completions' pass reads
+    the prompt's from the cache. The step then scores whole sequences, the same log-probs."""
+    return ctx.cfg.grpo.shared_prefix and not getattr(ctx.model, "is_gradient_checkpointing", False)
+
+
 def _stored_logprobs(ctx: StepContext, inputs: RolloutInputs, adapter: bool) -> torch.Tensor:
     """Log-probs kept fixed through the update: the old policy's, or the reference's (adapter off, I9)."""
     with torch.no_grad(), ctx.autocast():
-        shared = ctx.cfg.grpo.shared_prefix
+        shared = shares_prefix(ctx)
         if not adapter:  # I9: the frozen SFT copy (full fine-tuning) or the adapter disabled (LoRA)
             return score_reference(ctx.model, inputs, ctx.reference, shared_prefix=shared).logprobs.float()
         return score_inputs(ctx.model, inputs, shared_prefix=shared).logprobs.float()
@@ -234,7 +241,7 @@ def _task_losses(ctx: StepContext, batch: ScoredBatch, totals: Totals, subset: t
         return {}
     rows = torch.cat([p[0] for p in parts.values()])
     with ctx.autocast():
-        scored = score_inputs(ctx.model, batch.inputs.rows(rows), shared_prefix=ctx.cfg.grpo.shared_prefix,
+        scored = score_inputs(ctx.model, batch.inputs.rows(rows), shared_prefix=shares_prefix(ctx),
                               prefills=batch.prefills)
     out, offset = {}, 0
     for task, (idx, share) in parts.items():
