@@ -127,7 +127,8 @@ def test_i9_build_policy_puts_the_adapter_on_the_sft_weights(tmp_path, tiny_mode
     save_model(sft, tiny_tokenizer, paths.model_dir(cfg, "sft"))
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    write_lineage(paths.model_dir(cfg, "sft"), make_lineage("sft", cfg, paths.stage_inputs(cfg, "sft")))
+    for stage in ("base", "sft"):
+        write_lineage(paths.model_dir(cfg, stage), make_lineage(stage, cfg, paths.stage_inputs(cfg, stage)))
     policy = build_policy(cfg, torch.device("cpu")).model
     ids = torch.tensor([_prompts(tiny_tokenizer, records)[0]])
     with torch.no_grad():
