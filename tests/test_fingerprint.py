@@ -250,26 +250,26 @@ def _age(paths, seconds=1_000):
 
 def test_writer_reruns_exactly_the_stages_a_change_touches(two_stages, tmp_path):
     out = tmp_path / "fingerprints"
-    assert write_fingerprints(out, two_stages) == ["a", "b"]
+    assert write_fingerprints(config_from_dict({}), out, two_stages) == ["a", "b"]
     files = [out / "a.json", out / "b.json"]
     mtimes = _age(files)
 
     _write(two_stages, "pkg/a_only.py", "from pkg import shared\n\nA = 1  # edited comment\n")
-    assert write_fingerprints(out, two_stages) == []
+    assert write_fingerprints(config_from_dict({}), out, two_stages) == []
     assert {f: f.stat().st_mtime for f in files} == mtimes
 
     _write(two_stages, "pkg/a_only.py", "from pkg import shared\nA = 2\n")
-    assert write_fingerprints(out, two_stages) == ["a"]
+    assert write_fingerprints(config_from_dict({}), out, two_stages) == ["a"]
     assert (out / "b.json").stat().st_mtime == mtimes[out / "b.json"]
     assert (out / "a.json").stat().st_mtime != mtimes[out / "a.json"]
 
     _write(two_stages, "pkg/shared.py", "S = 2\n")
-    assert write_fingerprints(out, two_stages) == ["a", "b"]
+    assert write_fingerprints(config_from_dict({}), out, two_stages) == ["a", "b"]
 
 
 def test_written_file_is_deterministic_sorted_json(two_stages, tmp_path):
     out = tmp_path / "fingerprints"
-    write_fingerprints(out, two_stages)
+    write_fingerprints(config_from_dict({}), out, two_stages)
     text = (out / "a.json").read_text()
     data = json.loads(text)
     assert text == json.dumps(data, indent=2, sort_keys=True) + "\n"
@@ -279,10 +279,10 @@ def test_written_file_is_deterministic_sorted_json(two_stages, tmp_path):
 
 def test_writer_rewrites_a_tampered_file(two_stages, tmp_path):
     out = tmp_path / "fingerprints"
-    write_fingerprints(out, two_stages)
+    write_fingerprints(config_from_dict({}), out, two_stages)
     good = (out / "b.json").read_text()
     (out / "b.json").write_text("{}\n")
-    assert write_fingerprints(out, two_stages) == ["b"]
+    assert write_fingerprints(config_from_dict({}), out, two_stages) == ["b"]
     assert (out / "b.json").read_text() == good
 
 
@@ -292,3 +292,43 @@ def test_cli_run_writes_one_file_per_real_stage(tmp_path, monkeypatch, capsys):
     written = sorted(p.stem for p in (tmp_path / "fingerprints").glob("*.json"))
     assert written == sorted(stages.STAGES)
     assert "fingerprint: sft" in capsys.readouterr().out
+
+
+def test_a_changed_raw_dataset_file_reruns_prepare_alone(tmp_path, monkeypatch):
+    """`grpo fingerprint` (the always-run stage every other depends on through its file) records the
+    published dataset files prepare reads: an edited, added or removed raw file changes
+    fingerprints/prepare.json and nothing else; with synthetic sources the file has no raw_data key."""
+    import shutil
+
+    raw = tmp_path / "bbq"
+    shutil.copytree(ROOT / "tests" / "fixtures" / "bbq", raw)
+    halueval = tmp_path / "qa_data.json"
+    shutil.copy(ROOT / "tests" / "fixtures" / "halueval_qa.json", halueval)
+    cfg = config_from_dict({"data": {"fairness_source": "bbq", "fairness_path": str(raw),
+                                     "hallucination_source": "halueval", "hallucination_path": str(halueval)}})
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / fingerprint.FINGERPRINT_DIR
+
+    def prepare_raw() -> dict:
+        assert fingerprint.run(cfg) == 0
+        return json.loads((out / "prepare.json").read_text())["raw_data"]
+
+    first = prepare_raw()
+    assert set(first) == {"data.fairness_path", "data.hallucination_path"}
+    assert {Path(f).name for f in first["data.fairness_path"]} == {p.name for p in raw.iterdir()}
+    assert list(first["data.hallucination_path"]) == [halueval.as_posix()]
+    edits = [
+        lambda: (raw / "Age.jsonl").write_text((raw / "Age.jsonl").read_text().replace('"label": 0', '"label": 1', 1)),
+        lambda: (raw / "Extra.jsonl").write_text("{}\n"),
+        lambda: (raw / "Extra.jsonl").unlink(),
+        lambda: halueval.write_text(halueval.read_text() + "\n"),
+    ]
+    for edit in edits:
+        before = {p.name: p.read_text() for p in out.glob("*.json")}
+        edit()
+        assert prepare_raw() != first
+        after = {p.name: p.read_text() for p in out.glob("*.json")}
+        assert [name for name in before if before[name] != after[name]] == ["prepare.json"]
+        first = prepare_raw()
+    assert fingerprint.run(config_from_dict({})) == 0
+    assert "raw_data" not in json.loads((out / "prepare.json").read_text())

@@ -188,6 +188,22 @@ def stage_fingerprint(stage: str, root: Path | None = None) -> dict[str, Any]:
     return {"stage": stage, "modules": modules, "fingerprint": combined}
 
 
+def raw_data_fingerprint(cfg: Config) -> dict[str, dict[str, str]]:
+    """``{"data.<task>_path": {file: sha256}}`` of the published dataset files the prepare stage reads:
+    the file ``data.<task>_path`` names, or every file directly in that folder, for each task whose
+    source is not synthetic (a missing path gives ``{}``: prepare itself then fails naming it). Kept in
+    ``fingerprints/prepare.json``, so an edited, added or removed raw file reruns prepare and what
+    follows; with both sources synthetic the file holds no such key and reads as before."""
+    found: dict[str, dict[str, str]] = {}
+    for task in ("fairness", "hallucination"):
+        if getattr(cfg.data, f"{task}_source") == "synthetic":
+            continue
+        path = Path(getattr(cfg.data, f"{task}_path"))
+        listed = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path] * path.is_file()
+        found[f"data.{task}_path"] = {f.as_posix(): hashlib.sha256(f.read_bytes()).hexdigest() for f in listed}
+    return found
+
+
 def _write_if_changed(path: Path, text: str) -> bool:
     """Write ``text`` unless the file already holds it (its mtime then stays); True if written."""
     if path.is_file() and path.read_text(encoding="utf-8") == text:
@@ -196,13 +212,16 @@ def _write_if_changed(path: Path, text: str) -> bool:
     return True
 
 
-def write_fingerprints(out_dir: Path = FINGERPRINT_DIR, root: Path | None = None) -> list[str]:
-    """Write ``<out_dir>/<stage>.json`` for every stage; return the stages whose file changed."""
+def write_fingerprints(cfg: Config, out_dir: Path = FINGERPRINT_DIR, root: Path | None = None) -> list[str]:
+    """Write ``<out_dir>/<stage>.json`` for every stage (prepare's with ``raw_data_fingerprint(cfg)``);
+    return the stages whose file changed."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     changed = []
+    raw = raw_data_fingerprint(cfg)
     for name in stages.STAGES:
-        text = json.dumps(stage_fingerprint(name, root), indent=2, sort_keys=True) + "\n"
+        found = stage_fingerprint(name, root) | ({"raw_data": raw} if name == "prepare" and raw else {})
+        text = json.dumps(found, indent=2, sort_keys=True) + "\n"
         if _write_if_changed(out_dir / f"{name}.json", text):
             changed.append(name)
         _write_if_changed(history_path(out_dir, text), text)
@@ -218,7 +237,7 @@ def history_path(out_dir: Path, text: str) -> Path:
 
 def run(cfg: Config) -> int:
     """``grpo fingerprint``: refresh ``fingerprints/*.json`` in the current directory."""
-    changed = write_fingerprints(FINGERPRINT_DIR)
+    changed = write_fingerprints(cfg, FINGERPRINT_DIR)
     for name, spec in stages.STAGES.items():
         absent = [m for m in spec.modules if module_file(m, PROJECT_ROOT) is None]
         state = "changed" if name in changed else "unchanged"

@@ -78,9 +78,9 @@ def _reasons(entries: list, modules: list[str] | None) -> list[str]:
     return lines
 
 
-def status(project: Path) -> dict[str, list[str]]:
+def status(project: Path, cfg: Config) -> dict[str, list[str]]:
     """``{stage: reasons}`` of every stale pipeline stage (empty: everything is up to date)."""
-    write_fingerprints(project / FINGERPRINT_DIR)
+    write_fingerprints(cfg, project / FINGERPRINT_DIR)
     md5 = recorded_md5(project)
     found = dvc_status(project)
     return {name: _reasons(found[name], changed_modules(project, name, md5.get(name)))
@@ -101,5 +101,5 @@ def report(stale: dict[str, list[str]]) -> str:
 
 def run(cfg: Config) -> int:
     """``grpo status`` in the current directory (the project root)."""
-    print(report(status(Path.cwd())))
+    print(report(status(Path.cwd(), cfg)))
     return 0
