@@ -6,6 +6,7 @@ Read by `make lint` (vulture grpo tasks flows tests benchmarks vulture_whitelist
 invariant  # variable in grpo/checks/preflight.py
 _._group_of_two  # method in grpo/config.py
 _._none_or_a_group  # method in grpo/config.py
+_._known_time_zone  # method in grpo/config.py
 _._heads_divide  # method in grpo/config.py
 _._local_path_exists  # method in grpo/config.py
 _._path_for_published_sources  # method in grpo/config.py

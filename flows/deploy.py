@@ -17,9 +17,9 @@ from pathlib import Path
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.exceptions import ObjectNotFound
-from prefect.schedules import Cron
 
 from flows.full_retrain import full_retrain
+from flows.schedule import nightly_cron
 from grpo.config import load_config
 
 WORK_POOL = "grpo-process"
@@ -38,13 +38,15 @@ def ensure_work_pool(name: str = WORK_POOL) -> None:
 def deploy(project_dir: str | Path = ".", work_pool: str = WORK_POOL) -> str:
     """Create or update the deployment on ``work_pool``; returns its id."""
     project = Path(project_dir).resolve()
-    schedule = load_config(project / "params.yaml").schedule
+    params = project / "params.yaml"
+    schedule = load_config(params).schedule
+    cron = nightly_cron(schedule, params)  # a bad cron fails here, before the server is touched
     ensure_work_pool(work_pool)
     flow = full_retrain.from_source(source=str(project), entrypoint=ENTRYPOINT)
     return str(flow.deploy(
         name=schedule.deployment,
         work_pool_name=work_pool,
-        schedules=[Cron(schedule.cron, timezone=schedule.timezone)],
+        schedules=[cron],
         parameters={"force": schedule.force, "params_path": "params.yaml", "project_dir": str(project)},
         concurrency_limit=1,
         build=False,

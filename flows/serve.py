@@ -14,19 +14,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect.schedules import Cron
-
 from flows.full_retrain import full_retrain
+from flows.schedule import nightly_cron
 from grpo.config import load_config
 
 
 def serve(project_dir: str | Path = ".") -> None:
     """Create or update the deployment and poll for its runs until interrupted."""
     project = Path(project_dir).resolve()
-    schedule = load_config(project / "params.yaml").schedule
+    params = project / "params.yaml"
+    schedule = load_config(params).schedule
     full_retrain.serve(
         name=schedule.deployment,
-        schedules=[Cron(schedule.cron, timezone=schedule.timezone)],
+        schedules=[nightly_cron(schedule, params)],
         parameters={"force": schedule.force, "params_path": "params.yaml", "project_dir": str(project)},
         limit=1,
     )

@@ -8,6 +8,7 @@ fix. Values derived from others are functions, never fields to keep in sync.
 from __future__ import annotations
 
 import importlib.util
+import zoneinfo
 from pathlib import Path
 from typing import Any, Literal
 
@@ -574,6 +575,15 @@ class ScheduleConfig(Section):
     """Cron expression of the nightly ``full-retrain`` run (read in ``timezone``)."""
     timezone: str = "UTC"
     """IANA time zone the cron expression is read in, e.g. ``Europe/Paris``."""
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_time_zone(cls, value: str) -> str:
+        try:
+            zoneinfo.ZoneInfo(value)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise ValueError("is not an IANA time zone: give one such as UTC or Europe/Paris") from None
+        return value
     deployment: str = "full-retrain"
     """Deployment name: ``prefect deployment run full-retrain/<deployment>`` triggers a run."""
     force: bool = False

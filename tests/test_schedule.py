@@ -1,0 +1,37 @@
+"""flows/schedule.py: the nightly cron of params.yaml, refused with the key, the value and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.deploy import deploy
+from flows.schedule import nightly_cron
+from grpo.config import ConfigError, ScheduleConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_configured_cron_becomes_prefects_schedule():
+    cron = nightly_cron(ScheduleConfig(cron="30 3 * * 1-5", timezone="Europe/Paris"), Path("params.yaml"))
+    assert (cron.cron, cron.timezone) == ("30 3 * * 1-5", "Europe/Paris")
+
+
+@pytest.mark.parametrize("cron", ["bogus", "0 2 * *", "61 2 * * *"])
+def test_a_bad_cron_names_the_file_key_value_and_fix(cron):
+    with pytest.raises(ConfigError) as err:
+        nightly_cron(ScheduleConfig(cron=cron), Path("proj/params.yaml"))
+    message = str(err.value)
+    assert message.startswith(f"proj/params.yaml: schedule.cron {cron!r} is refused by Prefect")
+    assert "e.g. '0 2 * * *'" in message
+
+
+def test_deploy_refuses_a_bad_cron_before_touching_the_server(tmp_path, monkeypatch):
+    params = yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8"))
+    params["schedule"]["cron"] = "every night"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    monkeypatch.setattr("flows.deploy.ensure_work_pool", lambda *_: pytest.fail("the server was contacted"))
+    with pytest.raises(ConfigError, match=r"schedule\.cron 'every night'"):
+        deploy(tmp_path)
