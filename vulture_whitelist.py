@@ -9,7 +9,6 @@ _._none_or_a_group  # method in grpo/config.py
 _._known_time_zone  # method in grpo/config.py
 _._heads_divide  # method in grpo/config.py
 _._local_path_exists  # method in grpo/config.py
-_._path_for_published_sources  # method in grpo/config.py
 _._positive_temperature  # method in grpo/config.py
 boundary_clipped  # variable in grpo/config.py
 boundary_empty  # variable in grpo/config.py
@@ -35,7 +34,7 @@ _.pre_tokenizer  # attribute in grpo/model/modeling.py
 defect  # variable in tests/test_data_validate.py
 harness  # function in tests/test_flows.py
 pytestmark  # variable in tests/test_flows.py
-_._no_path_for_synthetic  # method in grpo/config.py
+_._path_matches_source  # method in grpo/config.py
 _._one_model_source  # method in grpo/config.py
 _._loadable_offline  # method in grpo/config.py
 _._vllm_installed  # method in grpo/config.py

@@ -77,11 +77,11 @@ class DataChecksConfig(Section):
 class DataConfig(Section):
     fairness_source: Literal["synthetic", "bbq"] = "synthetic"
     """Fairness records: the built-in BBQ-style generator, or local BBQ ``data/*.jsonl`` files."""
-    fairness_path: str | None = None
+    fairness_path: str | None = Field(None, validate_default=True)
     """Local BBQ file or folder (required when fairness_source is bbq)."""
     hallucination_source: Literal["synthetic", "halueval", "squad2"] = "synthetic"
     """Hallucination records: the built-in grounded-QA generator, local HaluEval QA or SQuAD 2.0."""
-    hallucination_path: str | None = None
+    hallucination_path: str | None = Field(None, validate_default=True)
     """Local HaluEval QA JSON-lines file or SQuAD 2.0 JSON file (required unless synthetic)."""
     n_train: int = Field(2000, ge=1)
     """Number of training records."""
@@ -102,25 +102,20 @@ class DataConfig(Section):
 
     @field_validator("fairness_path", "hallucination_path")
     @classmethod
-    def _no_path_for_synthetic(cls, value: str | None, info: ValidationInfo) -> str | None:
+    def _path_matches_source(cls, value: str | None, info: ValidationInfo) -> str | None:
         task = info.field_name.removesuffix("_path")
-        if value and info.data.get(f"{task}_source") == "synthetic":  # the source is declared above the path
+        source = info.data.get(f"{task}_source")  # the source is declared above the path
+        if value and source == "synthetic":
             raise ValueError(
                 f"is set but data.{task}_source is 'synthetic', which reads no file: set "
                 f"data.{task}_source to the dataset's format, or data.{task}_path to null"
             )
+        if not value and source not in (None, "synthetic"):
+            raise ValueError(
+                f"is needed when data.{task}_source is {source!r}: set data.{task}_path to the local file "
+                f"or folder of the {source} dataset, or data.{task}_source to synthetic"
+            )
         return value
-
-    @model_validator(mode="after")
-    def _path_for_published_sources(self) -> DataConfig:
-        for task in ("fairness", "hallucination"):
-            source, path = getattr(self, f"{task}_source"), getattr(self, f"{task}_path")
-            if source != "synthetic" and not path:
-                raise ValueError(
-                    f"needs {task}_path when {task}_source is {source!r}: set data.{task}_path to the "
-                    f"local file or folder of the {source} dataset, or data.{task}_source to synthetic"
-                )
-        return self
 
 
 # --------------------------------------------------------------------------- model

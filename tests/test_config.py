@@ -47,6 +47,8 @@ def test_every_field_is_documented():
         # table: bad config -> words the error must contain (key, value, fix)
         ({"grpo": {"group_size": 1}}, ["grpo.group_size", "got 1", "at least two completions"]),
         ({"grpo": {"sampling": {"temperature": -0.5}}}, ["grpo.sampling.temperature", "-0.5", "> 0"]),
+        ({"data": {"hallucination_source": "squad2"}},
+         ["data.hallucination_path is needed", "'squad2'", "--set data.hallucination_path="]),
         ({"schedule": {"timezone": "Mars/Base"}}, ["schedule.timezone", "Mars/Base", "IANA time zone"]),
         ({"eval": {"samples_per_prompt": 1}}, ["eval.samples_per_prompt", "is 1", "use 0 to decode greedily only"]),
         ({"grpo": {"lossx": {}}}, ["unknown key grpo.lossx", "remove it"]),
