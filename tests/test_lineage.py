@@ -113,6 +113,15 @@ def test_naming_params_are_not_lineage(toy):
     _check(toy, cfg)
 
 
+def test_checkpoint_settings_are_not_grpo_lineage():
+    """How often GRPO saves its state and how many it keeps never change its weights: a new
+    ``checkpoint.every`` must not make the run's checkpoints (or models/grpo) stale."""
+    changed = config_from_dict({"checkpoint": {"every": 1, "keep_last": 5, "resume": False}})
+    assert "checkpoint" in stages.get_stage("grpo").params  # DVC still reruns the stage, which resumes
+    assert params_hash(changed, "grpo") == params_hash(Config(), "grpo")
+    assert params_hash(config_from_dict({"grpo": {"lr": 1e-4}}), "grpo") != params_hash(Config(), "grpo")
+
+
 def test_changed_input_names_the_input(toy):
     _write(toy["inputs"]["train"], '{"q": 2}\n')
     with pytest.raises(StaleArtifactError, match=r"input train \(.*train.jsonl\) changed since"):

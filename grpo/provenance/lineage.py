@@ -27,8 +27,10 @@ LINEAGE_FILE = "lineage.json"
 
 # Keys that name or place a run's outputs, or record it elsewhere: they are in the stage's params for
 # DVC (an output path or a W&B run name changes), but they never change what a stage computes, and
-# an artifact moved to a new folder or a run renamed is still the same artifact.
-NAMING_KEYS = ("experiment", "paths", "tracking")
+# an artifact moved to a new folder or a run renamed is still the same artifact. `checkpoint` too: how
+# often GRPO's state is saved, how many are kept and whether a rerun resumes (bit-exactly) never change
+# the weights, so a new `checkpoint.every` neither restarts the run from step 0 nor refuses models/grpo.
+NAMING_KEYS = ("experiment", "paths", "tracking", "checkpoint")
 
 _ABSENT = "<absent>"
 
