@@ -13,6 +13,7 @@ import torch
 from grpo.config import config_from_dict
 from grpo.data.prepare import build_records
 from grpo.model.engines import EngineRollout, HFEngine
+from grpo.model.precision import bf16_autocast, cpu_has_native_bf16
 from grpo.train.mismatch import trainer_logprobs
 from grpo.train.step import draw, prepare_batch
 from tests.test_step import combined_gradient, make_context
@@ -69,3 +70,27 @@ def test_mismatch_under_the_threshold_leaves_the_gradient_alone(tiny_model, tiny
     small, stats = _gradient(tiny_model, tiny_tokenizer, one_per_task, 1.01, tis_threshold=0.05)
     torch.testing.assert_close(small, plain, rtol=1e-5, atol=1e-8)
     assert stats["sampling/sampling_logp_difference/mean"] == pytest.approx(math.log(1.01), abs=1e-5)
+
+
+class SameScoringEngine(ShiftedEngine):
+    """The HF engine reporting, as the sampler's, the trainer's log-probs under bf16 autocast: exactly
+    what the step's loss scores with ``grpo.bf16``, so the step must measure no mismatch at all."""
+
+    def generate(self, prompts, group_size, sampling, eos_ids, seed) -> EngineRollout:
+        rollout = self.hf.generate(prompts, group_size, sampling, eos_ids, seed).rollout
+        with bf16_autocast(torch.device("cpu"), bf16=True):
+            trainer = trainer_logprobs(self.hf.model, rollout, sampling.temperature)
+        return EngineRollout(rollout, trainer * rollout.completion_mask)
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="this CPU has no native bf16: grpo.bf16 runs fp32 here")
+def test_the_mismatch_is_measured_in_the_steps_precision(tiny_model, tiny_tokenizer, one_per_task):
+    """Under ``grpo.bf16`` the trainer's side of the importance weights is scored under the same autocast
+    as the loss: a sampler that agrees with that scoring gives weights of exactly 1 (fp32 scoring of
+    bf16-trained log-probs would read a mismatch of about 1e-3 that no engine caused)."""
+    ctx = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, bf16=True, rollout={"tis_threshold": 0.0})
+    ctx.engine = SameScoringEngine(ctx.model, tiny_tokenizer, 1.0)
+    sampled = draw(ctx, one_per_task, seed=11)
+    assert sampled.stats["sampling/sampling_logp_difference/max"] == 0.0
+    mask = sampled.rollout.completion_mask
+    assert torch.equal(sampled.is_weights[mask], torch.ones(int(mask.sum())))

@@ -13,7 +13,8 @@ from grpo.model.rollout import Rollout
 
 @torch.no_grad()
 def trainer_logprobs(model: torch.nn.Module, rollout: Rollout, temperature: float) -> torch.Tensor:
-    """The trainer's log-probs of the sampled tokens -> [N, C] on CPU; the scoring the loss uses (I3, I10)."""
+    """The trainer's log-probs of the sampled tokens -> [N, C] on CPU; the scoring the loss uses (I3, I10),
+    in the precision the caller's autocast sets (the step's: ``grpo.bf16``)."""
     device = next(model.parameters()).device
     joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
                                     rollout.completion_mask)

@@ -132,8 +132,9 @@ def draw(ctx: StepContext, records: list[dict], seed: int, timer: Callable = unt
                                             together=cfg.grpo.dynamic_sampling != "resample")
     weights = None
     if sampled.sampler_logprobs is not None:  # another engine sampled: measure and correct the mismatch
-        correction, weights = sampler_correction(ctx.model, rollout, sampled.sampler_logprobs,
-                                                 rollout.temperature, cfg.grpo.rollout)
+        with ctx.autocast():  # in the loss's precision (grpo.bf16), so the weights correct only the engine
+            correction, weights = sampler_correction(ctx.model, rollout, sampled.sampler_logprobs,
+                                                     rollout.temperature, cfg.grpo.rollout)
         stats |= correction
     tasks = row_tasks(records, group)
     return Draw(rollout, list(records), rewards, advantages, stats | task_reward_stats(rewards, tasks), weights,
