@@ -169,6 +169,14 @@ def test_train_refuses_without_a_passing_preflight_for_the_current_lineage(tmp_p
         require_preflight(load_config(params, ["grpo.multitask.mode=pcgrad"]))
     # A changed step count does not touch the checks: the report still counts.
     require_preflight(load_config(params, ["grpo.steps=99"]))
+    # A new precision or loss changes what the checks ran too (stages.PREFLIGHT_GRPO_KEYS).
+    for override in ("grpo.bf16=true", "grpo.shared_prefix=false", "grpo.loss.beta=0.5"):
+        with pytest.raises(PreflightError, match="grpo preflight"):
+            require_preflight(load_config(params, [override]))
+    text = report_path(cfg).read_text()
+    report_path(cfg).write_text(text[: len(text) // 2])  # a report cut short
+    with pytest.raises(PreflightError, match="is not a pre-flight report .*grpo preflight"):
+        require_preflight(cfg)
     report_path(cfg).unlink()
     with pytest.raises(PreflightError, match="does not exist"):
         require_preflight(cfg)

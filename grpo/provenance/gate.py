@@ -36,7 +36,14 @@ def require_preflight(cfg: Config) -> None:
     how = "run `grpo preflight` (or `dvc repro preflight`) first"
     if not path.is_file():
         raise PreflightError(f"{path} does not exist: GRPO needs a passing pre-flight; {how}")
-    report = json.loads(path.read_text())
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        report, why = None, f"{exc}; cut short by a killed run?"
+    else:
+        why = "not a JSON object"
+    if not isinstance(report, dict):
+        raise PreflightError(f"{path} is not a pre-flight report ({why}); {how}")
     if not report.get("passed"):
         failed = [c["name"] for c in report.get("checks", []) if not c["passed"]]
         raise PreflightError(f"{path}: pre-flight failed ({', '.join(failed)}); fix them, then {how}")
