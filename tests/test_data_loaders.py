@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,30 @@ def test_missing_and_malformed_sources_name_the_file(tmp_path):
     bad.write_text('{"question": "q"}\n')
     with pytest.raises(DataSourceError, match="knowledge"):
         load_halueval(bad, 0.2, 0)
+
+
+def test_every_file_of_a_folder_must_give_an_item(tmp_path):
+    """A SQuAD 2.0 or HaluEval file that gives nothing is an error naming it, even beside good files
+    (BBQ's loader does the same); a HaluEval folder's other task files are named with the fix."""
+    squad = tmp_path / "squad"
+    squad.mkdir()
+    shutil.copy(FIXTURES / "squad2.json", squad / "a.json")
+    context = "The glassworks of Vell were opened in 1788."
+    useless = {"data": [{"title": "Vell", "paragraphs": [{"context": context, "qas": [
+        {"id": "1", "question": "Who opened them?", "is_impossible": False, "answers": []}]}]}]}
+    (squad / "b.json").write_text(json.dumps(useless))
+    with pytest.raises(DataSourceError, match=r"b\.json: 0 of 1 squad2 items usable; skipped: .*without answers"):
+        load_squad2(squad, 0.2, 0)
+    (squad / "b.json").write_text(json.dumps({"data": [{"title": "Vell", "paragraphs": [{"context": None, "qas": [
+        {"id": "1", "question": "Who?", "is_impossible": False, "answers": [{"text": "x", "answer_start": 0}]}]}]}]}))
+    with pytest.raises(DataSourceError, match=r"b\.json: not a SQuAD 2.0 file"):
+        load_squad2(squad, 0.2, 0)
+    halueval = tmp_path / "halueval"
+    halueval.mkdir()
+    shutil.copy(FIXTURES / "halueval_qa.json", halueval / "qa_data.json")
+    (halueval / "empty.json").write_text("\n")
+    with pytest.raises(DataSourceError, match=r"empty\.json: no HaluEval QA record"):
+        load_halueval(halueval, 0.2, 0)
+    (halueval / "empty.json").write_text('{"knowledge": "k", "dialogue_history": "h", "right_response": "r"}\n')
+    with pytest.raises(DataSourceError, match=r"empty\.json:1: .*point data\.hallucination_path at it"):
+        load_halueval(halueval, 0.2, 0)

@@ -95,10 +95,17 @@ def load_halueval(path: Path, eval_share: float, seed: int) -> Loaded:
     required = ("knowledge", "question", "right_answer", "hallucinated_answer")
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for file in files(path, "*.json*"):
-        for name, number, row in json_lines(file):
+        rows = json_lines(file)
+        if not rows:
+            raise DataSourceError(f"{file}: no HaluEval QA record in this file; remove it from the folder")
+        for name, number, row in rows:
             missing = [key for key in required if not isinstance(row.get(key), str)]
             if missing:
-                raise DataSourceError(f"{name}:{number}: not a HaluEval QA record: no text field {missing[0]!r}")
+                raise DataSourceError(
+                    f"{name}:{number}: not a HaluEval QA record: no text field {missing[0]!r}; the QA task's "
+                    "file is data/qa_data.json (point data.hallucination_path at it, not at HaluEval's data/ "
+                    "folder, which also holds the dialogue, summarization and general tasks)"
+                )
             groups[normalize_answer(row["question"])].append(row)
     skipped: Counter = Counter()
 
@@ -159,21 +166,24 @@ def load_squad2(path: Path, eval_share: float, seed: int) -> Loaded:
     """SQuAD 2.0 JSON -> grounded-QA items; an article (title) stays in one split."""
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     skipped: Counter = Counter()
-    n_raw = 0
     for file in files(path, "*.json"):
         document = json_file(file)
+        mine: Counter = Counter()
         try:
+            n_file = n_items = 0
             for article in document["data"]:
-                items = _squad_article(file, article, skipped)
-                n_raw += sum(len(paragraph["qas"]) for paragraph in article["paragraphs"])
+                items = _squad_article(file, article, mine)
+                n_file += sum(len(paragraph["qas"]) for paragraph in article["paragraphs"])
+                n_items += len(items)
                 if items:
                     groups[items[0]["template_id"]].extend(items)
-        except (KeyError, TypeError, IndexError) as exc:
+        except (KeyError, TypeError, IndexError, AttributeError) as exc:
             raise DataSourceError(
                 f"{file}: not a SQuAD 2.0 file ({type(exc).__name__}: {exc}); expected "
-                "{'data': [{'title', 'paragraphs': [{'context', 'qas': [...]}]}]}"
+                "{'data': [{'title', 'paragraphs': [{'context', 'qas': [...]}]}]} with text fields"
             ) from None
-    _require_items(path, "squad2", sum(map(len, groups.values())), n_raw, skipped)
+        _require_items(file, "squad2", n_items, n_file, mine)  # every configured file gives an item
+        skipped.update(mine)
     return Loaded(split_groups(groups, eval_share, seed, path, "articles"), skipped)
 
 
