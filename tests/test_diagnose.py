@@ -10,6 +10,7 @@ so attention-only adapters could not collapse it in a few steps.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -190,9 +191,14 @@ def test_full_weights_checkpoint_and_model_are_diagnosed_against_the_sft_weights
     assert by_name(by)["kl_init"].value == pytest.approx(checks["kl_init"]["value"], rel=1e-4)
 
 
-def test_base_model_has_no_lineage_to_check(project):
-    target = load_target(project, Path(project.paths.models_dir) / "base")
-    assert check_target_lineage(target).status == "skip"
+def test_base_model_lineage_is_checked_and_a_folder_without_one_is_skipped(project, tmp_path):
+    base = Path(project.paths.models_dir) / "base"
+    assert check_target_lineage(load_target(project, base)).status == "pass"
+    changed = project.model_copy(update={"seed": project.seed + 1})
+    stale = check_target_lineage(load_target(changed, base))
+    assert stale.status == "warn" and "models/base is stale" in stale.detail and "seed" in stale.detail
+    shutil.copytree(base, tmp_path / "elsewhere", ignore=shutil.ignore_patterns("lineage.json"))
+    assert check_target_lineage(load_target(project, tmp_path / "elsewhere")).status == "skip"
 
 
 def test_entropy_step_restores_weights_and_warns_on_negative_configured_coef(project, fresh):

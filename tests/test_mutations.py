@@ -2,8 +2,9 @@
 
 One project copy gets data, a base and an SFT model (tiny params, ``reward_only`` so the I7 mutation's
 gradient mode is the configured one). Each mutation of ``tests/mutations.py`` is applied to a clone of
-it; one subprocess in the clone (its own code first on the path) rebuilds the SFT model when the
-patch is in the SFT stage, runs ``grpo preflight`` and then the named tests. Both must fail, and the
+it; one subprocess in the clone (its own code first on the path) rebuilds the base and SFT models
+when the patch is in the SFT stage (whose code the base stage's pretraining runs too, so the base
+would be stale), runs ``grpo preflight`` and then the named tests. Both must fail, and the
 pre-flight report must name the check the README's invariant table says kills the mutation.
 """
 
@@ -32,7 +33,7 @@ import json, sys
 import pytest
 from grpo.cli import main
 retrain, tests = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-out = {"sft": main(["sft"]) if retrain else 0}
+out = {"sft": (main(["base"]) or main(["sft"])) if retrain else 0}
 out["preflight"] = main(["preflight"])
 out["tests"] = int(pytest.main(["-q", "-x", "-p", "no:cacheprovider", *tests]))
 print("MUTANT " + json.dumps(out))
@@ -77,7 +78,7 @@ def test_mutation_fails_the_tests_and_the_preflight(built, tmp_path, mutation):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("MUTANT ")]
     assert lines, f"{mutation.name}: the driver did not finish:\n{proc.stdout[-6000:]}"
     result = json.loads(lines[-1].removeprefix("MUTANT "))
-    assert result["sft"] == 0, f"{mutation.name}: the SFT rebuild failed:\n{proc.stdout[-4000:]}"
+    assert result["sft"] == 0, f"{mutation.name}: the base and SFT rebuild failed:\n{proc.stdout[-4000:]}"
     assert result["tests"] == 1, f"{mutation.name} survived the tests {mutation.tests}:\n{proc.stdout[-4000:]}"
     assert result["preflight"] != 0, f"{mutation.name} survived grpo preflight:\n{proc.stdout[-4000:]}"
     report = json.loads((project / "reports" / "preflight.json").read_text())

@@ -17,6 +17,7 @@ import yaml
 from safetensors.torch import load_file
 
 from grpo import paths
+from grpo.cli import main
 from grpo.config import load_config
 from grpo.data.jsonl import read_records
 from grpo.data.select import train_records
@@ -129,15 +130,17 @@ def test_two_processes_end_with_identical_weights(project, tmp_path):
     """CAGrad on 2 CPU processes: per-task gradients are all-reduced before the (nonlinear)
     combination, so both processes take the same step; the trainer compares weight digests."""
     params = copy_project(project, tmp_path / "p")
+    overrides = ["--set", "grpo.multitask.mode=cagrad",
+                 # The entropy term has a gradient even when every group's rewards tie (likely on the tiny
+                 # model), so the weights move whatever the rollouts drew.
+                 "--set", "grpo.loss.entropy_coef=0.01"]
+    assert main(["preflight", "--params", str(params), *overrides]) == 0  # the gate checks the same loss
     # `accelerate launch --cpu` starts several CPU processes only through mpirun (absent here);
     # torchrun sets the same distributed environment, which Accelerator picks up (gloo on CPU).
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     done = subprocess.run(
         [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "grpo.cli", "train", "--params", str(params),
-         "--set", "grpo.steps=2", "--set", "grpo.multitask.mode=cagrad",
-         # The entropy term has a gradient even when every group's rewards tie (likely on the tiny
-         # model), so the weights move whatever the rollouts drew.
-         "--set", "grpo.loss.entropy_coef=0.01"],
+         "--set", "grpo.steps=2", *overrides],
         capture_output=True, text=True, timeout=600, env=os.environ | {"OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

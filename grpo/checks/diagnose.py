@@ -107,7 +107,7 @@ def _grad_norm(params: list[torch.nn.Parameter]) -> float:
 def check_target_lineage(target: Target) -> Check:
     """Whether the target (and the SFT weights under an adapter) match the current code and params."""
     if target.kind == "model" and not target.stale and not (target.path / "lineage.json").is_file():
-        return Check("lineage", "skip", None, f"{target.path} carries no lineage (a base model)")
+        return Check("lineage", "skip", None, f"{target.path} carries no lineage (no stage of the pipeline built it)")
     if target.stale:
         return Check("lineage", "warn", len(target.stale), "; ".join(target.stale),
                      "the numbers describe older code or params: rebuild with `dvc repro` before trusting them")

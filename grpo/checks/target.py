@@ -20,6 +20,7 @@ import torch
 from grpo import paths
 from grpo.config import Config
 from grpo.errors import GrpoError
+from grpo.model.base import base_inputs
 from grpo.model.device import make_accelerator
 from grpo.model.modeling import POINTER_FILE, load_model, load_tokenizer, wrap_lora
 from grpo.provenance.lineage import is_stale, read_lineage
@@ -87,8 +88,13 @@ def _stale(path: Path, stage: str, cfg: Config, inputs: dict[str, Path]) -> list
     return [lines[0].removesuffix(":") + (": " + "; ".join(lines[1:]) if len(lines) > 1 else "")]
 
 
+def _base_stale(cfg: Config) -> list[str]:
+    return _stale(paths.model_dir(cfg, "base"), "base", cfg, base_inputs(cfg))
+
+
 def _sft_stale(cfg: Config) -> list[str]:
-    return _stale(paths.model_dir(cfg, "sft"), "sft", cfg, paths.stage_inputs(cfg, "sft"))
+    """The SFT model's changes and its base's (as ``load_sft`` refuses either)."""
+    return _base_stale(cfg) + _stale(paths.model_dir(cfg, "sft"), "sft", cfg, paths.stage_inputs(cfg, "sft"))
 
 
 def _frozen_sft(cfg: Config) -> torch.nn.Module:
@@ -104,8 +110,8 @@ def _model_target(cfg: Config, path: Path) -> Target:
     if not cfg.model.lora.enabled and (read_lineage(path) or {}).get("stage") == "grpo":
         stale = _sft_stale(cfg) + _stale(path, "grpo", cfg, paths.stage_inputs(cfg, "grpo"))
         return Target(model, tokenizer, "model", path, fresh=False, stale=stale, reference=_frozen_sft(cfg))
-    is_sft = path.resolve() == paths.model_dir(cfg, "sft").resolve()
-    stale = _sft_stale(cfg) if is_sft else []
+    stage = next((name for name in ("base", "sft") if path.resolve() == paths.model_dir(cfg, name).resolve()), None)
+    stale = {"base": _base_stale, "sft": _sft_stale}[stage](cfg) if stage else []
     if cfg.model.lora.enabled:
         return Target(_fresh_lora(model, cfg), tokenizer, "model", path, fresh=True, stale=stale)
     return Target(model, tokenizer, "model", path, fresh=True, stale=stale, reference=frozen_copy(model))
