@@ -213,7 +213,9 @@ def test_gradient_checkpointing_step_recomputes_and_gives_the_same_numbers(tiny_
     advantages = torch.linspace(-1, 1, 2 * len(records))
     expected_batch = prepare_batch(plain, with_advantages(draw(plain, records, seed=11), advantages))
     assert not calls  # the plain model checkpoints nothing
-    got_batch = prepare_batch(checkpointed, with_advantages(draw(checkpointed, records, seed=11), advantages))
+    drawn = draw(checkpointed, records, seed=11)
+    assert not reuses_prefill(checkpointed) and not drawn.prefills  # the update scores whole sequences
+    got_batch = prepare_batch(checkpointed, with_advantages(drawn, advantages))
     got, expected = update(checkpointed, got_batch), update(plain, expected_batch)
     assert calls, "no layer was checkpointed"
     for key in ("loss", "entropy", "kl"):

@@ -20,7 +20,7 @@ from typing import Any
 
 from grpo.config import Config
 from grpo.errors import GrpoError
-from grpo.files import write_text
+from grpo.files import file_sha256, write_text
 from grpo.provenance import stages
 
 # The folder that holds the ``grpo`` package: the code that is running is the code fingerprinted.
@@ -199,8 +199,11 @@ def raw_data_fingerprint(cfg: Config) -> dict[str, dict[str, str]]:
         if getattr(cfg.data, f"{task}_source") == "synthetic":
             continue
         path = Path(getattr(cfg.data, f"{task}_path"))
-        listed = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path] * path.is_file()
-        found[f"data.{task}_path"] = {f.as_posix(): hashlib.sha256(f.read_bytes()).hexdigest() for f in listed}
+        if path.is_dir():
+            listed = sorted(p for p in path.iterdir() if p.is_file())
+        else:
+            listed = [path] if path.is_file() else []
+        found[f"data.{task}_path"] = {file.as_posix(): file_sha256(file) for file in listed}
     return found
 
 

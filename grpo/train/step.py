@@ -163,14 +163,15 @@ def reuses_prefill(ctx: StepContext) -> bool:
     the backward of its own task once. So: the trainer's model samples (the hf engine), one optimizer
     step on one micro-batch per rollout (the weights are the rollout's), the rollout's groups trained as
     drawn (dynamic sampling's selections drop the kept prefill), one process (DDP and FSDP wrap
-    the forward the update runs), a full-attention model that takes the prepared 4D mask, no gradient
-    checkpointing, and no dropout (the rollout runs in eval mode, the update in train mode)."""
+    the forward the update runs), a full-attention model that takes the prepared 4D mask, the prompt
+    scored once (``shares_prefix``: no gradient checkpointing), and no dropout (the rollout runs in
+    eval mode, the update in train mode)."""
     cfg, model = ctx.cfg.grpo, ctx.model
-    return (cfg.shared_prefix and cfg.reuse_prefill and (ctx.engine is None or isinstance(ctx.engine, HFEngine))
+    return (shares_prefix(ctx) and cfg.reuse_prefill and (ctx.engine is None or isinstance(ctx.engine, HFEngine))
             and cfg.num_iterations == 1 and cfg.grad_accum == 1 and cfg.dynamic_sampling == "none"
             and ctx.accelerator.num_processes == 1
             and not grad_space(model, ctx.accelerator).sharded and takes_prepared_mask(model)
-            and not getattr(model, "is_gradient_checkpointing", False) and not has_dropout(model))
+            and not has_dropout(model))
 
 
 def shares_prefix(ctx: StepContext) -> bool:
