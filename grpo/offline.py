@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from grpo.sources import SourceError, gguf_file, is_gguf
+
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
@@ -37,7 +39,14 @@ def _in_hub_cache(repo_id: str) -> bool:
 
 
 def model_source_problem(name_or_path: str, allow_download: bool) -> str | None:
-    """Why ``name_or_path`` cannot be loaded (None when it can): not a folder, not cached, no download."""
+    """Why ``name_or_path`` cannot be loaded (None when it can): not a folder, not a GGUF file, a named
+    source whose package is not installed, not cached, no download."""
+    if is_gguf(name_or_path):
+        try:
+            gguf_file(name_or_path)
+        except SourceError as exc:
+            return str(exc)
+        return None
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return None
@@ -46,7 +55,7 @@ def model_source_problem(name_or_path: str, allow_download: bool) -> str | None:
         return None
     return (
         f"model folder {name_or_path!r} does not exist (looked at {path.resolve()}) and it is not a hub id "
-        "in the local cache; give an existing local folder with config.json and tokenizer files, or null "
-        "for the embedded tiny model" + ("" if allow_download else
+        "in the local cache; give an existing local folder with config.json and tokenizer files, a .gguf "
+        "file, a named source (smollm2-135m-instruct), or null for the embedded tiny model" + ("" if allow_download else
                                          " (nothing is downloaded: model.allow_download is false)")
     )

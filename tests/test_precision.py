@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from grpo.data.prompts import example_messages, sft_target
 from grpo.model.chat import render_sft
 from grpo.model.modeling import load_model, save_model, wrap_lora
 from grpo.model.precision import (
+    Fp32Head,
     apply_memory_settings,
     autocast_enabled,
     bf16_autocast,
@@ -38,21 +40,49 @@ def _batch(tokenizer):
     return sft_batch(examples, tokenizer.pad_token_id)
 
 
+def _compute_dtypes(model, ids) -> tuple[torch.dtype, torch.dtype]:
+    """(dtype of a projection inside the body, dtype of the logits) of one forward."""
+    seen = []
+    hook = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    try:
+        logits = model(input_ids=ids).logits
+    finally:
+        hook.remove()
+    return seen[0], logits.dtype
+
+
 def test_autocast_on_cpu_exactly_where_the_cpu_has_native_bf16(tiny_model, tiny_tokenizer, monkeypatch):
-    batch = _batch(tiny_tokenizer)
+    """The body's matmuls run in bf16 where it is native; the head's logits are fp32 in every case."""
+    ids = _batch(tiny_tokenizer).input_ids
     native = cpu_has_native_bf16()
     with bf16_autocast(CPU, bf16=True):  # bf16 where it is native (~4x a fp32 matmul), fp32 where emulated
-        assert tiny_model(input_ids=batch.input_ids).logits.dtype == (torch.bfloat16 if native else torch.float32)
+        assert _compute_dtypes(tiny_model, ids) == (torch.bfloat16 if native else torch.float32, torch.float32)
     assert autocast_enabled(CPU, bf16=True) == native and not autocast_enabled(CPU, bf16=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert not autocast_enabled(CPU, bf16=True)  # an older CPU: bf16 is emulated, slower; fp32 it is
     with bf16_autocast(CPU, bf16=True):
-        assert tiny_model(input_ids=batch.input_ids).logits.dtype == torch.float32
+        assert _compute_dtypes(tiny_model, ids) == (torch.float32, torch.float32)
     with bf16_autocast(CPU, bf16=True, force=True):
-        assert tiny_model(input_ids=batch.input_ids).logits.dtype == torch.bfloat16
+        assert _compute_dtypes(tiny_model, ids) == (torch.bfloat16, torch.float32)
     with bf16_autocast(CPU, bf16=False, force=False):
-        assert tiny_model(input_ids=batch.input_ids).logits.dtype == torch.float32
+        assert _compute_dtypes(tiny_model, ids) == (torch.float32, torch.float32)
+
+
+def test_the_head_is_fp32_under_bf16_autocast_and_keeps_its_weights(tiny_model, tiny_tokenizer):
+    """Fp32Head: the logits under bf16 autocast are the fp32 product of the (bf16-computed) hidden states
+    and the fp32 weights, not a bf16-rounded one; the weights stay the tied embedding, the names unchanged."""
+    head = tiny_model.get_output_embeddings()
+    assert isinstance(head, Fp32Head) and head.weight is tiny_model.get_input_embeddings().weight
+    assert "lm_head.weight" in tiny_model.state_dict()
+    ids = _batch(tiny_tokenizer).input_ids
+    with bf16_autocast(CPU, bf16=True, force=True):
+        out = tiny_model(input_ids=ids, output_hidden_states=True)
+        bf16 = torch.nn.functional.linear(out.hidden_states[-1], head.weight)  # what a plain head gives
+    exact = out.hidden_states[-1].double() @ head.weight.double().T
+    assert float((out.logits.double() - exact).abs().max()) < 1e-5
+    assert bf16.dtype == torch.bfloat16 and float((bf16.double() - exact).abs().max()) > 1e-4
+    assert isinstance(copy.deepcopy(tiny_model).get_output_embeddings(), Fp32Head)
 
 
 def test_bf16_step_keeps_fp32_master_weights_and_optimizer_state(tiny_model, tiny_tokenizer):

@@ -18,6 +18,7 @@ import torch
 
 from grpo.checks.probes import ENTROPY_TOL, Check, bounded, entropy_step, reference_kl
 from grpo.checks.subject import Subject, perturbed_policy, step_batch
+from grpo.checks.tokenizer_boundary import boundary_problems
 from grpo.core.advantages import group_advantages
 from grpo.core.batching import left_pad, position_ids_from_mask
 from grpo.core.logprobs import score_completions
@@ -48,13 +49,19 @@ def check_render_parity(s: Subject) -> Check:
                    "the SFT example builder must render through chat.render_sft (the one renderer)")
 
 
-def check_eos_ids(s: Subject) -> Check:
-    """Stop ids include eos and the template's end-of-turn token (Phi-3: <|end|> is not eos)."""
+def check_special_tokens(s: Subject) -> Check:
+    """I2, I5 at the tokenizer: the stop ids include eos and the template's end-of-turn token (Phi-3's
+    ``<|end|>`` is not its eos), and no eos, pad or extra stop token is a turn-start token, the rendered
+    prompt does not begin with a special token twice, and the tokenizer's eos is the model's own
+    (``tokenizer_boundary.boundary_problems``: what a mis-converted GGUF tokenizer gets wrong)."""
     names = s.tokenizer.convert_ids_to_tokens(s.eos_ids)
-    missing = int(not s.eos_ids or s.tokenizer.eos_token_id not in s.eos_ids)
-    return bounded("eos_ids", "I2, I5", missing, 0,
-                   f"stop ids {s.eos_ids} = {names}, pad id {s.tokenizer.pad_token_id}",
-                   "rollout.stop_ids must include the tokenizer's eos")
+    problems = boundary_problems(s.tokenizer, s.policy, s.cfg.model.extra_stop_tokens,
+                                 s.cfg.model.chat_template_kwargs)
+    if not s.eos_ids or s.tokenizer.eos_token_id not in s.eos_ids:
+        problems.append("rollout.stop_ids must include the tokenizer's eos")
+    detail = f"stop ids {s.eos_ids} = {names}, pad id {s.tokenizer.pad_token_id}"
+    return bounded("special_tokens", "I2, I5", len(problems), 0, "; ".join([detail, *problems]),
+                   "; ".join(problems))
 
 
 def _plain_token(s: Subject) -> int:
@@ -345,7 +352,7 @@ def check_sampling_processors(s: Subject) -> Check:
 
 
 CHECKS: tuple[Callable[[Subject], Check], ...] = (
-    check_render_parity, check_eos_ids, check_rollout_cut_and_mask, check_left_padded_extraction,
+    check_render_parity, check_special_tokens, check_rollout_cut_and_mask, check_left_padded_extraction,
     check_penalty_scope, check_ratio_kl_reference, check_temperature, check_entropy_sign,
     check_zero_variance_groups, check_sampling_processors,
 )

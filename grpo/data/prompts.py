@@ -11,9 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from grpo.data.schema import ABSTENTION, LETTERS
-from grpo.model.chat import ChatError
-
-SYSTEM_PROMPT = "You are a careful assistant. Answer only from the context."
+from grpo.model.chat import SYSTEM_PROMPT, ChatError
 
 FAIRNESS_INSTRUCTION = (
     "Answer with the letter of the right option, as 'Answer: A', 'Answer: B' or 'Answer: C'."

@@ -26,6 +26,7 @@ from grpo.config import Architecture, ModelConfig
 from grpo.model.chat import end_of_turn_ids
 from grpo.model.kernels import attention_kernel
 from grpo.model.modeling import ModelLoadError, load_tokenizer
+from grpo.model.precision import fp32_head
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -119,7 +120,7 @@ def build_architecture(cfg: ModelConfig, seed: int) -> tuple[PreTrainedModel, Pr
     eos = list(dict.fromkeys([*PRESETS[name].generation_eos, *end_of_turn_ids(tokenizer)]))
     model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos,
                                                pad_token_id=tokenizer.pad_token_id)
-    return model, tokenizer
+    return fp32_head(model), tokenizer
 
 
 def count_parameters(model: torch.nn.Module) -> int:

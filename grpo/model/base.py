@@ -13,13 +13,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo import paths
 from grpo.config import Config
 from grpo.model.architectures import build_architecture, count_parameters, tokenizer_folder
+from grpo.model.gguf import convert_gguf
 from grpo.model.modeling import build_tiny, load_model, load_tokenizer, save_model, write_pointer
+from grpo.sources import gguf_file, is_gguf
 
 
 def base_inputs(cfg: Config) -> dict[str, Path]:
-    """What ``models/base`` is made from: a preset's real tokenizer, or ``paths.stage_inputs``."""
+    """What ``models/base`` is made from: a preset's real tokenizer, a GGUF file, or ``paths.stage_inputs``."""
     if cfg.model.architecture is not None:
         return {"tokenizer": tokenizer_folder(cfg.model.architecture, cfg.model)}
+    if cfg.model.name_or_path is not None and is_gguf(cfg.model.name_or_path):
+        return {"gguf": gguf_file(cfg.model.name_or_path)}
     return paths.stage_inputs(cfg, "base")
 
 
@@ -39,6 +43,14 @@ def build_base(
         model, tokenizer = build_tiny(out, corpus, cfg.model.tiny, cfg.seed)
         print(f"base: embedded tiny Llama ({count_parameters(model) / 1e6:.2f}M parameters) written to {out}")
         return model, tokenizer
+    if is_gguf(cfg.model.name_or_path):
+        source = gguf_file(cfg.model.name_or_path)
+        model, tokenizer = convert_gguf(source)
+        save_model(model, tokenizer, out)
+        print(f"base: {source.name} converted ({count_parameters(model) / 1e6:.1f}M parameters, fp32), its "
+              f"tokenizer repaired from the file's metadata (eos {tokenizer.eos_token}, pad {tokenizer.pad_token}), "
+              f"written to {out}")
+        return None
     # Load once so a bad path or a missing chat template fails here, not in SFT.
     load_tokenizer(cfg.model.name_or_path, cfg.model)
     load_model(cfg.model.name_or_path, cfg.model)

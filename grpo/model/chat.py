@@ -14,8 +14,10 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.errors import GrpoError
 
+SYSTEM_PROMPT = "You are a careful assistant. Answer only from the context."
+"""The system turn of every conversation the pipeline renders (``data/prompts.py``), the embedded
+tokenizer learns (``tiny.py``) and a converted GGUF template falls back to (``gguf.py``)."""
 # Used only to find the template's end-of-turn token; any plain text without special tokens works.
-_SENTINEL_SYSTEM = "You are a careful assistant. Answer only from the context."
 _SENTINEL = "Sentinel reply."
 # Fixed so the Llama-3.2 template (which prints today's date) renders the same on any day.
 _DETECT_KWARGS = {"date_string": "26 Jul 2024"}
@@ -106,7 +108,7 @@ def template_end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
     Found by rendering a one-turn assistant conversation with a sentinel reply: Llama ``<|eot_id|>``,
     Qwen ``<|im_end|>``, Phi-3 ``<|end|>`` (which is not Phi-3's configured eos).
     """
-    messages = [{"role": "system", "content": _SENTINEL_SYSTEM}, {"role": "user", "content": "Hello."}]
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Hello."}]
     ids = render_sft(tokenizer, messages, _SENTINEL, **_DETECT_KWARGS).ids
     return ids[-1]
 

@@ -31,7 +31,9 @@ from transformers import (
 from grpo.config import LoraConfig, ModelConfig, TinyModelConfig
 from grpo.errors import GrpoError
 from grpo.files import write_json
+from grpo.model.chat import SYSTEM_PROMPT
 from grpo.model.kernels import GROUPED_SDPA, attention_kernel
+from grpo.model.precision import fp32_head
 from grpo.offline import model_source_problem
 
 BOS = "<|begin_of_text|>"
@@ -53,7 +55,7 @@ LLAMA3_CHAT_TEMPLATE = (
 
 # Always in the tokenizer's training text, so the words of the instructions are whole tokens.
 BUILTIN_CORPUS = (
-    "You are a careful assistant. Answer only from the context.",
+    SYSTEM_PROMPT,
     "If the context does not say, answer: I don't know.",
     "Context: Question: Options: Answer: A B C",
     "Answer with the letter of the right option, as 'Answer: A', 'Answer: B' or 'Answer: C'.",
@@ -122,7 +124,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerBase, sizes: TinyModelConfig,
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id
     )
-    return model
+    return fp32_head(model)
 
 
 def build_tiny(
@@ -204,7 +206,7 @@ def load_model(name_or_path: str | Path, cfg: ModelConfig) -> PreTrainedModel:
             f"model.name_or_path: cannot load a model from {source!r} ({exc}); nothing is downloaded "
             "at run time: point to a local folder with safetensors weights or a cached hub id"
         ) from None
-    return model
+    return fp32_head(model)
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path,

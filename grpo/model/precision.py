@@ -68,6 +68,30 @@ def cast_frozen_weights_once(model: torch.nn.Module) -> Iterator[None]:
             param.requires_grad_(False)
 
 
+class Fp32Head(torch.nn.Linear):
+    """The LM head computed in fp32 whatever the autocast: ``F.linear`` of the fp32 hidden states and the
+    fp32 weights (cast per call when the model holds bf16 weights), so logits, log-softmax and entropy
+    carry fp32 digits. Under bf16 autocast a bf16 head rounds every logit to 8 mantissa bits: on
+    SmolLM2 (logits up to ~40) two scorings of the same ids then differ by up to 0.4 nats, more than
+    the clip range of the ratio (the fix TRL's ``cast_lm_head_to_fp32`` and MiniMax-M1, arXiv 2506.13585,
+    apply). The body keeps its bf16 matmuls: only the head's ``V x H`` product runs in fp32."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def fp32_head(model: torch.nn.Module) -> torch.nn.Module:
+    """Make ``model``'s output projection an ``Fp32Head`` (the same parameters, tied ones included; the
+    state dict's names are unchanged). Models whose head is not a plain ``nn.Linear`` are left alone."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    if type(head) is torch.nn.Linear:
+        head.__class__ = Fp32Head
+    return model
+
+
 def apply_memory_settings(model: PreTrainedModel, cfg: ModelConfig) -> PreTrainedModel:
     """Turn on gradient checkpointing when ``model.gradient_checkpointing`` (before any LoRA wrap).
 

