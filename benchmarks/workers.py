@@ -58,9 +58,10 @@ def project_worker(project: Path, variant: str, steps: int, warmup: int, full_le
 
     from grpo.config import load_config
     from grpo.model.device import retain_freed_memory
-    from grpo.model.modeling import load_model, load_tokenizer, wrap_lora
-    from grpo.model.rollout import stop_ids
-    from grpo.train.step import StepContext, grpo_step
+    from grpo.model.loading import load_model, load_tokenizer
+    from grpo.model.lora import wrap_lora
+    from grpo.train.policy import Policy
+    from grpo.train.step import build_step, grpo_step
 
     retain_freed_memory()  # as the trainer's make_accelerator on a CPU-only machine
     cfg = load_config(project / "params.yaml", [*workload_overrides(full_length), *sorted(VARIANTS[variant])])
@@ -73,8 +74,7 @@ def project_worker(project: Path, variant: str, steps: int, warmup: int, full_le
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.grpo.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    ctx = StepContext(cfg, model, tokenizer, optimizer, scheduler, stop_ids(model, tokenizer, cfg.model.extra_stop_tokens),
-                      Accelerator(cpu=True))
+    ctx = build_step(cfg, Policy(model, tokenizer, optimizer, scheduler, None), Accelerator(cpu=True))
     times, tokens, phases = [], [], []
     for step, records in enumerate(step_records(cfg, warmup + steps), start=1):
         started = time.perf_counter()

@@ -107,7 +107,7 @@ COMMANDS: dict[str, Command] = {
     "status": Command("grpo.provenance.status:run",
                       "what is stale and why (refreshes fingerprints, then dvc status)"),
     "pipeline": Command("grpo.pipeline:run", "run every stage in order in one process, without DVC (`make run` runs them by `dvc repro`)"),
-    "seeds": Command("grpo.seeds:run", "run the pipeline once per seed and print GRPO − SFT across seeds",
+    "seeds": Command("grpo.seed_sweep:run", "run the pipeline once per seed and print GRPO − SFT across seeds",
                      _seeds_args),
 }
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 
 from grpo.config import load_config
-from tasks.workspace import make_workspace
+from tasks.workspace import run_folder
 
 
 @task(name="params")
@@ -21,9 +21,9 @@ def use_params(project_dir: str, params_path: str = "params.yaml") -> str:
     project = Path(project_dir).resolve()
     source = (project / params_path).resolve()
     load_config(source)
-    if source == project / "params.yaml":
+    workspace = run_folder(project, source)
+    if workspace == project:
         return str(project)
-    workspace = make_workspace(project, source)
     get_run_logger().warning(
         "params: %s is not the project's params.yaml, so this run works in %s (its own params.yaml, dvc.lock "
         "and outputs; the project's are untouched)", source, workspace)

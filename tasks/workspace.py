@@ -1,8 +1,10 @@
-"""One-off params run in their own workspace, so they never replace the project's ``params.yaml``.
+"""One-off params and profiles run in their own workspace, so they never replace the project's ``params.yaml``.
 
-DVC reads ``params.yaml`` only. A run with another params file (``-p params_path=other.yaml``)
-therefore gets its own DVC project, ``.workspaces/<name>/`` inside the project (git-ignored): the
-project's code and DVC config as git would commit them, that file as the workspace's ``params.yaml``,
+DVC reads ``params.yaml`` only. A run with another params file (``-p params_path=other.yaml``, or
+``make run PROFILE=smollm2`` for ``configs/smollm2.yaml``) therefore gets its own DVC project,
+``.workspaces/<name>/`` inside the project (git-ignored): the project's code and DVC config as git
+would commit them, that file as the workspace's ``params.yaml`` (a profile's ``extends`` resolved: the
+whole tree, every key DVC looks up written out),
 and the project's DVC cache shared (``.dvc/config.local``), so nothing is stored twice. Its outputs
 (``data/``, ``models/``, ``reports/``, ``metrics/``, ``runs/``) and its ``dvc.lock`` live only there:
 the lock pins the one-off params, each model's ``lineage.json`` carries their hash, and the project's
@@ -14,7 +16,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+
+import yaml
+
+from grpo.config import read_params
 
 WORKSPACES_DIR = ".workspaces"
 NOT_COPIED = ("params.yaml", "dvc.lock")
@@ -50,9 +57,19 @@ def make_workspace(project: Path, params: Path) -> Path:
         target = workspace / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(project / name, target)
-    shutil.copyfile(params, workspace / "params.yaml")
+    (workspace / "params.yaml").write_text(yaml.safe_dump(read_params(params), sort_keys=False), encoding="utf-8")
     (workspace / ".dvc").mkdir(exist_ok=True)
     (workspace / ".dvc" / "config.local").write_text(
         "[core]\n    no_scm = true\n[cache]\n"
         f"    dir = {project / '.dvc' / 'cache'}\n", encoding="utf-8")
     return workspace
+
+
+def run_folder(project: Path, params: Path) -> Path:
+    """Where a run with ``params`` works: the project itself for its ``params.yaml``, else a workspace."""
+    project, params = project.resolve(), params.resolve()
+    return project if params == project / "params.yaml" else make_workspace(project, params)
+
+
+if __name__ == "__main__":  # `python -m tasks.workspace PARAMS`: print the folder `dvc repro` runs in (Makefile)
+    print(run_folder(Path.cwd(), Path(sys.argv[1])))

@@ -29,7 +29,7 @@ TINY_TEXTS = (
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """The embedded tokenizer: Llama-3 specials and template, pad == <|eot_id|>, left padding."""
-    from grpo.model.modeling import build_tiny_tokenizer
+    from grpo.model.tiny import build_tiny_tokenizer
 
     return build_tiny_tokenizer(TINY_TEXTS * 4, vocab_size=400)
 
@@ -47,7 +47,7 @@ def tiny_sizes():
 @pytest.fixture
 def tiny_model(tiny_tokenizer, tiny_sizes):
     """A fresh tiny Llama (function scope: tests may train it), fp32, eval mode."""
-    from grpo.model.modeling import build_tiny_model
+    from grpo.model.tiny import build_tiny_model
 
     return build_tiny_model(tiny_tokenizer, tiny_sizes, seed=0).eval()
 
@@ -61,9 +61,9 @@ def shared_tokenizer_path(name: str) -> Path:
 
 @pytest.fixture(params=REAL_TOKENIZERS)
 def real_tokenizer(request):
-    """Each real chat tokenizer, loaded through grpo.model.modeling.load_tokenizer (skips when absent)."""
+    """Each real chat tokenizer, loaded through grpo.model.loading.load_tokenizer (skips when absent)."""
     from grpo.config import ModelConfig
-    from grpo.model.modeling import load_tokenizer
+    from grpo.model.loading import load_tokenizer
 
     return load_tokenizer(shared_tokenizer_path(request.param), ModelConfig())
 
@@ -74,7 +74,7 @@ def any_tokenizer(request, tiny_tokenizer):
     if request.param == "tiny":
         return tiny_tokenizer
     from grpo.config import ModelConfig
-    from grpo.model.modeling import load_tokenizer
+    from grpo.model.loading import load_tokenizer
 
     return load_tokenizer(shared_tokenizer_path(request.param), ModelConfig())
 

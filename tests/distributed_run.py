@@ -12,12 +12,12 @@ group carries a policy gradient.
 ``equal_fsdp``: the same with the policy sharded by FSDP2 (``grpo/train/sharding.py``) for the
 configurations of ``FSDP_CONFIGS``; the test compares it with the unsharded one-process run.
 
-``monitor``: process 1 alone has a completion holding a chat header; ``global_result`` makes both
+``monitor``: process 1 alone has a completion holding a chat header; ``gather_step`` makes both
 processes see it, so both stop (``trainer.watch``); a process that stopped alone would leave the
 other waiting in the all-reduce below.
 ``nan``: process 1 alone has a NaN reward; every process must raise.
 ``batch_std <out_dir>``: each process's own rewards (other values and counts) through the step's
-``step_advantages`` with ``batch`` scaling, together and alone, and through ``draw`` on its own
+``collectives.global_reward_std`` with ``batch`` scaling, together and alone, and through ``draw`` on its own
 prompts; each process writes all three.
 
 ``resume_state <params> <out_dir>``: the trainer's policy (sharded under ``ACCELERATE_USE_FSDP=true``)
@@ -38,30 +38,30 @@ from accelerate import Accelerator
 from safetensors.torch import save_file
 
 from grpo.config import TinyModelConfig, config_from_dict, load_config
+from grpo.core.advantages import group_advantages
 from grpo.data.prepare import build_records
 from grpo.data.select import split_by_task
 from grpo.health.monitor import Monitor, TrainingStopped
 from grpo.model.device import make_accelerator
-from grpo.model.modeling import build_tiny_model, build_tiny_tokenizer, wrap_lora
-from grpo.model.rollout import stop_ids
+from grpo.model.lora import wrap_lora
+from grpo.model.tiny import build_tiny_model, build_tiny_tokenizer
 from grpo.train import checkpoint as ckpt
 from grpo.train import step as step_module
-from grpo.train.policy import build_policy, frozen_copy
+from grpo.train.collectives import gather_step, global_reward_std
+from grpo.train.policy import Policy, build_policy, frozen_copy
 from grpo.train.sharding import full_tensor, is_sharded, policy_sharder, shard_model
 from grpo.train.step import (
-    NonFiniteError,
-    StepContext,
+    Step,
     StepResult,
+    build_step,
     draw,
-    global_result,
     prepare_batch,
     raise_on_nonfinite_rewards,
-    step_advantages,
     step_result,
-    update,
 )
 from grpo.train.task_mix import sample_step, shard_indices
 from grpo.train.trainer import resume, watch
+from grpo.train.update import NonFiniteError, update
 from tests.conftest import TINY_TEXTS
 
 STEPS = 3
@@ -97,7 +97,7 @@ def tiny_base():
 
 
 def make_context(accelerator: Accelerator, tokenizer, base, grpo: dict, fsdp: bool = False,
-                 lora: bool = True) -> StepContext:
+                 lora: bool = True) -> Step:
     """The tiny policy with a LoRA adapter drawn from one seed; SGD, so a wrong gradient SCALE shows in
     the weights (Adam would hide it), and no clipping for the same reason (except ``cagrad_clipped``).
     ``fsdp``: the policy sharded over the processes before the optimizer sees its parameters; ``lora``
@@ -115,11 +115,10 @@ def make_context(accelerator: Accelerator, tokenizer, base, grpo: dict, fsdp: bo
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=0.5 if lora else 0.05)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    return StepContext(cfg, model, tokenizer, optimizer, scheduler, stop_ids(model, tokenizer), accelerator,
-                       reference=reference)
+    return build_step(cfg, Policy(model, tokenizer, optimizer, scheduler, reference), accelerator)
 
 
-def global_draws(ctx: StepContext, by_task: dict, n_prompts: int, fraction: float) -> list:
+def global_draws(ctx: Step, by_task: dict, n_prompts: int, fraction: float) -> list:
     """The global batch of each step: prompts, completions from the initial policy, fixed advantages."""
     draws = []
     for step in range(1, STEPS + 1):
@@ -153,7 +152,7 @@ def run_equal(out: Path, fsdp: bool = False) -> None:
             mine = shard_indices([r["task"] for r in whole.records], accelerator.process_index,
                                  accelerator.num_processes)
             local = whole.select(mine)
-            stats = update(ctx, prepare_batch(ctx, local))
+            stats, _ = update(ctx, prepare_batch(ctx, local))
             result = step_result(ctx, local.records, local, local.stats, stats, elapsed=1.0)
             history.append({"step": step, **result.metrics, "n_completions": len(result.raw_texts)})
         weights = trainable_weights(ctx.model)
@@ -169,9 +168,10 @@ def run_monitor() -> None:
     rank = accelerator.process_index
     header = "<|start_header_id|>"  # boundary_header stops when over 25% of completions hold one
     completion = f"Paris{header}assistant" if rank == 1 else "Paris"
-    local = StepResult({"completions/mean_length": 5.0}, [completion], [f"question {rank}"], [header], [])
+    merged = gather_step(accelerator, {"completions/mean_length": 5.0}, {"groups": 1.0, "rows": 1.0}, [completion],
+                         [f"question {rank}"])
     try:
-        watch(Monitor(config_from_dict({}).monitor), 1, global_result(accelerator, local, {"groups": 1.0, "rows": 1.0}))
+        watch(Monitor(config_from_dict({}).monitor), 1, StepResult(*merged, [header], []))
     except TrainingStopped as stop:
         print(f"rank {rank} STOPPED: {str(stop).splitlines()[1]}", flush=True)
         return
@@ -184,8 +184,9 @@ def run_nan() -> None:
     rank = accelerator.process_index
 
     rewards = torch.tensor([1.0, float("nan") if rank == 1 else 0.0])
+    ctx = make_context(accelerator, *tiny_base(), {})
     try:
-        raise_on_nonfinite_rewards(accelerator, rewards, ["fairness", "fairness"], step=1)
+        raise_on_nonfinite_rewards(ctx, rewards, ["fairness", "fairness"], 1)
     except NonFiniteError as error:
         print(f"rank {rank} RAISED: {error}", flush=True)
         return
@@ -204,13 +205,13 @@ def _spread_rewards(texts: list[str], records: list[dict], group_size: int, weig
 def run_batch_std(out: Path) -> None:
     """Each process scores its own groups (different rewards, different counts); ``batch`` scaling must
     divide by the std of all of them, as one process holding every group would: through
-    ``step_advantages`` and through the step's ``draw`` (its rollouts real, its scorer ``_spread_rewards``)."""
+    ``collectives.global_reward_std`` and through the step's ``draw`` (its rollouts real, its scorer ``_spread_rewards``)."""
     accelerator = Accelerator(cpu=True)
     rank = accelerator.process_index
     generator = torch.Generator().manual_seed(rank)
     rewards = (torch.randint(0, 3, (4 * (2 + rank),), generator=generator).float() - 1.0) * (1 + 2 * rank)
-    advantages, _ = step_advantages(accelerator, rewards, 4, "batch")
-    local, _ = step_advantages(accelerator, rewards, 4, "batch", together=False)
+    advantages, _ = group_advantages(rewards, 4, "batch", batch_std=global_reward_std(accelerator, rewards))
+    local, _ = group_advantages(rewards, 4, "batch")
     ctx = make_context(accelerator, *tiny_base(), {"loss": {"scale_rewards": "batch"}})
     records = [r.model_dump(mode="json") for r in build_records(config_from_dict({"data": {"n_train": 8}}))["train"]]
     step_module.group_rewards = _spread_rewards

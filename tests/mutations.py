@@ -23,7 +23,7 @@ class Mutation(NamedTuple):
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
-        "sft_joins_text_by_hand", "I1", "grpo/train/supervised.py",
+        "sft_joins_text_by_hand", "I1", "grpo/train/causal_lm.py",
         "    return render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)\n",
         "    text = example_messages(record)[-1]['content'] + '\\n\\n' + sft_target(record)\n"
         "    ids = tokenizer.encode(text) + [tokenizer.eos_token_id]\n"
@@ -32,7 +32,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "render_parity", retrain_sft=True,
     ),
     Mutation(
-        "sft_target_loses_end_of_turn", "I2", "grpo/train/supervised.py",
+        "sft_target_loses_end_of_turn", "I2", "grpo/train/causal_lm.py",
         "    return render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)\n",
         "    example = render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)\n"
         "    return SftExample(example.ids[:-1], example.loss_mask[:-1])\n",
@@ -78,7 +78,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "entropy_sign_flipped_in_reward_only", "I7", "grpo/core/multitask.py",
         "        direction = direction + regulariser\n",
         "        direction = direction - regulariser\n",
-        ("tests/test_multitask.py::test_i7_entropy_step_raises_entropy_in_every_mode",),
+        ("tests/test_update.py::test_i7_entropy_step_raises_entropy_in_every_mode",),
         "entropy_sign",
     ),
     Mutation(
@@ -93,7 +93,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "reference_is_the_base", "I9", "grpo/train/policy.py",
         "    model, tokenizer = load_sft(cfg)\n",
-        "    from grpo.model.load import load_base\n"
+        "    from grpo.model.stage_models import load_base\n"
         "    model, tokenizer = load_base(cfg)[0], load_sft(cfg)[1]\n",
         ("tests/test_stage_invariants.py::test_i9_build_policy_puts_the_adapter_on_the_sft_weights",),
         "ratio_kl_reference",

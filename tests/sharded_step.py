@@ -20,8 +20,8 @@ from grpo.config import TinyModelConfig
 from grpo.core.batching import sft_batch
 from grpo.data.prompts import example_messages, sft_target
 from grpo.model.chat import render_sft
-from grpo.model.modeling import build_tiny_model, build_tiny_tokenizer
-from grpo.train.supervised import sft_loss
+from grpo.model.tiny import build_tiny_model, build_tiny_tokenizer
+from grpo.train.causal_lm import sft_loss
 from tests.conftest import TINY_TEXTS
 
 SIZES = TinyModelConfig(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

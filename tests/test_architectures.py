@@ -9,7 +9,7 @@ from grpo.config import ConfigError, ModelConfig, config_from_dict
 from grpo.data.prompts import example_messages
 from grpo.model.architectures import PRESETS, build_architecture, count_parameters, meta_model
 from grpo.model.chat import render_prompt
-from grpo.model.modeling import ModelLoadError, load_model, load_tokenizer
+from grpo.model.loading import ModelLoadError, load_model, load_tokenizer
 from tests.conftest import SHARED_TOKENIZERS, shared_tokenizer_path
 
 # Shrunk to seconds on CPU; the vocabulary (the real tokenizer's) stays published.

@@ -14,7 +14,8 @@ from grpo.data import prompts
 from grpo.data.schema import ABSTENTION
 from grpo.errors import GrpoError
 from grpo.model import chat
-from grpo.model.modeling import LLAMA3_CHAT_TEMPLATE, load_tokenizer
+from grpo.model.loading import load_tokenizer
+from grpo.model.tiny import LLAMA3_CHAT_TEMPLATE
 from tests.conftest import REAL_TOKENIZERS, shared_tokenizer_path
 
 DATE = {"date_string": "26 Jul 2024"}

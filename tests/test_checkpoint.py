@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo.model.modeling import build_tiny_model
+from grpo.model.tiny import build_tiny_model
 from grpo.train.checkpoint import (
     MARKER,
     OPTIMIZER,

@@ -44,7 +44,7 @@ def test_every_entry_takes_its_commands_options_by_keyword():
 
 
 def test_grpo_seeds_runs_the_pipeline_per_seed_through_the_cli(tmp_path, monkeypatch, capsys):
-    from grpo import seeds
+    from grpo import seed_sweep as seeds
 
     ran = []
     monkeypatch.setattr(seeds.pipeline, "run", lambda cfg: ran.append(cfg.seed) or 3)

@@ -1,4 +1,4 @@
-"""grpo/config.py: one typed tree; bad values fail with the key, the value and the fix."""
+"""grpo/config/: one typed tree; bad values fail with the key, the value and the fix."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from grpo.config import Config, ConfigError, config_from_dict, load_config
+from grpo.config import Config, ConfigError, config_from_dict, config_to_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,3 +85,31 @@ def test_config_is_frozen():
     cfg = config_from_dict({})
     with pytest.raises(ValidationError, match="frozen"):
         cfg.seed = 3  # type: ignore[misc]
+
+
+def test_every_default_is_the_value_params_yaml_ships():
+    """One source of truth: ``Config()`` is the pipeline params.yaml documents, key for key."""
+    assert config_to_dict(Config()) == config_to_dict(load_config(ROOT / "params.yaml"))
+
+
+def test_a_profile_overlays_the_file_it_extends_key_by_key(tmp_path):
+    base = tmp_path / "params.yaml"
+    base.write_text("seed: 7\ngrpo:\n  lr: 0.5\n  loss:\n    beta: 0.1\n", encoding="utf-8")
+    (tmp_path / "configs").mkdir()
+    profile = tmp_path / "configs" / "small.yaml"
+    profile.write_text("extends: ../params.yaml\ngrpo:\n  loss:\n    entropy_coef: 0.01\n", encoding="utf-8")
+    cfg = load_config(profile, ["grpo.steps=3"])
+    assert (cfg.seed, cfg.grpo.lr, cfg.grpo.loss.beta, cfg.grpo.loss.entropy_coef, cfg.grpo.steps) == (
+        7, 0.5, 0.1, 0.01, 3)
+    assert cfg.grpo.sampling == Config().grpo.sampling  # what neither file lists: the defaults
+    profile.write_text("extends: ../params.yaml\ngrpo:\n  los:\n    beta: 0.2\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"small.yaml: unknown key grpo.los"):
+        load_config(profile)
+    base.write_text("extends: configs/small.yaml\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="extends` comes back"):
+        load_config(profile)
+
+
+def test_the_shipped_profiles_load():
+    for profile in sorted((ROOT / "configs").glob("*.yaml")):
+        assert load_config(profile).model_dump() != Config().model_dump(), profile

@@ -8,9 +8,9 @@ import pytest
 
 from grpo.config import DataChecksConfig, config_from_dict
 from grpo.data import suite
-from grpo.data.checks import build_frame
 from grpo.data.jsonl import RawRow
 from grpo.data.prepare import build_records
+from grpo.data.rules import build_frame
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from grpo.core.batching import left_pad
 from grpo.core.prefix import prefilled_cache
 from grpo.model import chat
 from grpo.model.decode import decode
-from grpo.model.modeling import wrap_lora
+from grpo.model.lora import wrap_lora
 from grpo.model.sampling import build_logits_processors
 from tests.weights import fill_adapter, spread_weights
 

@@ -28,7 +28,7 @@ from grpo.checks.diagnose import (
     diagnose,
     make_probe,
 )
-from grpo.checks.target import DiagnoseError, Target, _stale, load_target, target_kind
+from grpo.checks.diagnosis_target import DiagnoseError, Target, _stale, load_target, target_kind
 from grpo.cli import main
 from grpo.config import Config, config_to_dict
 from grpo.core.batching import join_prompt_completion
@@ -36,7 +36,8 @@ from grpo.core.logprobs import score_completions
 from grpo.core.losses import policy_loss_terms, total_loss
 from grpo.data.prompts import example_messages
 from grpo.model.chat import end_of_turn_ids, render_prompt
-from grpo.model.modeling import load_model, load_tokenizer, save_model, wrap_lora
+from grpo.model.loading import load_model, load_tokenizer, save_model
+from grpo.model.lora import wrap_lora
 from grpo.model.rollout import generate_rollout
 from grpo.train import checkpoint as ckpt
 from tests.test_evaluate import GROUP, build_project, make_records

@@ -154,7 +154,7 @@ def test_load_sft_refuses_model_after_chat_change(project):
     the base model under it first (the base stage pretrains on chat-rendered records too)."""
     chat = project / "grpo" / "model" / "chat.py"
     chat.write_text(chat.read_text(encoding="utf-8") + "\n_SEMANTIC_PROBE = 1\n", encoding="utf-8")
-    code = ("from grpo.config import load_config\nfrom grpo.model.load import load_sft\n"
+    code = ("from grpo.config import load_config\nfrom grpo.model.stage_models import load_sft\n"
             "try:\n    load_sft(load_config())\nexcept Exception as exc:\n"
             "    print(type(exc).__name__, exc)\n    raise SystemExit(3)\n")
     from tasks.dvc_stage import stage_env

@@ -10,13 +10,14 @@ import torch
 
 from grpo.config import ConfigError, LoraConfig, RolloutConfig, SamplingConfig, config_from_dict
 from grpo.core.batching import completion_mask, left_pad
+from grpo.core.importance import rollout_mismatch
 from grpo.data.prompts import example_messages
 from grpo.model.chat import end_of_turn_ids, render_prompt
 from grpo.model.engines import EngineRollout, HFEngine, make_engine
-from grpo.model.modeling import wrap_lora
+from grpo.model.lora import wrap_lora
 from grpo.model.rollout import generate_rollout
 from grpo.model.vllm_engine import assemble, merged_weights, sampling_kwargs
-from grpo.train.mismatch import sampler_mismatch
+from grpo.train.mismatch import trainer_logprobs
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 RECORDS = [
@@ -47,7 +48,7 @@ def test_hf_engine_is_generate_rollout(tiny_model, tiny_tokenizer):
 
 
 def test_hf_engine_refuses_to_sync_another_model(tiny_model, tiny_tokenizer, tiny_sizes):
-    from grpo.model.modeling import build_tiny_model
+    from grpo.model.tiny import build_tiny_model
 
     engine = HFEngine(tiny_model, tiny_tokenizer)
     with pytest.raises(ValueError, match="trainer's model itself"):
@@ -83,7 +84,7 @@ def test_merged_weights_are_the_plain_names_with_the_adapter_folded_in(tiny_mode
     plain = dict(tiny_model.named_parameters())
     q_before = plain["model.layers.0.self_attn.q_proj.weight"].detach().clone()
     torch.manual_seed(0)
-    policy = wrap_lora(tiny_model, LoraConfig(r=2, alpha=4))
+    policy = wrap_lora(tiny_model, LoraConfig(r=2, alpha=4, target_modules=["q_proj", "v_proj"]))
     layer = policy.base_model.model.model.layers[0].self_attn.q_proj
     torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.5)
     delta = 2.0 * layer.lora_B["default"].weight @ layer.lora_A["default"].weight  # scale = alpha / r
@@ -110,7 +111,8 @@ def _vllm_rollout(engine, model, tokenizer, seed: int):
     """One vLLM rollout of the two prompts and its mismatch with the trainer's scoring."""
     out = engine.generate(_prompts(tokenizer), 4, SAMPLING, end_of_turn_ids(tokenizer), seed=seed)
     assert out.sampler_logprobs is not None and out.sampler_logprobs.shape == out.rollout.completion_ids.shape
-    return out.rollout, sampler_mismatch(model, out.rollout, out.sampler_logprobs, SAMPLING.temperature)
+    trainer = trainer_logprobs(model, out.rollout)
+    return out.rollout, rollout_mismatch(trainer, out.sampler_logprobs, out.rollout.completion_mask)
 
 
 @gpu

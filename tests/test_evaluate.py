@@ -30,8 +30,10 @@ from grpo.eval.evaluate import (
     task_metrics,
 )
 from grpo.model.chat import end_of_turn_ids, render_prompt
-from grpo.model.modeling import build_tiny, load_model, load_tokenizer, save_model, wrap_lora
+from grpo.model.loading import load_model, load_tokenizer, save_model
+from grpo.model.lora import wrap_lora
 from grpo.model.rollout import generate_rollout, stop_ids
+from grpo.model.tiny import build_tiny
 from grpo.provenance.lineage import StaleArtifactError, make_lineage, write_lineage
 
 SIZES = TinyModelConfig(

@@ -107,7 +107,7 @@ def test_the_base_stage_converts_a_gguf_file_once_with_lineage(tmp_path, tiny_mo
     """models/base is an HF folder (no pointer) with the repaired tokenizer; its lineage holds the file's
     hash, so a changed file makes it stale."""
     from grpo.config import config_from_dict
-    from grpo.model.load import check_base, load_base
+    from grpo.model.stage_models import check_base, load_base
     from grpo.provenance.lineage import StaleArtifactError
     from grpo.train.pretrain import run as base_stage
 

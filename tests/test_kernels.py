@@ -9,7 +9,7 @@ from grpo.config import config_from_dict
 from grpo.core.attention import model_attention_mask
 from grpo.core.batching import left_pad, position_ids_from_mask
 from grpo.model.kernels import GROUPED_SDPA, attention_kernel
-from grpo.model.modeling import wrap_lora
+from grpo.model.lora import wrap_lora
 from tests.weights import fill_adapter, spread_weights
 
 

@@ -98,7 +98,7 @@ def test_changed_param_names_the_key_and_both_values(toy):
         _check(toy, cfg)
     message = str(info.value)
     assert "params seed: 1234 -> 7" in message
-    assert "params model.tiny.hidden_size: 256 -> 64" in message
+    assert "params model.tiny.hidden_size: 128 -> 64" in message
     assert "num_hidden_layers" not in message
 
 

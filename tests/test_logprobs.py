@@ -186,7 +186,7 @@ def test_i11_garbage_in_padded_positions_changes_nothing(tiny_model, tiny_tokeni
 
 def test_score_completions_works_with_peft_model(tiny_model, tiny_tokenizer):
     from grpo.config import LoraConfig
-    from grpo.model.modeling import wrap_lora
+    from grpo.model.lora import wrap_lora
 
     input_ids, attention_mask, completion_mask, _ = completion_batch(tiny_tokenizer)
     with torch.no_grad():

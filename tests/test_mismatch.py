@@ -15,8 +15,8 @@ from grpo.data.prepare import build_records
 from grpo.model.engines import EngineRollout, HFEngine
 from grpo.model.precision import bf16_autocast, cpu_has_native_bf16
 from grpo.train.mismatch import trainer_logprobs
-from grpo.train.step import draw, prepare_batch
-from tests.test_step import combined_gradient, make_context
+from grpo.train.step import build_step, draw, prepare_batch
+from tests.steps import combined_gradient, make_context
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +36,16 @@ class ShiftedEngine:
 
     def generate(self, prompts, group_size, sampling, eos_ids, seed) -> EngineRollout:
         rollout = self.hf.generate(prompts, group_size, sampling, eos_ids, seed).rollout
-        trainer = trainer_logprobs(self.hf.model, rollout, sampling.temperature)
+        trainer = trainer_logprobs(self.hf.model, rollout)
         return EngineRollout(rollout, (trainer - math.log(self.shift)) * rollout.completion_mask)
 
     def sync_weights(self, model) -> None:
         pass
+
+
+def with_engine(ctx, engine):
+    """The step built again around another engine (the facts it decides, such as the kept prefill, follow)."""
+    return build_step(ctx.cfg, ctx.policy, ctx.accelerator, engine=engine)
 
 
 def _gradient(tiny_model, tiny_tokenizer, one_per_task, shift: float | None, **rollout) -> tuple[torch.Tensor, dict]:
@@ -48,7 +53,7 @@ def _gradient(tiny_model, tiny_tokenizer, one_per_task, shift: float | None, **r
     ctx = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "sum"},
                        loss={"beta": 0.0}, rollout=rollout)
     if shift is not None:
-        ctx.engine = ShiftedEngine(ctx.model, tiny_tokenizer, shift)
+        ctx = with_engine(ctx, ShiftedEngine(ctx.model, tiny_tokenizer, shift))
     sampled = draw(ctx, one_per_task, seed=11)
     signal = dataclasses.replace(sampled, advantages=torch.linspace(-1, 1, len(sampled.rewards)))
     return combined_gradient(ctx, prepare_batch(ctx, signal)), sampled.stats
@@ -79,7 +84,7 @@ class SameScoringEngine(ShiftedEngine):
     def generate(self, prompts, group_size, sampling, eos_ids, seed) -> EngineRollout:
         rollout = self.hf.generate(prompts, group_size, sampling, eos_ids, seed).rollout
         with bf16_autocast(torch.device("cpu"), bf16=True):
-            trainer = trainer_logprobs(self.hf.model, rollout, sampling.temperature)
+            trainer = trainer_logprobs(self.hf.model, rollout)
         return EngineRollout(rollout, trainer * rollout.completion_mask)
 
 
@@ -89,7 +94,7 @@ def test_the_mismatch_is_measured_in_the_steps_precision(tiny_model, tiny_tokeni
     as the loss: a sampler that agrees with that scoring gives weights of exactly 1 (fp32 scoring of
     bf16-trained log-probs would read a mismatch of about 1e-3 that no engine caused)."""
     ctx = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, bf16=True, rollout={"tis_threshold": 0.0})
-    ctx.engine = SameScoringEngine(ctx.model, tiny_tokenizer, 1.0)
+    ctx = with_engine(ctx, SameScoringEngine(ctx.model, tiny_tokenizer, 1.0))
     sampled = draw(ctx, one_per_task, seed=11)
     assert sampled.stats["sampling/sampling_logp_difference/max"] == 0.0
     mask = sampled.rollout.completion_mask

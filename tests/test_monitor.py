@@ -17,7 +17,7 @@ from grpo.model.chat import end_of_turn_ids, render_prompt
 from grpo.model.rollout import rollout_from_sequences
 from grpo.model.sampling import build_logits_processors
 from grpo.train.dynamic_sampling import Draw
-from grpo.train.step import StepResult, step_result
+from grpo.train.step import StepResult, header_tokens, step_result
 from grpo.train.trainer import watch
 from tests.conftest import shared_tokenizer_path
 
@@ -242,7 +242,9 @@ def stage_result(tokenizer, eos_ids: list[int], completions: list[list[int]]) ->
     _, suppressor = build_logits_processors(prompt.input_ids.shape[1], eos_ids, sampling)
     rollout = rollout_from_sequences(tokenizer, prompt, torch.cat([prompt.input_ids, generated], dim=1),
                                      eos_ids, suppressor, n, sampling)
-    ctx = SimpleNamespace(tokenizer=tokenizer, eos_ids=eos_ids, accelerator=SimpleNamespace(num_processes=1))
+    ctx = SimpleNamespace(tokenizer=tokenizer, eos_ids=eos_ids, accelerator=SimpleNamespace(num_processes=1),
+                          header_tokens=header_tokens(tokenizer, eos_ids),
+                          end_of_turn_tokens=tokenizer.convert_ids_to_tokens(eos_ids))  # what build_step makes
     sampled = Draw(rollout, [record], torch.zeros(n), torch.zeros(n), {})
     return step_result(ctx, [record], sampled, {}, {"entropy": 1.0}, elapsed=1.0)
 
@@ -289,7 +291,7 @@ def test_writing_on_after_an_end_token_stops_on_the_stage_path(tiny_tokenizer, t
         tokenizer = tiny_tokenizer
     else:
         from grpo.config import ModelConfig
-        from grpo.model.modeling import load_tokenizer
+        from grpo.model.loading import load_tokenizer
 
         tokenizer = load_tokenizer(shared_tokenizer_path(tokenizer_name), ModelConfig())
     eos_ids = end_of_turn_ids(tokenizer)

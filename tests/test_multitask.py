@@ -1,8 +1,7 @@
-"""Tests of grpo/core/multitask.py: gradient combinations and I7 (an entropy step raises entropy in every mode)."""
+"""Tests of grpo/core/multitask.py: per-task gradients and their combinations (the step's update, and I7 in
+every mode through it, are tests/test_update.py's)."""
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
@@ -12,11 +11,12 @@ from grpo.core.logprobs import score_completions
 from grpo.core.losses import masked_mean, policy_loss_terms, total_loss
 from grpo.core.multitask import (
     MultitaskError,
-    TaskLoss,
+    accumulate,
     cagrad,
     combine,
-    multitask_backward,
+    combine_task_gradients,
     pcgrad,
+    task_gradient,
 )
 
 PROMPTS = (
@@ -60,7 +60,7 @@ def make_compute_losses(model, batch, advantages, calls=None):
                 completion_mask[rows][part], scored.entropy[part],
                 epsilon_low=0.2, epsilon_high=0.28, loss_type="grpo", max_completion_length=WIDTH,
             )
-            out[task] = TaskLoss(terms)
+            out[task] = terms
         return out
 
     return compute_losses
@@ -73,16 +73,19 @@ def mean_entropy(model, batch) -> float:
     return float(masked_mean(scored.entropy, completion_mask))
 
 
-def backward(model, batch, advantages, **kwargs):
-    options = {"mode": "cagrad", "c": 0.5, "rescale": 1, "reward_only": False, "low_memory": False,
-               "beta": 0.0, "entropy_coef": 0.0}
+def combined(model, batch, advantages, tasks=TASKS, **kwargs):
+    """Each task's gradient (``task_gradient``) from one shared forward, then ``combine_task_gradients``."""
+    options = {"mode": "cagrad", "c": 0.5, "rescale": 1, "reward_only": False, "beta": 0.0, "entropy_coef": 0.0}
     options.update(kwargs)
-    compute = make_compute_losses(model, batch, advantages)
-    return multitask_backward(list(model.parameters()), compute, TASKS, **options)
-
-
-def flat_grad_of(model) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    params = list(model.parameters())
+    losses = make_compute_losses(model, batch, advantages)(tasks)
+    grads = {}
+    for task in tasks:
+        accumulate(grads, task, task_gradient(params, losses[task], options["beta"],
+                                              options["entropy_coef"], options["reward_only"], retain=True))
+    zeros = torch.cat([torch.zeros(p.numel()) for p in params])
+    return combine_task_gradients(grads, TASKS, zeros, mode=options["mode"], c=options["c"], rescale=options["rescale"],
+                                  reward_only=options["reward_only"], reduce_fn=options.get("reduce_fn"))
 
 
 def reference_task_grads(model, batch, advantages, part: str, beta=0.0, entropy_coef=0.0) -> torch.Tensor:
@@ -91,7 +94,7 @@ def reference_task_grads(model, batch, advantages, part: str, beta=0.0, entropy_
     params = list(model.parameters())
     rows = []
     for task in TASKS:
-        terms = losses[task].terms
+        terms = losses[task]
         loss = {"whole": total_loss(terms, beta, entropy_coef), "policy": terms.policy}[part]
         grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
         flat = [(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params, strict=True)]
@@ -177,69 +180,27 @@ def test_combine_rejects_unknown_mode_and_rescale():
         combine(torch.ones(2, 3), "cagrad", rescale=3)
 
 
-# --------------------------------------------------------------------------- I7 on the tiny model
-
-MODES = [  # (mode, reward_only, low_memory)
-    ("sum", False, False), ("pcgrad", False, False), ("cagrad", False, False), ("cagrad", True, False),
-    ("cagrad", False, True), ("pcgrad", True, False), ("sum", False, True), ("cagrad", True, True),
-]
-
-
-@pytest.mark.parametrize(("mode", "reward_only", "low_memory"), MODES)
-@pytest.mark.parametrize("entropy_coef", [0.5, -0.5])
-def test_i7_entropy_step_raises_entropy_in_every_mode(tiny_model, tiny_tokenizer, mode, reward_only,
-                                                      low_memory, entropy_coef):
-    batch = task_batch(tiny_tokenizer)
-    before = mean_entropy(tiny_model, batch)
-    backward(tiny_model, batch, torch.zeros(4), mode=mode, reward_only=reward_only, low_memory=low_memory,
-             entropy_coef=entropy_coef)
-    with torch.no_grad():
-        for p in tiny_model.parameters():
-            p -= 5.0 * p.grad  # one SGD step on the combined gradient
-    after = mean_entropy(tiny_model, batch)
-    if entropy_coef > 0:
-        assert after > before + 1e-4
-    else:
-        assert after < before - 1e-4
-
-
-# --------------------------------------------------------------------------- the backward driver
-
-
-def test_default_mode_runs_one_forward_and_low_memory_one_per_task(tiny_model, tiny_tokenizer):
-    batch, advantages = task_batch(tiny_tokenizer), torch.tensor([1.0, -1.0, 0.5, -0.5])
-    for low_memory, expected in ((False, [TASKS]), (True, [("fairness",), ("hallucination",)])):
-        calls = []
-        tiny_model.zero_grad(set_to_none=True)
-        compute = make_compute_losses(tiny_model, batch, advantages, calls)
-        multitask_backward(list(tiny_model.parameters()), compute, TASKS, mode="cagrad", c=0.5, rescale=1,
-                           reward_only=False, low_memory=low_memory, beta=0.0, entropy_coef=0.1)
-        assert calls == expected
+# --------------------------------------------------------------------------- per-task gradients
 
 
 @pytest.mark.parametrize("mode", ["sum", "pcgrad", "cagrad"])
-def test_whole_loss_gradients_are_combined_and_low_memory_agrees(tiny_model, tiny_tokenizer, mode):
+def test_whole_loss_gradients_are_combined(tiny_model, tiny_tokenizer, mode):
     batch, advantages = task_batch(tiny_tokenizer), torch.tensor([1.0, -1.0, 0.5, -0.5])
     grads = reference_task_grads(tiny_model, batch, advantages, "whole", entropy_coef=0.1)
     expected, _ = combine(grads, mode, c=0.5, rescale=1)
-    for low_memory in (False, True):
-        tiny_model.zero_grad(set_to_none=True)
-        stats = backward(tiny_model, batch, advantages, mode=mode, low_memory=low_memory, entropy_coef=0.1)
-        torch.testing.assert_close(flat_grad_of(tiny_model), expected, atol=1e-5, rtol=1e-4)
-        assert {"grad_norm/fairness", "grad_norm/hallucination", "grad_cos", "cagrad/weights"} <= set(stats)
-        assert (len(stats["cagrad/weights"]) == 2) == (mode == "cagrad")  # empty outside CAGrad
+    direction, stats = combined(tiny_model, batch, advantages, mode=mode, entropy_coef=0.1)
+    torch.testing.assert_close(direction, expected, atol=1e-5, rtol=1e-4)
+    assert {"grad_norm/fairness", "grad_norm/hallucination", "grad_cos", "cagrad/weights"} <= set(stats)
+    assert (len(stats["cagrad/weights"]) == 2) == (mode == "cagrad")  # empty outside CAGrad
 
 
-@pytest.mark.parametrize("low_memory", [False, True])
-def test_reward_only_combines_policy_gradients_and_adds_kl_entropy_unchanged(tiny_model, tiny_tokenizer,
-                                                                            low_memory):
+def test_reward_only_combines_policy_gradients_and_adds_kl_entropy_unchanged(tiny_model, tiny_tokenizer):
     batch, advantages = task_batch(tiny_tokenizer), torch.tensor([1.0, -1.0, 0.5, -0.5])
     policy = reference_task_grads(tiny_model, batch, advantages, "policy")
     whole = reference_task_grads(tiny_model, batch, advantages, "whole", entropy_coef=0.3)
     expected = combine(policy, "cagrad", c=0.5, rescale=1)[0] + (whole - policy).sum(0)
-    tiny_model.zero_grad(set_to_none=True)
-    backward(tiny_model, batch, advantages, reward_only=True, low_memory=low_memory, entropy_coef=0.3)
-    torch.testing.assert_close(flat_grad_of(tiny_model), expected, atol=1e-5, rtol=1e-4)
+    direction, _ = combined(tiny_model, batch, advantages, reward_only=True, entropy_coef=0.3)
+    torch.testing.assert_close(direction, expected, atol=1e-5, rtol=1e-4)
 
 
 def test_reduce_fn_is_applied_to_each_task_gradient_before_combining(tiny_model, tiny_tokenizer):
@@ -251,11 +212,9 @@ def test_reduce_fn_is_applied_to_each_task_gradient_before_combining(tiny_model,
         seen.append(grad.clone())
         return 2 * grad if len(seen) == 1 else grad
 
-    tiny_model.zero_grad(set_to_none=True)
-    backward(tiny_model, batch, advantages, entropy_coef=0.1, reduce_fn=double_the_first_task)
+    got, _ = combined(tiny_model, batch, advantages, entropy_coef=0.1, reduce_fn=double_the_first_task)
     assert len(seen) == 2
     torch.testing.assert_close(torch.stack(seen), grads, atol=1e-5, rtol=1e-4)
-    got = flat_grad_of(tiny_model)
     torch.testing.assert_close(got, combine(grads * torch.tensor([[2.0], [1.0]]), "cagrad")[0], atol=1e-5, rtol=1e-4)
     # Not what a linear rule would give (combine first, then add the extra copy of task 0).
     assert not torch.allclose(got, combine(grads, "cagrad")[0] + grads[0] / 2, atol=1e-4)
@@ -264,58 +223,28 @@ def test_reduce_fn_is_applied_to_each_task_gradient_before_combining(tiny_model,
 def test_task_without_rows_is_skipped(tiny_model, tiny_tokenizer):
     batch, advantages = task_batch(tiny_tokenizer), torch.tensor([1.0, -1.0, 0.5, -0.5])
     grads = reference_task_grads(tiny_model, batch, advantages, "whole")
-    full = make_compute_losses(tiny_model, batch, advantages)
-
-    def only_fairness(subset, micro=0):
-        return {task: loss for task, loss in full(subset).items() if task == "fairness"}
-
-    tiny_model.zero_grad(set_to_none=True)
-    stats = multitask_backward(list(tiny_model.parameters()), only_fairness, TASKS, mode="cagrad", c=0.5,
-                               rescale=0, reward_only=False, low_memory=False, beta=0.0, entropy_coef=0.0)
+    direction, stats = combined(tiny_model, batch, advantages, tasks=("fairness",), rescale=0)
     assert stats["multitask/tasks_combined"] == 1.0 and stats["grad_norm/hallucination"] == 0.0
-    torch.testing.assert_close(flat_grad_of(tiny_model), 1.5 * grads[0], atol=1e-5, rtol=1e-4)  # (1 + c) g
+    torch.testing.assert_close(direction, 1.5 * grads[0], atol=1e-5, rtol=1e-4)  # (1 + c) g
 
 
-def test_nan_gradient_raises_naming_the_task_and_leaves_grads_untouched(tiny_model, tiny_tokenizer):
+@pytest.mark.parametrize("mode", ["sum", "cagrad"])
+def test_nan_gradient_raises_naming_the_task(tiny_model, tiny_tokenizer, mode):
     batch, advantages = task_batch(tiny_tokenizer), torch.tensor([1.0, -1.0, 0.5, -0.5])
-    for p in tiny_model.parameters():
-        p.grad = torch.full_like(p, 7.0)
-    nan_advantages = advantages.clone()
-    nan_advantages[TASK_ROWS["hallucination"][0]] = float("nan")
-    for mode, low_memory in itertools.product(("sum", "cagrad"), (False, True)):
-        with pytest.raises(MultitaskError, match="hallucination"):
-            backward(tiny_model, batch, nan_advantages, mode=mode, low_memory=low_memory)
-        assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in tiny_model.parameters())
-
-
-def test_gradients_are_added_to_existing_grads_like_backward(tiny_model, tiny_tokenizer):
-    batch, advantages = task_batch(tiny_tokenizer), torch.tensor([1.0, -1.0, 0.5, -0.5])
-    tiny_model.zero_grad(set_to_none=True)
-    backward(tiny_model, batch, advantages, mode="sum")
-    once = flat_grad_of(tiny_model).clone()
-    backward(tiny_model, batch, advantages, mode="sum")
-    torch.testing.assert_close(flat_grad_of(tiny_model), 2 * once)
-
-
-def test_sum_mode_without_task_stats_takes_one_backward_of_the_summed_loss(tiny_model, tiny_tokenizer):
-    """The sum is linear: one forward over every task's rows and one backward give the per-task sum."""
-    batch, advantages = task_batch(tiny_tokenizer), torch.tensor([1.0, -1.0, 0.5, -0.5])
-    expected = reference_task_grads(tiny_model, batch, advantages, "whole", entropy_coef=0.1).sum(0)
-    calls = []
-    tiny_model.zero_grad(set_to_none=True)
-    compute = make_compute_losses(tiny_model, batch, advantages, calls)
-    stats = multitask_backward(list(tiny_model.parameters()), compute, TASKS, mode="sum", c=0.5, rescale=1,
-                               reward_only=True, low_memory=True, beta=0.0, entropy_coef=0.1, task_stats=False)
-    assert calls == [TASKS]
-    torch.testing.assert_close(flat_grad_of(tiny_model), expected, atol=1e-5, rtol=1e-4)
-    assert "grad_norm/fairness" not in stats and set(stats) >= {"loss/fairness", "loss/hallucination"}
-
-
-def test_sum_mode_without_task_stats_raises_on_nan_and_leaves_grads_untouched(tiny_model, tiny_tokenizer):
-    batch, advantages = task_batch(tiny_tokenizer), torch.tensor([1.0, -1.0, 0.5, -0.5])
-    for p in tiny_model.parameters():
-        p.grad = torch.full_like(p, 7.0)
     advantages[TASK_ROWS["hallucination"][0]] = float("nan")
-    with pytest.raises(MultitaskError, match=r"task\(s\) \['hallucination'\]"):
-        backward(tiny_model, batch, advantages, mode="sum", task_stats=False)
-    assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in tiny_model.parameters())
+    with pytest.raises(MultitaskError, match="hallucination"):
+        combined(tiny_model, batch, advantages, mode=mode)
+
+
+def test_accumulated_micro_batches_sum_before_the_combination(tiny_model, tiny_tokenizer):
+    """``accumulate`` sums a task's gradients (and its regulariser and loss) over micro-batches."""
+    batch, advantages = task_batch(tiny_tokenizer), torch.tensor([1.0, -1.0, 0.5, -0.5])
+    params = list(tiny_model.parameters())
+    losses = make_compute_losses(tiny_model, batch, advantages)(TASKS)
+    one = task_gradient(params, losses["fairness"], 0.04, 0.1, reward_only=True, retain=True)
+    grads: dict = {}
+    accumulate(grads, "fairness", one)
+    accumulate(grads, "fairness", one)
+    torch.testing.assert_close(grads["fairness"].combined, 2 * one.combined)
+    torch.testing.assert_close(grads["fairness"].regulariser, 2 * one.regulariser)
+    assert grads["fairness"].loss == pytest.approx(2 * one.loss)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from grpo.config import ModelConfig
-from grpo.model.modeling import ModelLoadError, load_model, load_tokenizer
+from grpo.model.loading import ModelLoadError, load_model, load_tokenizer
 from grpo.offline import OFFLINE_ENV
 
 ROOT = Path(__file__).parents[1]

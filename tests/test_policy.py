@@ -7,7 +7,7 @@ import torch
 
 from grpo import paths
 from grpo.config import config_from_dict
-from grpo.model.modeling import save_model
+from grpo.model.loading import save_model
 from grpo.provenance.lineage import make_lineage, write_lineage
 from grpo.train.policy import build_policy
 

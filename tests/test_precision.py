@@ -13,7 +13,8 @@ from grpo.core.batching import sft_batch
 from grpo.core.logprobs import score_completions
 from grpo.data.prompts import example_messages, sft_target
 from grpo.model.chat import render_sft
-from grpo.model.modeling import load_model, save_model, wrap_lora
+from grpo.model.loading import load_model, save_model
+from grpo.model.lora import wrap_lora
 from grpo.model.precision import (
     Fp32Head,
     apply_memory_settings,
@@ -23,7 +24,7 @@ from grpo.model.precision import (
     cpu_has_native_bf16,
     describe,
 )
-from grpo.train.supervised import sft_loss
+from grpo.train.causal_lm import sft_loss
 
 RECORDS = [
     {"task": "hallucination", "context": "Elbrook was founded in 1821 by Mara Venn.", "question": "Who founded it?",
@@ -135,7 +136,7 @@ def _lora_grads(model, tokenizer) -> dict[str, torch.Tensor]:
 
 def test_gradient_checkpointing_gives_the_same_lora_gradients(tiny_tokenizer, tiny_sizes):
     """Non-reentrant checkpointing reaches a LoRA adapter on frozen weights, with identical gradients."""
-    from grpo.model.modeling import build_tiny_model
+    from grpo.model.tiny import build_tiny_model
 
     plain = _lora_grads(build_tiny_model(tiny_tokenizer, tiny_sizes, seed=0), tiny_tokenizer)
     model = apply_memory_settings(build_tiny_model(tiny_tokenizer, tiny_sizes, seed=0),

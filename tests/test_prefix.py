@@ -9,7 +9,7 @@ from grpo.config import config_from_dict
 from grpo.core.batching import join_prompt_completion, left_pad
 from grpo.core.logprobs import score_completions
 from grpo.core.prefix import prefix_groups
-from grpo.model.modeling import wrap_lora
+from grpo.model.lora import wrap_lora
 
 G, WIDTH, TEMPERATURE = 3, 5, 0.7
 

@@ -15,7 +15,7 @@ from grpo.cli import main
 from grpo.config import config_from_dict, load_config
 from grpo.data.prepare import build_records
 from grpo.model.chat import ChatError
-from grpo.model.modeling import wrap_lora
+from grpo.model.lora import wrap_lora
 from grpo.model.precision import cpu_has_native_bf16
 from grpo.provenance.gate import PreflightError, require_preflight
 from grpo.train.policy import frozen_copy

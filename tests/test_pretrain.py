@@ -24,7 +24,9 @@ def _cfg(tmp_path, records: int, **data):
     return config_from_dict({
         "paths": {name: str(tmp_path / name) for name in ("data_dir", "models_dir", "metrics_dir")},
         "data": data, "model": {"tiny": TINY},
-        "pretrain": {"records": records, "batch_size": 8, "lr": 0.02},
+        # The plain-text corpus of the data's task mix, one epoch (params.yaml chat-renders fairness instead).
+        "pretrain": {"records": records, "batch_size": 8, "lr": 0.02, "epochs": 1, "fairness_fraction": None,
+                     "chat_tasks": [], "group_by_length": False},
     })
 
 
@@ -79,7 +81,7 @@ def test_examples_are_the_plain_record_text_with_the_loss_on_every_token(tmp_pat
         text = tiny_tokenizer.decode(example.ids[1:-1])
         assert text == pretraining_text(record) and text.endswith("\n\n" + sft_target(record))
         assert text.startswith(f"Context: {record['context']}\nQuestion: {record['question']}\n")
-        assert text.count("Question: ") == 1, "one question unless pretrain.every_question"
+        assert text.count("Question: ") == 1
         if record["task"] == "fairness":
             assert all(f"{letter}. {choice}" in text for letter, choice in zip("ABC", record["choices"], strict=True))
 
@@ -89,7 +91,7 @@ def test_chat_task_records_are_the_sft_conversation_with_the_loss_on_every_token
     is the one GRPO samples from), with the loss on every token; the other task stays plain text."""
     from grpo.data.prompts import example_messages
     from grpo.model.chat import render_prompt
-    from grpo.train.supervised import build_examples
+    from grpo.train.causal_lm import build_examples
 
     cfg = config_from_dict({**_cfg(tmp_path, 8).model_dump(), "pretrain": {"records": 8, "chat_tasks": ["fairness"]}})
     records = [r.model_dump() for r in pretrain_records(cfg)]
@@ -112,7 +114,7 @@ def test_the_tokenizer_learns_the_prompt_words_it_reads_in_every_record(tmp_path
     (system prompt, user turn, answer): the prompt's fixed words, in every record, become whole tokens."""
     from grpo.data import prepare
     from grpo.data.prompts import FAIRNESS_INSTRUCTION, HALLUCINATION_INSTRUCTION, SYSTEM_PROMPT
-    from grpo.model.modeling import load_tokenizer
+    from grpo.model.loading import load_tokenizer
 
     cfg = _cfg(tmp_path, 0, n_train=40, n_eval=4)
     assert prepare.run(cfg) == 0
@@ -171,65 +173,3 @@ def test_the_adapter_settings_leave_the_base_stage_alone(tmp_path):
     assert lineages[0]["params_hash"] == lineages[1]["params_hash"], (lineages[0]["params"], lineages[1]["params"])
     assert not any(key.startswith("model.lora") for key in lineages[0]["params"]), lineages[0]["params"]
     assert lineages[0]["params"]["model.tiny"]["vocab_size"] == TINY["vocab_size"]
-
-
-def test_every_document_asks_each_question_its_context_answers(tmp_path, tiny_tokenizer):
-    """With ``pretrain.every_question`` the stage's examples ask all four attributes of a grounded entity
-    (stated: the value, copied; not stated: the abstention) and both polarities of a fairness scene
-    (ambiguous: "unknown" twice)."""
-    from grpo.data.schema import ABSTENTION, LETTERS
-
-    cfg = config_from_dict({**_cfg(tmp_path, 40, sft_noise=0.0).model_dump(),
-                            "pretrain": {"records": 40, "every_question": True}})
-    records = [r.model_dump() for r in pretrain_records(cfg)]
-    for record, example in zip(records, pretrain_examples(records, tiny_tokenizer, cfg), strict=True):
-        text = tiny_tokenizer.decode(example.ids[1:-1])
-        assert text == pretraining_text(record, every=True)
-        questions = text.count("Question: ")
-        lines = [line for line in text.splitlines() if line and not re.match(r"[ABC]\. ", line)]
-        answers = [lines[i + 1].removeprefix("Answer: ") for i, line in enumerate(lines) if line.startswith("Question: ")]
-        if record["task"] == "hallucination":
-            assert questions == 4 and len(answers) == 4
-            stated = [a for a in answers if a != ABSTENTION]
-            assert all(a in record["context"] for a in stated) and len(stated) == record["context"].count(".")
-        else:
-            assert questions == 2 and len(answers) == 2
-            assert text.index(f"Question: {record['question']}") < text.index("A. ") < text.index("Answer: ")
-            unknown = LETTERS[record["unknown_idx"]]
-            if record["context_condition"] == "ambig":
-                assert answers == [unknown, unknown]
-            else:  # the two people, one per polarity
-                assert unknown not in answers and len(set(answers)) == 2
-                assert answers[0] == LETTERS[record["label"]]
-
-
-def test_copy_warmup_and_copy_texts_every_epoch_and_copy_check_scores_the_saved_base(tmp_path):
-    """``pretrain.copy_warmup_steps`` steps on copy texts alone, at ``copy_warmup_lr`` and unclipped, the
-    records with ``pretrain.copy_texts`` fresh copy texts an epoch, and ``copy_check`` is the saved base's
-    score on fresh copy texts."""
-    from grpo.config import ModelConfig
-    from grpo.data import prepare
-    from grpo.model.modeling import build_tiny, load_model, load_tokenizer
-    from grpo.seeding import derive_seed
-    from grpo.train.copying import copy_accuracy, copy_texts, copy_vocab
-    from grpo.train.pretrain import COPY_CHECK_TEXTS, copy_warmup, copy_warmup_settings
-
-    cfg = config_from_dict({**_cfg(tmp_path, 48, n_train=16, n_eval=4).model_dump(), "pretrain": {
-        "records": 48, "epochs": 2, "batch_size": 8, "lr": 0.02, "copy_texts": 8, "copy_warmup_steps": 3,
-        "copy_warmup_lr": 0.005}})
-    assert prepare.run(cfg) == 0 and run(cfg) == 0
-    summary = json.loads((tmp_path / "metrics_dir" / "pretrain.json").read_text())
-    assert summary["copy_texts"] == 16 and summary["steps"] == 2 * 7  # (48 + 8) / 8 an epoch
-    assert summary["copy_warmup_steps"] == 3 and summary["copy_warmup_loss_final"] > 0
-    base = tmp_path / "models_dir" / "base"
-    saved, tokenizer = load_model(base, ModelConfig()), load_tokenizer(base, ModelConfig())
-    fresh = copy_texts(COPY_CHECK_TEXTS, copy_vocab(tokenizer), tokenizer.bos_token_id, "variable",
-                       derive_seed(cfg.seed, ("copy_check", 0)))
-    assert summary["copy_check"] == copy_accuracy(saved, fresh, tokenizer.pad_token_id)
-    model, tokenizer = build_tiny(tmp_path / "fresh", ["a b c d e f g h"] * 50, cfg.model.tiny, seed=0)
-    warm = copy_warmup(model, tokenizer, cfg)
-    # No warmup step in 3 (2 % of them), then linear decay from the peak, copy_warmup_lr: 2/3 of it after step 1.
-    assert len(warm) == 3 and warm[0]["lr"] == pytest.approx(0.005 * 2 / 3)
-    assert copy_warmup_settings(cfg).max_grad_norm == float("inf") and copy_warmup_settings(cfg).epochs == 1
-    off = config_from_dict({**cfg.model_dump(), "pretrain": {"copy_warmup_steps": 0}})
-    assert copy_warmup(model, tokenizer, off) == []

@@ -23,7 +23,7 @@ from grpo.cli import main as grpo_main
 from grpo.config import load_config
 from grpo.core import multitask
 from grpo.core.losses import LossTerms
-from grpo.model.load import load_base
+from grpo.model.stage_models import load_base
 from grpo.train import policy
 from tests.tiny_project import prepared_project
 

@@ -118,7 +118,7 @@ def test_bf16_rollout_casts_frozen_weights_once_and_samples_the_same_tokens(tiny
 
     from grpo.config import LoraConfig
     from grpo.model import rollout as rollout_module
-    from grpo.model.modeling import wrap_lora
+    from grpo.model.lora import wrap_lora
 
     policy = wrap_lora(tiny_model, LoraConfig(r=4))
     sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=6)  # every row decodes 6 steps

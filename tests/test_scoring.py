@@ -8,8 +8,8 @@ import torch
 
 from grpo.config import config_from_dict
 from grpo.core.batching import join_prompt_completion, left_pad
-from grpo.model.modeling import wrap_lora
-from grpo.model.scoring import RolloutInputs, adapter_disabled, score_inputs, score_reference
+from grpo.model.lora import adapter_disabled, wrap_lora
+from grpo.model.scoring import RolloutInputs, score_inputs, score_reference
 
 
 def _inputs(pad_id: int) -> RolloutInputs:

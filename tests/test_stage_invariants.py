@@ -20,15 +20,15 @@ from grpo.core.batching import left_pad
 from grpo.data.prepare import build_records
 from grpo.data.prompts import example_messages
 from grpo.model.chat import end_of_turn_ids, render_prompt
-from grpo.model.modeling import save_model
+from grpo.model.loading import save_model
+from grpo.model.lora import adapter_disabled
 from grpo.model.rollout import rollout_from_sequences
 from grpo.model.sampling import EosSuppressor
-from grpo.model.scoring import adapter_disabled
 from grpo.provenance.lineage import make_lineage, write_lineage
+from grpo.train.causal_lm import build_examples
 from grpo.train.policy import build_policy
 from grpo.train.step import draw, prepare_batch
-from grpo.train.supervised import build_examples
-from tests.test_step import make_context
+from tests.steps import make_context
 
 CFG = config_from_dict({"grpo": {"group_size": 2, "sampling": {"max_new_tokens": 5}}})
 

@@ -7,46 +7,18 @@ from dataclasses import replace
 
 import pytest
 import torch
-from accelerate import Accelerator
 
-from grpo.config import ModelConfig, config_from_dict
+from grpo.config import ModelConfig
 from grpo.core.multitask import MultitaskError
-from grpo.data.prepare import build_records
-from grpo.model.modeling import wrap_lora
 from grpo.model.precision import apply_memory_settings, cpu_has_native_bf16
-from grpo.model.rollout import stop_ids
-from grpo.train.step import StepContext, draw, grpo_step, prepare_batch, reuses_prefill, update
-
-
-def make_context(tiny_model, tiny_tokenizer, **grpo) -> StepContext:
-    cfg = config_from_dict({
-        "grpo": {"group_size": 2, "sampling": {"max_new_tokens": 5}, **grpo},
-        "model": {"lora": {"r": 2, "alpha": 4}},
-    })
-    torch.manual_seed(0)
-    model = wrap_lora(tiny_model, cfg.model.lora)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    return StepContext(cfg, model, tiny_tokenizer, optimizer, scheduler,
-                       stop_ids(model, tiny_tokenizer), Accelerator(cpu=True))
+from grpo.train.step import build_step, draw, grpo_step, prepare_batch
+from grpo.train.update import update
+from tests.steps import combined_gradient, make_context, step_records, with_advantages
 
 
 @pytest.fixture(scope="module")
 def records():
-    cfg = config_from_dict({"data": {"n_train": 16, "n_eval": 4}})
-    train = [r.model_dump(mode="json") for r in build_records(cfg)["train"]]
-    return [r for r in train if r["task"] == "fairness"][:2] + [r for r in train if r["task"] == "hallucination"][:2]
-
-
-def with_advantages(sampled, advantages):
-    return type(sampled)(sampled.rollout, sampled.records, sampled.rewards, advantages, sampled.stats,
-                         prefills=sampled.prefills)
-
-
-def combined_gradient(ctx, batch) -> torch.Tensor:
-    update(ctx, batch)
-    return torch.cat([p.grad.flatten() for p in ctx.model.parameters() if p.requires_grad])
+    return step_records()
 
 
 def test_gradient_accumulation_happens_before_the_combination(tiny_model, tiny_tokenizer, records):
@@ -80,7 +52,7 @@ def test_zero_variance_step_makes_no_update(tiny_model, tiny_tokenizer, records)
     ctx = make_context(tiny_model, tiny_tokenizer, loss={"beta": 0.0, "entropy_coef": 0.0})
     sampled = draw(ctx, records, seed=5)
     frozen = with_advantages(sampled, torch.zeros_like(sampled.advantages))
-    metrics = update(ctx, prepare_batch(ctx, frozen))
+    metrics, _ = update(ctx, prepare_batch(ctx, frozen))
     assert metrics["grad_norm"] == 0.0 and not ctx.optimizer.state
 
 
@@ -143,12 +115,11 @@ def test_i10_scoring_takes_the_temperature_the_rollout_sampled_at(tiny_model, ti
 def test_num_iterations_old_and_new_logprobs_are_the_same_distribution(tiny_model, tiny_tokenizer, records):
     """With num_iterations > 1 the stored old log-probs come from the same scoring path, temperature
     and precision as the update's: before the first optimizer step the ratio is exactly 1."""
-    from grpo.train.step import _task_losses, global_totals
+    from grpo.train.update import global_totals, task_losses
 
     ctx = make_context(tiny_model, tiny_tokenizer, num_iterations=2, sampling={"max_new_tokens": 5, "temperature": 0.6})
     batch = prepare_batch(ctx, draw(ctx, records, seed=6))
-    stats: dict = {}
-    _task_losses(ctx, batch, global_totals(ctx, batch), tuple(batch.rows), 0, stats)
+    _, stats, _ = task_losses(ctx, batch, global_totals(ctx, batch), tuple(batch.rows), 0)
     for task, task_stats in stats.items():
         assert task_stats["ratio/mean"] == pytest.approx(1.0, abs=1e-6), task
         assert task_stats["clip_ratio/region_mean"] == 0.0, task
@@ -180,7 +151,7 @@ def test_fast_path_gives_the_plain_paths_numbers(tiny_model, tiny_tokenizer, rec
     assert not sampled.prefills and len(kept.prefills) == 2  # the fast draw kept one prefill per task
     plain_batch, fast_batch = prepare_batch(plain, sampled), prepare_batch(fast, kept)
     torch.testing.assert_close(fast_batch.ref_logprobs, plain_batch.ref_logprobs, rtol=0, atol=1e-5)
-    got, expected = update(fast, fast_batch), update(plain, plain_batch)
+    got, expected = update(fast, fast_batch)[0], update(plain, plain_batch)[0]
     for key in ("loss", "entropy", "kl", "loss/fairness", "loss/hallucination"):
         assert got[key] == pytest.approx(expected[key], abs=1e-5), key
     assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
@@ -214,9 +185,9 @@ def test_gradient_checkpointing_step_recomputes_and_gives_the_same_numbers(tiny_
     expected_batch = prepare_batch(plain, with_advantages(draw(plain, records, seed=11), advantages))
     assert not calls  # the plain model checkpoints nothing
     drawn = draw(checkpointed, records, seed=11)
-    assert not reuses_prefill(checkpointed) and not drawn.prefills  # the update scores whole sequences
+    assert not checkpointed.reuses_prefill and not drawn.prefills  # the update scores whole sequences
     got_batch = prepare_batch(checkpointed, with_advantages(drawn, advantages))
-    got, expected = update(checkpointed, got_batch), update(plain, expected_batch)
+    got, expected = update(checkpointed, got_batch)[0], update(plain, expected_batch)[0]
     assert calls, "no layer was checkpointed"
     for key in ("loss", "entropy", "kl"):
         assert got[key] == pytest.approx(expected[key], abs=1e-5), key
@@ -232,16 +203,17 @@ def test_bf16_step_computes_in_bf16_and_keeps_fp32_weights_and_statistics(tiny_m
     entropy, losses and the update stay fp32 and close to the fp32 step's on the same completions."""
     fp32 = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"beta": 0.04})
     bf16 = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"beta": 0.04}, bf16=True)
-    with bf16.autocast():
-        assert bf16.model(input_ids=torch.tensor([[1, 2, 3]])).logits.dtype == torch.bfloat16
+    with bf16.autocast():  # the body's matmuls in bf16; the LM head stays fp32 (precision.Fp32Head)
+        assert torch.is_autocast_enabled("cpu")
+        assert bf16.model(input_ids=torch.tensor([[1, 2, 3]])).logits.dtype == torch.float32
     with fp32.autocast():
-        assert fp32.model(input_ids=torch.tensor([[1, 2, 3]])).logits.dtype == torch.float32
+        assert not torch.is_autocast_enabled("cpu")
     sampled = with_advantages(draw(fp32, records, seed=11), torch.linspace(-1, 1, 2 * len(records)))
     low, full = prepare_batch(bf16, replace(sampled, prefills=())), prepare_batch(fp32, sampled)  # fp32's prefill
     assert low.ref_logprobs.dtype == torch.float32
     gap = (low.ref_logprobs - full.ref_logprobs).abs()[low.completion_mask].max()
     assert 0 < gap < 5e-2  # bf16 was used, and is close
-    got, expected = update(bf16, low), update(fp32, full)
+    got, expected = update(bf16, low)[0], update(fp32, full)[0]
     for key in ("loss", "entropy", "kl"):
         assert got[key] == pytest.approx(expected[key], abs=5e-2), key
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
@@ -270,7 +242,7 @@ def test_step_reports_the_time_of_every_phase(tiny_model, tiny_tokenizer, record
 def test_the_rollouts_prefill_is_kept_only_where_the_update_would_repeat_it(tiny_model, tiny_tokenizer, records,
                                                                              grpo, kept):
     ctx = make_context(tiny_model, tiny_tokenizer, **grpo)
-    assert reuses_prefill(ctx) is kept
+    assert ctx.reuses_prefill is kept
     assert bool(draw(ctx, records, seed=3).prefills) is kept
     grpo_step(ctx, records, 1, lambda attempt: records)  # and the step runs either way
 
@@ -278,7 +250,8 @@ def test_the_rollouts_prefill_is_kept_only_where_the_update_would_repeat_it(tiny
 def test_no_prefill_is_kept_for_a_model_with_dropout(tiny_model, tiny_tokenizer):
     """The rollout runs in eval mode, the update in train mode: with dropout they are not the same pass."""
     ctx = make_context(tiny_model, tiny_tokenizer)
-    assert reuses_prefill(ctx)
+    assert ctx.reuses_prefill
     layer = next(m for m in ctx.model.modules() if hasattr(m, "lora_dropout"))
     layer.lora_dropout["default"] = torch.nn.Dropout(0.1)  # what model.lora.dropout: 0.1 builds
-    assert not reuses_prefill(ctx)
+    rebuilt = build_step(ctx.cfg, ctx.policy, ctx.accelerator)
+    assert not rebuilt.reuses_prefill

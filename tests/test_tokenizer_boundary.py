@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 from grpo.checks.tokenizer_boundary import boundary_problems, turn_start_tokens
 from grpo.config import ModelConfig
 from grpo.model.gguf import raw_conversion
-from grpo.model.modeling import load_tokenizer
+from grpo.model.loading import load_tokenizer
 from tests.conftest import shared_tokenizer_path
 from tests.gguf_files import write_gguf
 

@@ -161,9 +161,9 @@ def test_lora_off_trains_every_weight_against_the_frozen_sft_model(project, tmp_
     from grpo.core.logprobs import score_completions
     from grpo.data.jsonl import read_records
     from grpo.model.device import make_accelerator
-    from grpo.model.load import load_sft
+    from grpo.model.stage_models import load_sft
     from grpo.train import trainer
-    from grpo.train.step import draw, grpo_step, prepare_batch
+    from grpo.train.step import build_step, draw, grpo_step, prepare_batch
 
     params = copy_project(project, tmp_path / "p")
     tree = yaml.safe_load(params.read_text())
@@ -179,7 +179,7 @@ def test_lora_off_trains_every_weight_against_the_frozen_sft_model(project, tmp_
     assert not any("lora" in name for name, _ in policy.model.named_parameters())
     assert all(p.requires_grad for p in policy.model.parameters())
     assert policy.reference is not None and not any(p.requires_grad for p in policy.reference.parameters())
-    ctx = trainer._context(cfg, policy, accelerator)
+    ctx = build_step(cfg, policy, accelerator)
     records = read_records(params.parent / "data" / "processed" / "train.jsonl")[:4]
     for step in (1, 2):
         grpo_step(ctx, records, step, lambda attempt: records)

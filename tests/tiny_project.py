@@ -36,6 +36,7 @@ def tiny_params(root: Path, **overrides) -> dict:
                      "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512},
             "lora": {"r": 4, "alpha": 8},
         },
+        "pretrain": {"records": 0},  # random base weights: SFT alone teaches the tiny model the format
         # Enough SFT for the answer format, so some GRPO groups have reward variance to learn from.
         "sft": {"epochs": 8, "batch_size": 8, "lr": 0.005},
         "grpo": {"steps": 4, "prompts_per_step": 4, "group_size": 2, "sampling": {"max_new_tokens": 6},

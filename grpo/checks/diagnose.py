@@ -1,6 +1,6 @@
 """``grpo diagnose <model-or-checkpoint>``: the deep entropy diagnosis of one policy.
 
-The target (``grpo/checks/target.py``) is a full model folder (``models/base``, ``models/sft``: the
+The target (``grpo/checks/diagnosis_target.py``) is a full model folder (``models/base``, ``models/sft``: the
 policy GRPO would start from), a GRPO adapter folder (``models/grpo``), the fully trained weights in
 ``models/grpo`` (``model.lora.enabled: false``) or a GRPO checkpoint (``runs/<experiment>/checkpoint-XXXXXXXX``:
 the policy is rebuilt on the SFT weights and the checkpoint's trainable weights loaded). The reference
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from grpo.checks.diagnosis_target import Target, load_target
 from grpo.checks.probes import (
     ENTROPY_TOL,
     Check,
@@ -35,18 +36,15 @@ from grpo.checks.probes import (
     reference_entropy,
     reference_kl,
 )
-from grpo.checks.target import Target, load_target
 from grpo.config import Config
-from grpo.core.advantages import group_advantages
+from grpo.core.advantages import group_advantages, per_row
 from grpo.core.losses import policy_loss_terms, total_loss
-from grpo.data.prompts import example_messages
+from grpo.data.prompts import render_records
 from grpo.data.select import balanced_records, eval_records
 from grpo.files import write_json
-from grpo.model.chat import render_prompt
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
 from grpo.model.scoring import RolloutInputs, rollout_inputs, score_inputs, score_reference
 from grpo.rewards import group_rewards
-from grpo.train.step import row_tasks
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,7 @@ class Probe:
 
     def rows(self) -> dict[str, torch.Tensor]:
         """Task -> row indices of the probe (row ``i`` answers ``records[i // G]``)."""
-        tasks = row_tasks(self.records, self.rollout.group_size)
+        tasks = per_row([r["task"] for r in self.records], self.rollout.group_size)
         return {t: torch.tensor([i for i, x in enumerate(tasks) if x == t]) for t in dict.fromkeys(tasks)}
 
 
@@ -78,7 +76,7 @@ def make_probe(cfg: Config, target: Target) -> Probe:
     """``eval.diagnose.prompts`` eval prompts x ``grpo.group_size`` completions from the policy."""
     records = balanced_records(eval_records(cfg), cfg.eval.diagnose.prompts)
     tok = target.tokenizer
-    prompts = [render_prompt(tok, example_messages(r), **cfg.model.chat_template_kwargs) for r in records]
+    prompts = render_records(tok, records, cfg.model.chat_template_kwargs)
     eos_ids = stop_ids(target.model, tok, cfg.model.extra_stop_tokens)  # the trainer's stop ids
     rollout = generate_rollout(target.model, tok, prompts, cfg.grpo.group_size, cfg.grpo.sampling, eos_ids,
                                seed=cfg.seed)

@@ -1,6 +1,6 @@
 """The pre-flight checks of invariants I1-I12, each driving a stage's own function.
 
-The stage functions come in through ``Subject`` (the SFT stage's ``build_examples``, the rollout's
+The stage functions come in through ``Gated`` (``gated.py``: the trainer's step, built as it builds it) (the SFT stage's ``build_examples``, the rollout's
 ``rollout_from_sequences``, the step's ``draw`` and ``prepare_batch``, the scorer ``score_inputs``,
 the loss's ``clipped_surrogate`` and ``k3_kl``, ``multitask_backward``, ``group_advantages``), with
 probes built so no check can pass vacuously: prompts of very different widths (a wrong cut lands in
@@ -11,27 +11,31 @@ Each check reports the number it compared (``value``) and the ``bound``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-from grpo.checks.probes import ENTROPY_TOL, Check, bounded, entropy_step, reference_kl
-from grpo.checks.subject import Subject, perturbed_policy, step_batch
+from grpo.checks.gated import Gated, perturbed_policy, restored, step_batch
+from grpo.checks.probes import ENTROPY_TOL, Check, bounded, reference_kl
 from grpo.checks.tokenizer_boundary import boundary_problems
 from grpo.core.advantages import group_advantages
+from grpo.core.attention import model_attention_mask
 from grpo.core.batching import left_pad, position_ids_from_mask
 from grpo.core.logprobs import score_completions
-from grpo.core.losses import clipped_surrogate, k3_kl
+from grpo.core.losses import clipped_surrogate, k3_kl, masked_mean
+from grpo.core.prefix import shared_prefix_logits
 from grpo.model.rollout import Rollout, rollout_from_sequences, sampling_processors
 from grpo.model.sampling import EosSuppressor, build_logits_processors
 from grpo.model.scoring import RolloutInputs, score_inputs
+from grpo.train.causal_lm import build_examples
 from grpo.train.dynamic_sampling import Draw
 from grpo.train.step import ScoredBatch, header_tokens, prepare_batch
-from grpo.train.supervised import build_examples
+from grpo.train.update import global_totals, gradient
 
 
-def check_render_parity(s: Subject) -> Check:
+def check_render_parity(s: Gated) -> Check:
     """I1, I2: the SFT stage's examples (``sft.build_examples``) start with exactly the prompt ids the
     GRPO step samples from, carry no loss on them, and end their supervised ids with a stop token."""
     examples = build_examples(s.records, s.tokenizer, s.cfg.sft.max_length, s.cfg.model.chat_template_kwargs)
@@ -49,7 +53,7 @@ def check_render_parity(s: Subject) -> Check:
                    "the SFT example builder must render through chat.render_sft (the one renderer)")
 
 
-def check_special_tokens(s: Subject) -> Check:
+def check_special_tokens(s: Gated) -> Check:
     """I2, I5 at the tokenizer: the stop ids include eos and the template's end-of-turn token (Phi-3's
     ``<|end|>`` is not its eos), and no eos, pad or extra stop token is a turn-start token, the rendered
     prompt does not begin with a special token twice, and the tokenizer's eos is the model's own
@@ -64,7 +68,7 @@ def check_special_tokens(s: Subject) -> Check:
                    "; ".join(problems))
 
 
-def _plain_token(s: Subject) -> int:
+def _plain_token(s: Gated) -> int:
     """A token of the prompt that is neither special, pad nor a stop id."""
     special = set(s.tokenizer.all_special_ids) | set(s.eos_ids) | {s.tokenizer.pad_token_id}
     return next(t for t in s.prompts[-1] if t not in special)
@@ -77,7 +81,7 @@ class HandRollout(NamedTuple):
     prompts: list[list[int]]  # [N] the prompt of every row
 
 
-def _hand_rollout(s: Subject) -> HandRollout:
+def _hand_rollout(s: Gated) -> HandRollout:
     """``rollout_from_sequences`` on generate()-shaped rows: left-padded prompts of very different
     widths, then completions with a stop token equal to pad in mid-row (and a sampled pad token
     mid-row when pad is not a stop id)."""
@@ -96,7 +100,7 @@ def _hand_rollout(s: Subject) -> HandRollout:
     return HandRollout(rollout, rows, want, prompts)
 
 
-def check_rollout_cut_and_mask(s: Subject) -> Check:
+def check_rollout_cut_and_mask(s: Gated) -> Check:
     """I4, I5: the rollout's ``rollout_from_sequences`` on ``_hand_rollout``'s rows: the completions
     come back exactly (cut at the absolute prompt width), and the mask runs up to the first stop
     token even where a stop token equals pad in mid-row."""
@@ -112,7 +116,7 @@ def check_rollout_cut_and_mask(s: Subject) -> Check:
                    "stop token by position (never `ids != pad`)")
 
 
-def _batch_ids_problem(s: Subject) -> list[str]:
+def _batch_ids_problem(s: Gated) -> list[str]:
     """I3 on ids that do not survive a decode/encode round trip (a stop token, pads): the step's
     ``prepare_batch`` must hold exactly the prompt ids and then the rollout's ids."""
     hand = _hand_rollout(s).rollout
@@ -125,7 +129,7 @@ def _batch_ids_problem(s: Subject) -> list[str]:
     return ["prepare_batch's ids are not the prompt ids then the rollout's ids (I3: never re-tokenise)"]
 
 
-def _prompt_leaks(s: Subject, batch: ScoredBatch, rollout: Any) -> list[str]:
+def _prompt_leaks(s: Gated, batch: ScoredBatch, rollout: Any) -> list[str]:
     """I3, I4: the step's joined ids are the prompt ids then the generated ids, and no completion
     starts with the tail of its own prompt (what a per-row cut of a left-padded row returns)."""
     problems = []
@@ -143,7 +147,7 @@ def _prompt_leaks(s: Subject, batch: ScoredBatch, rollout: Any) -> list[str]:
     return problems
 
 
-def check_left_padded_extraction(s: Subject) -> Check:
+def check_left_padded_extraction(s: Gated) -> Check:
     """I3, I4, I11: the step's ``draw`` and ``prepare_batch`` on prompts of very different widths: the
     batch holds the generated ids after the prompt ids, no completion holds prompt text or a chat
     header, and each row scores the same alone as left-padded in the batch."""
@@ -174,7 +178,7 @@ def check_left_padded_extraction(s: Subject) -> Check:
     return check
 
 
-def check_penalty_scope(s: Subject) -> Check:
+def check_penalty_scope(s: Gated) -> Check:
     """I6: the rollout's processors (``build_logits_processors``, penalties and EOS suppression on)
     leave every non-stop logit alone at step 0, whatever the prompt repeats."""
     prompt = s.prompts[-1]
@@ -196,7 +200,7 @@ def check_penalty_scope(s: Subject) -> Check:
     return check
 
 
-def _fresh_gap(s: Subject, model: torch.nn.Module, inputs: RolloutInputs, ref: torch.Tensor) -> float:
+def _fresh_gap(s: Gated, model: torch.nn.Module, inputs: RolloutInputs, ref: torch.Tensor) -> float:
     """Max |ref - log-probs of ``model``| over the completion tokens, scored as the step scores."""
     model.to(inputs.input_ids.device).eval()
     with torch.no_grad(), s.ctx.autocast():
@@ -219,7 +223,7 @@ def _per_token_leak(old: torch.Tensor) -> tuple[float, float]:
     return leak, abs(float(tokens.ratio[0, -1]) - float(torch.exp(torch.tensor(0.1))))
 
 
-def check_ratio_kl_reference(s: Subject) -> Check:
+def check_ratio_kl_reference(s: Gated) -> Check:
     """I8, I9 with a perturbed policy (at the SFT weights these would hold whatever the code did): the step's
     reference log-probs equal a fresh load of the SFT weights (to float reassociation: the shared-prefix
     forward caches the prompt, so two scorings may differ in the last bits) and differ from the base's,
@@ -250,41 +254,45 @@ def check_ratio_kl_reference(s: Subject) -> Check:
                  "I8, I9", bound)
 
 
-def _manual(s: Subject, inputs: RolloutInputs) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Log-probs and entropy of ``softmax(z / T)`` written out from a plain forward: [N, C] each, and
-    max |z / T| over the completion (the bf16 bound scales with it); the
-    logits computed in the step's precision (bf16 under ``grpo.bf16``) so the gap measures the formula."""
+def _formula(s: Gated, inputs: RolloutInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy of ``softmax(z / T)`` written out in float64 on the raw logits of the forward
+    the step's scorer runs (``core.prefix.shared_prefix_logits`` under the step's precision, or a plain
+    forward when it scores whole sequences): [N, C] each. The same forward, so the gap measures the
+    formula (the temperature, the log-softmax, the entropy), whatever the precision."""
     width = inputs.completion_mask.shape[1]
     with torch.no_grad(), s.ctx.autocast():
-        logits = s.policy(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                          position_ids=position_ids_from_mask(inputs.attention_mask)).logits
-    scaled = logits[:, -width - 1 : -1].double() / inputs.temperature
-    logp = torch.log_softmax(scaled, dim=-1)
+        if s.ctx.shares_prefix:
+            logits = shared_prefix_logits(s.policy, inputs.input_ids, inputs.attention_mask, width)
+        else:
+            logits = s.policy(input_ids=inputs.input_ids, position_ids=position_ids_from_mask(inputs.attention_mask),
+                              attention_mask=model_attention_mask(s.policy, inputs.attention_mask,
+                                                                  inputs.input_ids.shape[1]),
+                              logits_to_keep=width + 1).logits[:, :-1]
+    logp = torch.log_softmax(logits.double() / inputs.temperature, dim=-1)
     chosen = logp.gather(-1, inputs.input_ids[:, -width:].unsqueeze(-1)).squeeze(-1)
-    return chosen, -(logp.exp() * logp).sum(-1), float(scaled[inputs.completion_mask].abs().max())
+    return chosen, -(logp.exp() * logp).sum(-1)
 
 
-def check_temperature(s: Subject) -> Check:
+def check_temperature(s: Gated) -> Check:
     """I10 at the configured temperature and at one != 1 (a missing division shows): the rollout
     records the temperature it sampled at, and the step's stored log-probs and the scorer's entropy
     are those of ``softmax(z / T)`` (perturbed policy, so it is not the SFT model)."""
     temperatures = sorted({s.cfg.grpo.sampling.temperature, 0.5 if s.cfg.grpo.sampling.temperature == 1 else 1.0})
-    gaps, wrong_record, scale = {}, [], 0.0
+    gaps, wrong_record = {}, []
     with perturbed_policy(s.policy, s.cfg.seed):
         for t in temperatures:
             batch, sampled = step_batch(s, s.cfg.seed + 2, num_iterations=2, sampling={"temperature": t})
             if sampled.rollout.temperature != t or batch.inputs.temperature != t:
                 wrong_record.append(t)
-            with torch.no_grad():
-                entropy = score_inputs(s.policy, batch.inputs).entropy
-            logp, manual_entropy, t_scale = _manual(s, batch.inputs)
+            with torch.no_grad(), s.ctx.autocast():
+                entropy = score_inputs(s.policy, batch.inputs, shared_prefix=s.ctx.shares_prefix).entropy
+            logp, manual_entropy = _formula(s, batch.inputs)
             mask = batch.completion_mask
             gaps[f"T={t}"] = max(float((batch.old_logprobs.double() - logp).abs()[mask].max()),
                                  float((entropy.double() - manual_entropy).abs()[mask].max()))
-            scale = max(scale, t_scale)
     worst = max(gaps.values())
-    detail = f"max |scored - manual| of log-probs and entropy: {gaps}; max |z / T| {scale:.3g}"
-    check = bounded("temperature", "I10", worst, s.tolerance(scale), detail,
+    detail = f"max |scored - written out| of log-probs and entropy on the scorer's own logits: {gaps}"
+    check = bounded("temperature", "I10", worst, s.tolerance(), detail,
                     "divide the logits by the rollout's temperature before log-softmax AND entropy")
     if wrong_record:
         return Check(check.name, "fail", worst, detail + f"; the rollout did not record T={wrong_record}",
@@ -292,14 +300,29 @@ def check_temperature(s: Subject) -> Check:
     return check
 
 
-def check_entropy_sign(s: Subject) -> Check:
-    """I7: one step on the entropy bonus alone, combined by ``multitask_backward`` in the configured
-    mode (``reward_only``, ``low_memory`` included), raises entropy (``probes.entropy_step``)."""
-    batch, _ = step_batch(s, s.cfg.seed + 3)
+def check_entropy_sign(s: Gated) -> Check:
+    """I7: the direction the trainer's update (``update.gradient``) takes on the entropy bonus alone (zero
+    advantages, no KL), combined in the configured mode (``reward_only``, ``low_memory``, ``sum``'s one
+    backward included), raises entropy when followed one small step."""
+    step = s.variant(loss={"beta": 0.0, "entropy_coef": 1.0})
+    batch, _ = step_batch(s, s.cfg.seed + 3, loss={"beta": 0.0, "entropy_coef": 1.0})
+    batch = dataclasses.replace(batch, advantages=torch.zeros_like(batch.advantages), prefills=())
+    with torch.no_grad(), step.autocast():
+        before = float(masked_mean(score_inputs(step.model, batch.inputs).entropy, batch.completion_mask))
+    direction = gradient(step, batch, global_totals(step, batch)).direction
+    norm = float(direction.norm())
+    with restored(step):
+        with torch.no_grad():
+            offset = 0
+            for p in step.params:  # an SGD step of norm 0.05 against the direction
+                p -= 0.05 / max(norm, 1e-12) * direction[offset : offset + p.numel()].view_as(p).to(p.dtype)
+                offset += p.numel()
+            with step.autocast():
+                after = float(masked_mean(score_inputs(step.model, batch.inputs).entropy, batch.completion_mask))
     mt = s.cfg.grpo.multitask
-    before, after, norm = entropy_step(s.policy, batch.inputs, batch.rows, mt, entropy_coef=1.0, step_size=0.05)
-    detail = (f"entropy {before:.6f} -> {after:.6f} in mode {mt.mode} (reward_only={mt.reward_only}, "
-              f"low_memory={mt.low_memory}), gradient norm {norm:.3g}")
+    detail = (f"entropy {before:.6f} -> {after:.6f} after one step along the trainer's update in mode {mt.mode} "
+              f"(reward_only={mt.reward_only}, low_memory={mt.low_memory}, task_stats={mt.task_stats}), "
+              f"gradient norm {norm:.3g}")
     status = "pass" if after - before > ENTROPY_TOL else "fail"
     return Check("entropy_sign", status, after - before, detail,
                  "" if status == "pass" else "a positive entropy_coef must raise entropy: its sign is flipped (I7)",
@@ -315,7 +338,7 @@ def _inexact_value(group: int) -> float | None:
     return None
 
 
-def check_zero_variance_groups(s: Subject) -> Check:
+def check_zero_variance_groups(s: Gated) -> Check:
     """I12: ``group_advantages`` with the configured scaling gives exactly 0 to groups of equal rewards
     whose fp32 mean is inexact (0.1/0.2/0.7-like), and counts them; a mixed group keeps its signal."""
     group = s.cfg.grpo.group_size
@@ -339,7 +362,7 @@ def check_zero_variance_groups(s: Subject) -> Check:
     return check
 
 
-def check_sampling_processors(s: Subject) -> Check:
+def check_sampling_processors(s: Gated) -> Check:
     """I10 in part: what else shapes sampling but not the scored distribution (a warning, not a stop)."""
     active = sampling_processors(s.cfg.grpo.sampling)
     if not active:
@@ -351,8 +374,9 @@ def check_sampling_processors(s: Subject) -> Check:
                  "set top_p: 1.0, top_k: 0, min_new_tokens: 0 and the penalties to 0 for exact I10", "I10", [])
 
 
-CHECKS: tuple[Callable[[Subject], Check], ...] = (
+FUNCTION_CHECKS: tuple[Callable[[Gated], Check], ...] = (
     check_render_parity, check_special_tokens, check_rollout_cut_and_mask, check_left_padded_extraction,
     check_penalty_scope, check_ratio_kl_reference, check_temperature, check_entropy_sign,
     check_zero_variance_groups, check_sampling_processors,
 )
+"""The checks that drive one stage function each with a probe built for its bug class."""

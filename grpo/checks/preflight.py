@@ -11,30 +11,39 @@ lineage it was run for; ``grpo train`` refuses to start unless a passing report 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from grpo import paths
-from grpo.checks.invariants import CHECKS
+from grpo.checks.behaviour import (
+    check_first_step,
+    check_processors_see_completion,
+    check_sft_ends_answers,
+    check_sft_supervises_stop,
+)
+from grpo.checks.gated import Gated, gate_step
+from grpo.checks.invariants import FUNCTION_CHECKS
 from grpo.checks.probes import Check
-from grpo.checks.subject import Subject, make_subject
+from grpo.checks.step_agreement import check_step_agreement
 from grpo.config import Config
-from grpo.data.select import train_records
 from grpo.errors import GrpoError
 from grpo.files import write_atomically
-from grpo.model.load import load_base
-from grpo.model.modeling import load_model
 from grpo.provenance.gate import REPORT_NAME, PreflightError, preflight_lineage
-from grpo.train.policy import build_policy, frozen_copy
+
+CHECKS: tuple[Callable[[Gated], Check], ...] = (
+    *FUNCTION_CHECKS, check_sft_supervises_stop, check_sft_ends_answers, check_processors_see_completion,
+    check_first_step, check_step_agreement,
+)
+"""Every check of the gate: one per stage function (``invariants.py``), then the behaviour of the stage
+code whichever way it is written (``behaviour.py``, ``step_agreement.py``)."""
 
 
 def report_path(cfg: Config) -> Path:
     return paths.report_file(cfg, REPORT_NAME)
 
 
-def run_checks_on(subject: Subject) -> list[Check]:
+def run_checks_on(subject: Gated) -> list[Check]:
     """Every check; one that raises (a project error, or a crash of the stage code it drives) counts as
     failed, with the error as its detail, so the report is always written and names every check."""
     checks = []
@@ -50,18 +59,9 @@ def run_checks_on(subject: Subject) -> list[Check]:
 
 
 def run_checks(cfg: Config) -> dict[str, Any]:
-    """The checks on the policy and reference exactly as the trainer builds them (``build_policy``: LoRA
-    on models/sft, or every weight of it against a frozen copy). With LoRA off and ``beta == 0`` the
-    trainer keeps no reference; the I8/I9 check still probes one (it raises beta), so it gets the copy
-    ``build_policy`` makes when beta > 0."""
-    policy = build_policy(cfg, torch.device("cpu"))
-    reference = policy.reference
-    if reference is None and not cfg.model.lora.enabled:
-        reference = frozen_copy(policy.model)
-    records = train_records(cfg, "grpo")
-    sft = load_model(paths.model_dir(cfg, "sft"), cfg.model)
-    base, _ = load_base(cfg)
-    checks = run_checks_on(make_subject(cfg, policy.model, policy.tokenizer, records, sft, base, reference))
+    """The checks on the step exactly as the trainer builds it (``gated.gate_step``: ``build_policy``, then
+    ``build_step``), with a fresh load of the SFT weights and the base to compare the reference with."""
+    checks = run_checks_on(gate_step(cfg))
     return {"passed": all(c.passed for c in checks), "checks": [c.as_dict() for c in checks],
             "lineage": preflight_lineage(cfg)}
 

@@ -4,7 +4,7 @@ A check says ``pass``, ``warn``, ``fail`` or ``skip``, the number it decided on 
 bound it compared that number with, so a report can be read without the code. The probes run the
 stage code itself: ``reference_kl`` scores the policy and, through ``grpo.model.scoring.score_reference``,
 its reference as the step does (I9); ``entropy_step`` takes one step on the entropy bonus alone through
-``multitask_backward`` in the configured mode, as the step does (I7).
+``core.multitask`` in the configured mode, as the step combines it (I7).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, Literal
 import torch
 
 from grpo.config import MultitaskConfig
-from grpo.core.losses import LossTerms, k3_kl, masked_mean, policy_loss_terms
-from grpo.core.multitask import TaskLoss, multitask_backward
+from grpo.core.losses import k3_kl, masked_mean, policy_loss_terms
+from grpo.core.multitask import combine_task_gradients, task_gradient
 from grpo.model.scoring import RolloutInputs, score_inputs, score_reference
 
 Status = Literal["pass", "warn", "fail", "skip"]
@@ -80,26 +80,11 @@ def reference_entropy(model: torch.nn.Module, inputs: RolloutInputs, reference: 
     return float(masked_mean(score_reference(model, inputs, reference).entropy, inputs.completion_mask))
 
 
-def _entropy_losses(model, inputs: RolloutInputs, rows: dict[str, torch.Tensor]):
-    """Per-task loss terms with zero advantages: only the entropy term has a gradient."""
-    def losses(subset: tuple[str, ...], micro: int = 0) -> dict[str, TaskLoss]:
-        out = {}
-        for task in subset:
-            part = inputs.rows(rows[task])
-            scored = score_inputs(model, part)
-            terms, _ = policy_loss_terms(
-                scored.logprobs, scored.logprobs.detach(), None, torch.zeros(len(rows[task]), device=scored.logprobs.device),
-                part.completion_mask, scored.entropy, epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo",
-                max_completion_length=part.completion_mask.shape[1])
-            out[task] = TaskLoss(LossTerms(*terms))
-        return out
-    return losses
-
-
 def entropy_step(model: torch.nn.Module, inputs: RolloutInputs, rows: dict[str, torch.Tensor],
                  multitask: MultitaskConfig, entropy_coef: float, step_size: float) -> tuple[float, float, float]:
-    """One gradient step of norm ``step_size`` on ``-entropy_coef * entropy`` alone, combined by
-    ``multitask_backward`` in the configured mode -> ``(before, after, gradient norm)``.
+    """One gradient step of norm ``step_size`` on ``-entropy_coef * entropy`` alone, each task's gradient
+    from its rows combined in the configured mode (``core.multitask``, as the step combines them) ->
+    ``(before, after, gradient norm)``.
 
     ``rows``: task -> row indices of ``inputs``. The trainable weights are restored afterwards. With a
     positive coefficient the entropy must rise (I7); a zero gradient returns ``after == before``.
@@ -108,17 +93,26 @@ def entropy_step(model: torch.nn.Module, inputs: RolloutInputs, rows: dict[str, 
     saved = [p.detach().clone() for p in params]
     before = mean_entropy(model, inputs)
     try:
-        model.zero_grad(set_to_none=True)
-        multitask_backward(params, _entropy_losses(model, inputs, rows), tuple(rows), mode=multitask.mode,
-                           c=multitask.cagrad_c, rescale=multitask.cagrad_rescale, reward_only=multitask.reward_only,
-                           low_memory=multitask.low_memory, beta=0.0, entropy_coef=entropy_coef)
-        norm = math.sqrt(sum(float(p.grad.float().pow(2).sum()) for p in params if p.grad is not None))
+        grads = {}
+        for task, index in rows.items():
+            part = inputs.rows(index)
+            scored = score_inputs(model, part)
+            zeros = torch.zeros(len(index), device=scored.logprobs.device)  # only the entropy term has a gradient
+            terms, _ = policy_loss_terms(
+                scored.logprobs, scored.logprobs.detach(), None, zeros, part.completion_mask, scored.entropy,
+                epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo", max_completion_length=part.completion_mask.shape[1])
+            grads[task] = task_gradient(params, terms, 0.0, entropy_coef, multitask.reward_only, retain=False)
+        zero = torch.cat([torch.zeros(p.numel(), device=p.device) for p in params])
+        direction, _ = combine_task_gradients(grads, tuple(rows), zero, mode=multitask.mode, c=multitask.cagrad_c,
+                                              rescale=multitask.cagrad_rescale, reward_only=multitask.reward_only)
+        norm = float(direction.norm())
         if not math.isfinite(norm) or norm == 0.0:
             return before, before, norm
         with torch.no_grad():
+            offset = 0
             for p in params:
-                if p.grad is not None:
-                    p -= step_size / norm * p.grad
+                p -= step_size / norm * direction[offset : offset + p.numel()].view_as(p).to(p.dtype)
+                offset += p.numel()
         after = mean_entropy(model, inputs)
     finally:
         with torch.no_grad():

@@ -1,10 +1,11 @@
 """Combining the fairness and hallucination gradients (I7).
 
 The rows of the two tasks are disjoint, so each task's gradient comes from its own rows of one
-batch. ``combine`` turns per-task flat gradients ``[K, P]`` into one update direction ``[P]``;
-``multitask_backward`` computes those gradients from the loss terms and writes the result into
-``p.grad``. Every loss it differentiates goes through ``grpo.core.losses.total_loss`` (I7), so the
-entropy sign is the same in every mode.
+batch. ``task_gradient`` takes a task's flat gradient ``[P]`` from its loss terms, ``accumulate`` sums
+it over micro-batches, and ``combine_task_gradients`` turns every task's gradient into one update
+direction ``[P]`` (``combine``: sum, PCGrad or CAGrad). Every loss differentiated here goes through
+``grpo.core.losses.total_loss`` (I7), so the entropy sign is the same in every mode. The GRPO step
+(``grpo/train/update.py``) runs the forwards and calls these in order.
 """
 
 from __future__ import annotations
@@ -35,13 +36,6 @@ class MultitaskError(GrpoError, ValueError):
     """A per-task gradient is not finite or the inputs do not fit; the message names the task and fix."""
 
 
-class TaskLoss(NamedTuple):
-    terms: LossTerms  # the loss terms of one task's rows only
-
-
-ComputeLosses = Callable[[tuple[str, ...], int], dict[str, TaskLoss]]
-"""``compute_losses(subset, micro)``: the forward on micro-batch ``micro`` of the rows of the tasks in
-``subset`` -> a ``TaskLoss`` per task that has rows there (already scaled by its share)."""
 ReduceFn = Callable[[torch.Tensor], torch.Tensor]
 """Averages a flat per-task gradient ``[P]`` over processes (identity with one process)."""
 
@@ -178,142 +172,75 @@ def combine(
     return d, stats
 
 
-# --------------------------------------------------------------------------- backward driver
+# --------------------------------------------------------------------------- per-task gradients
 
 
-class _TaskGrads(NamedTuple):
-    combined: torch.Tensor  # [P] gradient that takes part in the combination
-    regulariser: torch.Tensor | None  # [P] KL + entropy gradient added unchanged (reward_only)
-    loss: float
+class TaskGradients(NamedTuple):
+    """One task's flat gradients ``[P]`` (summed over the micro-batches seen so far)."""
+
+    combined: torch.Tensor  # [P] the gradient that takes part in the combination
+    regulariser: torch.Tensor | None  # [P] KL + entropy gradient added unchanged (reward_only), else None
+    loss: float  # the task's total loss (policy + beta * kl - entropy_coef * entropy)
 
 
-def _task_grads(
-    params: list[torch.nn.Parameter], task_loss: TaskLoss, beta: float, entropy_coef: float,
-    reward_only: bool, retain: bool, space: GradSpace,
-) -> _TaskGrads:
-    terms = task_loss.terms
+def task_gradient(
+    params: list[torch.nn.Parameter], terms: LossTerms, beta: float, entropy_coef: float,
+    reward_only: bool, retain: bool, space: GradSpace = REPLICATED,
+) -> TaskGradients:
+    """d total_loss / d params of one task's loss terms (I7: through ``total_loss``). ``reward_only``:
+    the policy term's gradient apart from the KL/entropy part's (``total_loss`` with the policy term
+    zeroed: one formula). ``retain`` keeps the graph for another task's gradient through it."""
     whole = total_loss(terms, beta, entropy_coef)
     if not reward_only:
-        return _TaskGrads(space.flat_grad(whole, params, retain), None, float(whole.detach()))
-    # The KL/entropy part, written through total_loss with the policy term zeroed (I7: one formula).
+        return TaskGradients(space.flat_grad(whole, params, retain), None, float(whole.detach()))
     regulariser = total_loss(terms._replace(policy=torch.zeros_like(terms.policy)), beta, entropy_coef)
     policy = space.flat_grad(terms.policy, params, retain=True)
-    return _TaskGrads(policy, space.flat_grad(regulariser, params, retain), float(whole.detach()))
+    return TaskGradients(policy, space.flat_grad(regulariser, params, retain), float(whole.detach()))
 
 
-def _check_finite(grad: torch.Tensor, what: str, space: GradSpace) -> None:
-    if not space.is_finite(grad):
-        raise MultitaskError(
-            f"multitask_backward: the gradient of {what} holds NaN/Inf; nothing was written into p.grad. "
-            "Check that task's rewards, advantages and log-probs, or lower the learning rate"
-        )
-
-
-def _add(into: dict[str, _TaskGrads], task: str, grads: _TaskGrads) -> None:
-    """Accumulate one micro-batch's per-task gradients (the combination happens once, afterwards)."""
+def accumulate(into: dict[str, TaskGradients], task: str, grads: TaskGradients) -> None:
+    """Add one micro-batch's gradients of ``task`` (the combination happens once, afterwards)."""
     if task not in into:
         into[task] = grads
         return
     old = into[task]
     regulariser = None if old.regulariser is None else old.regulariser + grads.regulariser
-    into[task] = _TaskGrads(old.combined + grads.combined, regulariser, old.loss + grads.loss)
+    into[task] = TaskGradients(old.combined + grads.combined, regulariser, old.loss + grads.loss)
 
 
-def _checked(losses: dict[str, TaskLoss], asked: tuple[str, ...]) -> dict[str, TaskLoss]:
-    extra = sorted(set(losses) - set(asked))
-    if extra:
-        raise MultitaskError(f"compute_losses returned tasks {extra} that were not asked for ({asked})")
-    return losses
+def check_finite(grad: torch.Tensor, what: str, space: GradSpace = REPLICATED) -> None:
+    """MultitaskError naming ``what`` when the whole gradient holds NaN/Inf."""
+    if not space.is_finite(grad):
+        raise MultitaskError(
+            f"the gradient of {what} holds NaN/Inf; nothing was written into p.grad. "
+            "Check that task's rewards, advantages and log-probs, or lower the learning rate"
+        )
 
 
-def _gather_task_grads(
-    params: list[torch.nn.Parameter],
-    compute_losses: ComputeLosses,
-    tasks: tuple[str, ...],
-    *,
-    reward_only: bool,
-    low_memory: bool,
-    beta: float,
-    entropy_coef: float,
-    micro_batches: int,
-    space: GradSpace,
-) -> dict[str, _TaskGrads]:
-    """Per-task gradients, summed over micro-batches; per micro-batch one shared graph, or one graph
-    per task (low_memory). Each graph is freed before the next one is built."""
-    out: dict[str, _TaskGrads] = {}
-    for micro in range(micro_batches):
-        subsets = [(task,) for task in tasks] if low_memory else [tasks]
-        for subset in subsets:
-            losses = _checked(compute_losses(subset, micro), subset)
-            for task in subset:
-                if task in losses:
-                    retain = not low_memory and task != subset[-1]
-                    _add(out, task, _task_grads(params, losses[task], beta, entropy_coef, reward_only, retain,
-                                                space))
-            del losses
-    return out
-
-
-def multitask_backward(
-    params: list[torch.nn.Parameter],
-    compute_losses: ComputeLosses,
-    tasks: tuple[str, ...],
+def combine_task_gradients(
+    grads: dict[str, TaskGradients],
+    tasks: Sequence[str],
+    zeros: torch.Tensor,  # [P] a zero gradient (``space.zeros(params)``)
     *,
     mode: Mode,
     c: float,
     rescale: int,
     reward_only: bool,
-    low_memory: bool,
-    beta: float,
-    entropy_coef: float,
     reduce_fn: ReduceFn | None = None,
-    micro_batches: int = 1,
-    task_stats: bool = True,
     space: GradSpace = REPLICATED,
-) -> Stats:
-    """Combine per-task gradients and ADD the result to ``p.grad`` (like ``backward``; zero_grad first).
+) -> tuple[torch.Tensor, Stats]:
+    """The update direction ``[P]`` from every task's gradients, and the statistics.
 
-    ``compute_losses(subset, micro)`` runs the forward on micro-batch ``micro`` of the rows of
-    ``subset`` and returns a TaskLoss for each task of the subset that has rows there (a task with
-    none is left out and skipped). Each micro-batch's losses must already be scaled by its share of
-    the task's rows (or tokens), so the per-task gradients summed over micro-batches are the
-    gradients of the whole batch: gradient accumulation happens BEFORE the nonlinear combination.
-
-    - default: one ``compute_losses(tasks)``; per-task gradients of ``total_loss`` from the shared graph.
-    - ``reward_only``: only the policy gradients are combined; the gradient of the tasks' summed
-      ``beta * kl - entropy_coef * entropy`` is added unchanged.
-    - ``low_memory``: ``compute_losses((task,))`` per task, each graph freed before the next task.
-      With ``reward_only`` too, each task takes two gradients (policy, then KL/entropy) from its graph.
-    - ``reduce_fn`` (an all-reduce SUM: each process's losses are scaled by their share of the global
-      batch, so the sum is the one-process gradient) is applied to each task gradient BEFORE combining:
-      the combination is nonlinear, so it must see global gradients. It is then called for every task
-      of ``tasks`` (zeros where this process has no rows) so all processes make the same calls.
-    - ``space``: whole gradients on every process (default), or under FSDP each process's shard of
-      them (``ShardedGradSpace``: FSDP has already summed them over processes, so ``reduce_fn`` must
-      be None; dot products and norms are summed over shards, the direction written into the shards).
-      Every process must then return a TaskLoss with a graph for every task asked (zero-weighted where
-      it has no rows): each backward is a collective.
+    - ``reduce_fn`` (an all-reduce SUM over processes: each process's losses are scaled by their share
+      of the global batch, so the sum is the one-process gradient) is applied to each task gradient
+      BEFORE combining (the combination is nonlinear), for every task of ``tasks`` (zeros where this
+      process has none) so all processes make the same calls.
     - a task whose (reduced) gradient is exactly zero (no rows anywhere, or nothing to learn) is left
       out of the combination: it would only shrink CAGrad's mean and pin its worst-task bound at 0.
+    - ``reward_only``: the tasks' KL/entropy gradients are added to the combined direction unchanged.
 
-    - ``sum`` without ``task_stats``: the sum is linear, so one forward over all rows and ONE
-      backward of the summed loss give the same direction; no ``grad_norm/<task>``/``grad_cos``.
-
-    Only parameters with ``requires_grad`` are touched. A NaN/Inf gradient raises MultitaskError
-    naming the task before anything is written.
+    A NaN/Inf gradient raises MultitaskError naming the task.
     """
-    params = [p for p in params if p.requires_grad]
-    if space.sharded and reduce_fn is not None:
-        raise MultitaskError("multitask_backward: sharded gradients are already summed over processes; "
-                             "pass reduce_fn=None with a sharded GradSpace")
-    if mode == "sum" and not task_stats:
-        return _summed_backward(params, compute_losses, tasks, beta=beta, entropy_coef=entropy_coef,
-                                reduce_fn=reduce_fn, micro_batches=micro_batches, space=space)
-    grads = _gather_task_grads(
-        params, compute_losses, tasks, reward_only=reward_only, low_memory=low_memory,
-        beta=beta, entropy_coef=entropy_coef, micro_batches=micro_batches, space=space,
-    )
-    zeros = space.zeros(params)  # [P]
     names, rows = [], []
     for task in tasks:
         grad = grads[task].combined if task in grads else None
@@ -321,7 +248,7 @@ def multitask_backward(
             grad = reduce_fn(torch.zeros_like(zeros) if grad is None else grad)
         if grad is None:
             continue
-        _check_finite(grad, f"task {task!r}", space)
+        check_finite(grad, f"task {task!r}", space)
         if space.any(grad):
             names.append(task)
             rows.append(grad)
@@ -329,10 +256,9 @@ def multitask_backward(
     if reward_only:
         regulariser = sum((g.regulariser for g in grads.values()), torch.zeros_like(zeros))
         regulariser = reduce_fn(regulariser) if reduce_fn is not None else regulariser
-        _check_finite(regulariser, "the KL and entropy terms", space)
+        check_finite(regulariser, "the KL and entropy terms", space)
         direction = direction + regulariser
-    _check_finite(direction, f"the {mode} combination", space)
-    space.write(params, direction)
+    check_finite(direction, f"the {mode} combination", space)
     # Every task reports a gradient norm, 0 when it took no part (no rows or an exactly-zero
     # gradient), so the metric stream keeps its columns; the cosine with a zero vector is reported as 0.
     for task in tasks:
@@ -341,38 +267,4 @@ def multitask_backward(
     stats.setdefault("cagrad/weights", [])  # only CAGrad solves for weights
     stats.update({f"loss/{task}": g.loss for task, g in grads.items()})
     stats["multitask/tasks_combined"] = float(len(rows))
-    return stats
-
-
-def _summed_backward(
-    params: list[torch.nn.Parameter],
-    compute_losses: Callable[[tuple[str, ...], int], dict[str, TaskLoss]],
-    tasks: tuple[str, ...],
-    *,
-    beta: float,
-    entropy_coef: float,
-    reduce_fn: Callable[[torch.Tensor], torch.Tensor] | None,
-    micro_batches: int,
-    space: GradSpace,
-) -> Stats:
-    """``sum`` mode at the cost of one backward: the gradient of the summed task losses, per micro-batch
-    one graph over every task's rows. ``reward_only`` changes nothing here: policy plus KL/entropy
-    summed over tasks is the whole loss summed over tasks."""
-    direction = space.zeros(params)  # [P]
-    losses: dict[str, float] = {}
-    for micro in range(micro_batches):
-        by_task = _checked(compute_losses(tasks, micro), tasks)
-        if not by_task:
-            continue
-        totals = {task: total_loss(loss.terms, beta, entropy_coef) for task, loss in by_task.items()}
-        direction += space.flat_grad(sum(totals.values()), params, retain=False)
-        for task, value in totals.items():
-            losses[task] = losses.get(task, 0.0) + float(value.detach())
-        del by_task, totals
-    direction = reduce_fn(direction) if reduce_fn is not None else direction
-    bad = sorted(task for task, value in losses.items() if not math.isfinite(value)) or sorted(losses)
-    _check_finite(direction, f"the summed loss (task(s) {bad})", space)
-    space.write(params, direction)
-    stats: Stats = {f"loss/{task}": value for task, value in losses.items()}
-    stats["multitask/tasks_combined"] = float(len(losses))
-    return stats
+    return direction, stats

@@ -7,11 +7,11 @@ hallucination record says to the model lives here, next to the schema it reads (
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from grpo.data.schema import ABSTENTION, LETTERS
-from grpo.model.chat import SYSTEM_PROMPT, ChatError
+from grpo.model.chat import SYSTEM_PROMPT, ChatError, render_prompt
 
 FAIRNESS_INSTRUCTION = (
     "Answer with the letter of the right option, as 'Answer: A', 'Answer: B' or 'Answer: C'."
@@ -55,6 +55,13 @@ def example_messages(example: Mapping[str, Any]) -> list[dict[str, str]]:
             f"{_record_name(example)}: unknown task {task!r}; expected 'fairness' or 'hallucination'"
         )
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+
+
+def render_records(tokenizer: Any, records: Sequence[Mapping[str, Any]],
+                   template_kwargs: Mapping[str, Any]) -> list[list[int]]:
+    """The prompt ids of every record, as every stage samples and scores them: its messages through the
+    one renderer (``chat.render_prompt``, I1) with the configured template variables."""
+    return [render_prompt(tokenizer, example_messages(record), **template_kwargs) for record in records]
 
 
 def _letter(example: Mapping[str, Any], key: str) -> str:

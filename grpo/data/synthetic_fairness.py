@@ -155,15 +155,3 @@ def generate_fairness(n: int, split: str, seed: int) -> list[dict[str, Any]]:
         )
         items.append(item)
     return items
-
-
-def other_question(record: dict[str, Any]) -> tuple[str, int]:
-    """``(question, option index)`` of the other polarity's question of a synthetic item's scene: its
-    answer is "unknown" in an ambiguous context and the other person in a disambiguated one."""
-    _, category, index = record["template_id"].split(".")
-    template = CATEGORIES[category][1][int(index)]
-    question = template.nonneg_question if record["question_polarity"] == "neg" else template.neg_question
-    if record["context_condition"] == "ambig":
-        return question, record["unknown_idx"]
-    (other,) = {0, 1, 2} - {record["unknown_idx"], record["label"]}
-    return question, other

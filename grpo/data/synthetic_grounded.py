@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import random
-import re
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -144,19 +143,3 @@ def generate_grounded(n: int, split: str, seed: int, answerable_fraction: float)
         )
         items.append(item)
     return items
-
-
-def other_questions(record: dict[str, Any]) -> list[tuple[str, str]]:
-    """``(question, answer)`` for every other attribute of a synthetic item's entity: its value when the
-    context states it, ABSTENTION when it does not."""
-    _, kind, asked_name = record["template_id"].split(".")
-    asked = next(attribute for attribute in TYPES[kind] if attribute.name == asked_name)
-    pattern = re.escape(asked.question).replace(re.escape("{e}"), "(?P<e>.+)")
-    entity = re.fullmatch(pattern, record["question"]).group("e")
-    pairs = []
-    for attribute in TYPES[kind]:
-        if attribute is not asked:
-            sentence = re.escape(attribute.sentence.format(e=entity, v="\0")).replace(re.escape("\0"), "(.+?)")
-            stated = re.search(sentence, record["context"])
-            pairs.append((attribute.question.format(e=entity), stated.group(1) if stated else ABSTENTION))
-    return pairs

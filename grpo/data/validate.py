@@ -1,7 +1,7 @@
 """Stage ``validate``: the Great Expectations gate over ``<data_dir>/{train,eval}.jsonl``.
 
 Reads both files (bad bytes and bad JSON lines become ``read.*`` rules with their line numbers),
-builds one dataframe with derived check columns (``grpo/data/checks.py``), runs the suite of
+builds one dataframe with derived check columns (``grpo/data/rules.py``), runs the suite of
 ``grpo/data/suite.py`` once in an ephemeral GX context, and writes ``<reports_dir>/validation.json``,
 ``validation.md`` and GX Data Docs under ``<reports_dir>/data_docs/``. Any failed rule raises
 ``DataValidationError`` naming the rule, the file and example rows. Only the reports are written:
@@ -23,7 +23,6 @@ from great_expectations.data_context.types.base import ProgressBarsConfig
 
 from grpo import paths
 from grpo.config import Config
-from grpo.data.checks import build_frame
 from grpo.data.errors import DataValidationError
 from grpo.data.jsonl import SOURCES_FILE, RawRow, ReadProblem, read_rows
 from grpo.data.report import (
@@ -34,6 +33,7 @@ from grpo.data.report import (
     to_json,
     to_markdown,
 )
+from grpo.data.rules import build_frame
 from grpo.data.schema import SPLITS
 from grpo.data.suite import build_expectations
 from grpo.files import write_atomically

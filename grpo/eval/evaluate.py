@@ -31,7 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo import paths
 from grpo.config import Config
 from grpo.core.advantages import per_row
-from grpo.data.prompts import example_messages
+from grpo.data.prompts import render_records
 from grpo.data.select import eval_records
 from grpo.errors import GrpoError
 from grpo.eval.compare import (
@@ -55,11 +55,10 @@ from grpo.eval.metrics import (
 from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy, plot_eval_comparison
 from grpo.files import write_atomically
 from grpo.locks import writes
-from grpo.model.chat import render_prompt
 from grpo.model.device import make_accelerator, model_device
-from grpo.model.load import check_grpo, check_sft, load_base, load_grpo, load_sft
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
 from grpo.model.scoring import rollout_inputs, score_inputs
+from grpo.model.stage_models import check_grpo, check_sft, load_base, load_grpo, load_sft
 from grpo.rewards import weighted_reward
 from grpo.seeding import derive_seed
 
@@ -185,7 +184,7 @@ def evaluate_model(
     """
     sampling, group, size = cfg.grpo.sampling, cfg.eval.samples_per_prompt, cfg.eval.batch_size
     eos_ids = stop_ids(model, tokenizer, cfg.model.extra_stop_tokens)  # the trainer's stop ids
-    prompts = [render_prompt(tokenizer, example_messages(r), **cfg.model.chat_template_kwargs) for r in records]
+    prompts = render_records(tokenizer, records, cfg.model.chat_template_kwargs)
     greedy, sampled = _Collected(), _Collected()
     starts = range(0, len(prompts), size)
     for index, start in enumerate(tqdm(starts, desc=desc, disable=not progress)):

@@ -25,7 +25,7 @@ from transformers import (
 from grpo.config import Architecture, ModelConfig
 from grpo.model.chat import end_of_turn_ids
 from grpo.model.kernels import attention_kernel
-from grpo.model.modeling import ModelLoadError, load_tokenizer
+from grpo.model.loading import ModelLoadError, load_tokenizer
 from grpo.model.precision import fp32_head
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

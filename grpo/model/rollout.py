@@ -35,6 +35,7 @@ class Rollout:
 
     prompt_ids: torch.Tensor  # [N, P] left-padded, N = n_prompts * G
     prompt_mask: torch.Tensor  # [N, P] 1 = real prompt token
+    sequences: torch.Tensor  # [N, P + C] what the decode loop returned: the prompts, then every generated token
     completion_ids: torch.Tensor  # [N, C] exactly as generated
     completion_mask: torch.Tensor  # [N, C] bool, up to and including the first stop token
     texts: list[str]  # [N] decoded completions without special tokens (what rewards read)
@@ -158,6 +159,7 @@ def rollout_from_sequences(
     return Rollout(
         prompt_ids=prompt.input_ids,
         prompt_mask=prompt.attention_mask,
+        sequences=sequences.cpu(),
         completion_ids=completion_ids,
         completion_mask=masks.mask,
         texts=tokenizer.batch_decode(kept, skip_special_tokens=True),
@@ -178,6 +180,7 @@ def select_groups(rollout: Rollout, groups: Sequence[int]) -> Rollout:
     rows = index.tolist()
     return Rollout(
         prompt_ids=rollout.prompt_ids[index], prompt_mask=rollout.prompt_mask[index],
+        sequences=rollout.sequences[index],
         completion_ids=rollout.completion_ids[index], completion_mask=rollout.completion_mask[index],
         texts=[rollout.texts[r] for r in rows], raw_texts=[rollout.raw_texts[r] for r in rows],
         lengths=rollout.lengths[index], truncated=rollout.truncated[index],
@@ -208,6 +211,10 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
     return Rollout(
         prompt_ids=cat([_pad_to(r.prompt_ids, p, pad_id, left=True) for r in rollouts]),
         prompt_mask=cat([_pad_to(r.prompt_mask, p, 0, left=True) for r in rollouts]),
+        # Each part's decode output split at its own prompt width, padded as the prompts and completions are.
+        sequences=cat([torch.cat([_pad_to(r.sequences[:, : r.prompt_ids.shape[1]], p, pad_id, left=True),
+                                  _pad_to(r.sequences[:, r.prompt_ids.shape[1]:], c, pad_id, left=False)], dim=1)
+                       for r in rollouts]),
         completion_ids=cat([_pad_to(r.completion_ids, c, pad_id, left=False) for r in rollouts]),
         completion_mask=cat([_pad_to(r.completion_mask, c, False, left=False) for r in rollouts]),
         texts=[t for r in rollouts for t in r.texts],

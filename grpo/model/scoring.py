@@ -11,16 +11,16 @@ Nothing here reads ``grpo.sampling.temperature``: a scorer cannot disagree with 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer
 
 from grpo.core.batching import join_prompt_completion
 from grpo.core.logprobs import Scored, score_completions
 from grpo.core.prefix import PromptPrefill
 from grpo.errors import GrpoError
+from grpo.model.lora import adapter_disabled
 from grpo.model.rollout import Rollout
 
 
@@ -49,24 +49,6 @@ def rollout_inputs(rollout: Rollout, device: torch.device | str = "cpu") -> Roll
                                     rollout.completion_mask)
     return RolloutInputs(joined.input_ids.to(device), joined.attention_mask.to(device),
                          rollout.completion_mask.to(device), rollout.temperature)
-
-
-@contextlib.contextmanager
-def adapter_disabled(model: torch.nn.Module) -> Iterator[None]:
-    """``model`` with every LoRA layer off, as PEFT's ``disable_adapter`` turns them off (each tuner
-    layer's ``disable_adapters`` flag, which makes its forward the base layer's), without that
-    context's survey of the whole model's adapter status and trainable parameters on every entry (a
-    walk over every module and parameter; on the tiny model it cost as much as the reference forward).
-    Each layer's flag is restored as it was."""
-    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
-    before = [layer._disable_adapters for layer in layers]
-    try:
-        for layer in layers:
-            layer._disable_adapters = True
-        yield
-    finally:
-        for layer, was in zip(layers, before, strict=True):
-            layer._disable_adapters = was
 
 
 def score_inputs(model: torch.nn.Module, inputs: RolloutInputs, adapter: bool = True,

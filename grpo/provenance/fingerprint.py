@@ -148,17 +148,19 @@ def import_closure(
 
     Only modules whose top-level package is in ``packages`` (default: the entries' own top-level
     packages) are followed; a module that does not exist (yet) is skipped, not an error; a module
-    in ``exclude`` is neither included nor followed.
+    in ``exclude``, or inside a package in it, is neither included nor followed.
     """
     entries = list(entry_modules)
     root = Path(package_root)
     allowed = set(packages) if packages is not None else {name.split(".")[0] for name in entries}
-    seen: set[str] = set(exclude)
+    excluded = tuple(exclude)
+    seen: set[str] = set()
     files: set[Path] = set()
     queue = entries
     while queue:
         name = queue.pop()
-        if name in seen or name.split(".")[0] not in allowed:
+        if name in seen or name.split(".")[0] not in allowed or any(
+                name == package or name.startswith(package + ".") for package in excluded):
             continue
         seen.add(name)
         queue.extend(_ancestors(name))

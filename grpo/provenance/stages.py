@@ -11,7 +11,7 @@ cannot be rerun by DVC for one set of keys and guarded by lineage for another.
 | validate | grpo validate | grpo.data.validate | prepare |
 | base | grpo base | grpo.train.pretrain | prepare, validate |
 | sft | grpo sft | grpo.train.sft | prepare, validate, base |
-| preflight | grpo preflight | grpo.checks.preflight | prepare, validate, base, sft |
+| preflight | grpo preflight | grpo.checks.preflight (and grpo.train.trainer) | prepare, validate, base, sft |
 | grpo | grpo train | grpo.train.trainer | prepare, validate, sft, preflight |
 | evaluate | grpo evaluate | grpo.eval.evaluate | prepare, validate, base, sft, grpo |
 """
@@ -29,9 +29,9 @@ COMMON_MODULES: tuple[str, ...] = ()
 # Modules that record and check what built an artifact, never what it contains: stages import them
 # to write lineage.json, but an edit to them (say, a new key in this table for `evaluate`) must not
 # make every trained model stale. They are left out of every closure, and their imports not followed.
-# grpo.config is one of them: what it means for a stage is the VALUES it yields (defaults included),
-# and those enter every artifact's lineage through the params hash of the validated tree; a new
-# field or a better error message in config.py retrains nothing. (DVC itself sees only the values
+# The grpo.config package is one of them: what it means for a stage is the VALUES it yields (defaults
+# included), and those enter every artifact's lineage through the params hash of the validated tree; a
+# new field or a better error message in grpo/config/ retrains nothing. (DVC itself sees only the values
 # written in params.yaml, which is why params.yaml spells out every key.)
 BOOKKEEPING_MODULES: tuple[str, ...] = (
     "grpo.provenance.stages", "grpo.provenance.fingerprint", "grpo.provenance.lineage", "grpo.provenance.gate",
@@ -115,7 +115,8 @@ STAGES: dict[str, StageSpec] = {
         StageSpec(
             "preflight",
             "preflight",
-            ("grpo.checks.preflight",),
+            # The trainer's own module too: a change to how it wires the step makes the gate's report stale.
+            ("grpo.checks.preflight", "grpo.train.trainer"),
             # Only what the checks use (PREFLIGHT_GRPO_KEYS; the rewards score the probe's completions).
             ("seed", "model", "sft.max_length", "data.grpo_holdout", *PREFLIGHT_GRPO_KEYS, "rewards", "paths"),
             ("prepare", "validate", "base", "sft"),

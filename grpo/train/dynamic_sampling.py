@@ -3,7 +3,8 @@
 Such a group has advantage 0 (I12) and so contributes no policy gradient; when most groups are like
 that, training silently stalls. ``none`` keeps them (they are counted in ``frac_reward_zero_std`` and
 the monitor watches that), ``filter`` drops them from the update, ``resample`` draws fresh prompts up
-to ``max_resample`` times to refill the batch with groups that carry signal.
+to ``max_resample`` times to refill the batch with groups that carry signal. The step
+(``step.sample``) draws; this module selects and merges what it drew.
 
 The reported ``frac_reward_zero_std`` is always that of the FIRST draw: filtering must not hide a
 reward deadlock from the monitor.
@@ -11,18 +12,16 @@ reward deadlock from the monitor.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from grpo.core.advantages import group_rows
+from grpo.core.advantages import group_rows, per_row
 from grpo.core.prefix import PromptPrefill
 from grpo.model.rollout import Rollout, concat_rollouts, select_groups
 
-DrawFn = Callable[[list[dict], int], "Draw"]
-"""``draw(records, attempt)``: roll out and score ``records`` (``attempt`` 0 is the step's first draw)."""
 MoreRecordsFn = Callable[[int], list[dict]]
 """``more_records(attempt)``: fresh prompts for the ``attempt``-th resample (a pure function of it)."""
 
@@ -39,6 +38,11 @@ class Draw:
     is_weights: torch.Tensor | None = None  # [N, C] truncated IS weights when another engine sampled
     prefills: tuple[PromptPrefill, ...] = ()  # the rollout's prefill kept for the update; a selection drops it
 
+    @functools.cached_property
+    def tasks(self) -> list[str]:
+        """The task of every row: row ``i`` answers ``records[i // group_size]`` -> [N]."""
+        return per_row([record["task"] for record in self.records], self.rollout.group_size)
+
     def informative_groups(self) -> list[int]:
         """Groups whose rewards are not all equal (the ones with a non-zero advantage possible)."""
         g = self.rollout.group_size
@@ -53,35 +57,12 @@ class Draw:
                     self.rewards[rows], self.advantages[rows], self.stats, weights)
 
 
-def sample_groups(
-    draw: DrawFn,
-    records: list[dict],
-    more_records: MoreRecordsFn,
-    mode: Literal["none", "filter", "resample"],
-    max_resample: int,
-    pad_id: int,
-) -> tuple[Draw, dict[str, float]]:
-    """The groups to train on this step and the step's sampling stats. When no group carries signal
-    the first draw is kept: its advantages are all exactly 0, so only the KL and entropy terms act.
-
-    ``draw(records, attempt)`` rolls out and scores ``records``; ``more_records(attempt)`` gives fresh
-    prompts for the attempt-th resample.
-    """
-    first = draw(records, 0)
-    if mode == "none":
-        return first, first.stats
-    wanted = len(records)
-    kept = [first.select(first.informative_groups())]
-    attempt = 0
-    while mode == "resample" and sum(len(d.records) for d in kept) < wanted and attempt < max_resample:
-        attempt += 1
-        extra = draw(more_records(attempt), attempt)
-        kept.append(extra.select(extra.informative_groups()))
+def merge_draws(first: Draw, kept: list[Draw], wanted: int, pad_id: int, stats: dict[str, float]) -> Draw:
+    """The groups to train on: the kept groups of every draw, up to ``wanted``. When no group carries
+    signal the first draw is kept: its advantages are all exactly 0, so only the KL and entropy terms act."""
     kept = [d for d in kept if d.records]
-    stats = first.stats | {"dynamic/draws": float(attempt + 1),
-                           "dynamic/kept_groups": float(sum(len(d.records) for d in kept))}
     if not kept:
-        return first, stats
+        return first
     merged = Draw(
         concat_rollouts([d.rollout for d in kept], pad_id),
         [r for d in kept for r in d.records],
@@ -90,7 +71,7 @@ def sample_groups(
         stats,
         _concat_weights([d.is_weights for d in kept]),
     )
-    return merged.select(list(range(min(wanted, len(merged.records))))), stats
+    return merged.select(list(range(min(wanted, len(merged.records)))))
 
 
 def _concat_weights(weights: list[torch.Tensor | None]) -> torch.Tensor | None:

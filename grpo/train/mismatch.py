@@ -5,35 +5,23 @@ from __future__ import annotations
 import torch
 
 from grpo.config import RolloutConfig
-from grpo.core.batching import join_prompt_completion
 from grpo.core.importance import rollout_mismatch, truncated_is_weights
-from grpo.core.logprobs import score_completions
 from grpo.model.rollout import Rollout
+from grpo.model.scoring import rollout_inputs, score_inputs
 
 
 @torch.no_grad()
-def trainer_logprobs(model: torch.nn.Module, rollout: Rollout, temperature: float) -> torch.Tensor:
-    """The trainer's log-probs of the sampled tokens -> [N, C] on CPU; the scoring the loss uses (I3, I10),
-    in the precision the caller's autocast sets (the step's: ``grpo.bf16``)."""
-    device = next(model.parameters()).device
-    joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
-                                    rollout.completion_mask)
-    trainer = score_completions(model, joined.input_ids.to(device), joined.attention_mask.to(device),
-                                rollout.completion_ids.shape[1], temperature).logprobs.float().cpu()
-    return trainer
-
-
-def sampler_mismatch(model: torch.nn.Module, rollout: Rollout, sampler_logprobs: torch.Tensor,
-                     temperature: float) -> dict[str, float]:
-    """``rollout_mismatch`` between the trainer's and the engine's log-probs (``sampler_logprobs`` [N, C])."""
-    return rollout_mismatch(trainer_logprobs(model, rollout, temperature), sampler_logprobs,
-                            rollout.completion_mask)
+def trainer_logprobs(model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
+    """The trainer's log-probs of the sampled tokens -> [N, C] on CPU: ``model.scoring``'s path, under
+    the rollout's temperature (I3, I10), in the precision of the caller's autocast (the step's)."""
+    inputs = rollout_inputs(rollout, next(model.parameters()).device)
+    return score_inputs(model, inputs).logprobs.float().cpu()
 
 
 def sampler_correction(model: torch.nn.Module, rollout: Rollout, sampler_logprobs: torch.Tensor,
-                       temperature: float, cfg: RolloutConfig) -> tuple[dict[str, float], torch.Tensor]:
+                       cfg: RolloutConfig) -> tuple[dict[str, float], torch.Tensor]:
     """The mismatch metrics and the truncated IS weights [N, C] of a rollout another engine sampled."""
-    trainer = trainer_logprobs(model, rollout, temperature)
+    trainer = trainer_logprobs(model, rollout)
     mask = rollout.completion_mask
     weights = truncated_is_weights(trainer, sampler_logprobs, mask, cfg.tis_cap, cfg.tis_threshold)
     stats = rollout_mismatch(trainer, sampler_logprobs, mask)

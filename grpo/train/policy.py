@@ -13,9 +13,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from grpo.config import Config
-from grpo.model.load import load_sft
-from grpo.model.modeling import wrap_lora
+from grpo.model.lora import wrap_lora
 from grpo.model.precision import apply_memory_settings
+from grpo.model.stage_models import load_sft
 
 
 @dataclass

@@ -5,56 +5,46 @@ context: SFT puts its loss on the two or three answer tokens of each conversatio
 to learn to copy a name or a value from the context. Pretraining puts the loss on every token of
 ``pretrain.records`` freshly generated training-split records: predicting the people of a
 disambiguating sentence, the entity of a question and the answer all need tokens copied from earlier
-in the text. A record is its plain text (``pretraining_text``; ``pretrain.every_question`` asks every
-question of a context in it) or, for the tasks of ``pretrain.chat_tasks``, the very conversation SFT
-renders: the 1M model reads only in the layout it was pretrained in (README: one extra ``Options:``
-line halves its ambiguous-item reading), so fairness, whose reading must survive into the chat prompt,
-is pretrained in it. Measured on the default (README): SFT answers none of the answerable eval
-questions exactly without pretraining, 26–54 % with it (four seeds).
-
-Copy texts (``grpo/train/copying.py``) can go first (``pretrain.copy_warmup_steps``) and into every
-epoch (``pretrain.copy_texts``, drawn anew each time): only copying by content predicts them, which
-the base settings alone never teach. ``metrics/pretrain.json`` says whether the base copies
-(``copy_check``: its loss on fresh copy texts, near ln(vocabulary) when it does not).
+in the text. A record is its plain text (``pretraining_text``) or, for the tasks of
+``pretrain.chat_tasks``, the very conversation SFT renders: a small model reads only in the layout it
+was pretrained in, so fairness, whose reading must survive into the chat prompt, is pretrained in it.
 
 The embedded tokenizer is trained first, on the training records as the model reads them
 (``tokenizer_corpus``), so the prompt's fixed words are whole tokens.
 
 The corpus is drawn from the same generators as ``data/processed/train.jsonl`` with another seed: the
 training split's templates and entity names only, never the held-out ones eval asks about. Each
-record's own question carries ``data.sft_noise`` as in SFT (its other questions are answered
-cleanly), so pretraining does not remove the bias and the hallucinations GRPO is there to fix. A
-preset architecture or a resolved model is built as before and not pretrained.
+record's question carries ``data.sft_noise`` as in SFT, so pretraining does not remove the bias and
+the hallucinations GRPO is there to fix. A preset architecture, a GGUF file or a resolved model is
+built as before and not pretrained.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Iterable, Iterator
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo import paths
-from grpo.config import Config, PretrainConfig
+from grpo.config import Config
 from grpo.data.jsonl import read_records
 from grpo.data.prompts import example_messages, sft_target
 from grpo.data.schema import LETTERS, Record, make_record
 from grpo.data.splits import apply_sft_noise
-from grpo.data.synthetic_fairness import generate_fairness, other_question
-from grpo.data.synthetic_grounded import generate_grounded, other_questions
+from grpo.data.synthetic_fairness import generate_fairness
+from grpo.data.synthetic_grounded import generate_grounded
 from grpo.errors import GrpoError
 from grpo.files import write_atomically
 from grpo.locks import writes
-from grpo.model.base import base_inputs, build_base
+from grpo.model.base_model import base_inputs, build_base
 from grpo.model.chat import SftExample
 from grpo.model.device import make_accelerator
-from grpo.model.modeling import save_model
+from grpo.model.loading import save_model
 from grpo.provenance.lineage import make_lineage, write_lineage
 from grpo.seeding import derive_seed
-from grpo.train.copying import copy_accuracy, copy_texts, copy_vocab
-from grpo.train.supervised import conversation, train_sft
+from grpo.train.causal_lm import conversation, train_sft
 
 
 def tokenizer_corpus(cfg: Config) -> Iterator[str]:
@@ -92,26 +82,15 @@ def pretrain_records(cfg: Config) -> list[Record]:
     return apply_sft_noise([make_record(item, "train") for item in fields], cfg.data.sft_noise, seed)
 
 
-def pretraining_text(record: dict, every: bool = False) -> str:
+def pretraining_text(record: dict) -> str:
     """A record as plain text: the context, its question, a fairness item's options, then its SFT target.
 
-    With ``every`` (``pretrain.every_question``) the record's own question, with its (noised) SFT
-    target, is followed by the other questions its context answers: the scene's other-polarity question
-    (``other_question``) or the entity's other attributes (``other_questions``), answered cleanly.
-    Several lookups per context multiply the signal that teaches reading: a lone answer is two or
-    three tokens of a fifty-token text. No system prompt, chat headers or instructions: they are the
-    same in every conversation, so they would teach nothing and double the tokens (SFT teaches the chat
-    format afterwards)."""
-    options, others = "", []
+    No system prompt, chat headers or instructions: they are the same in every conversation, so they
+    would teach nothing and double the tokens (SFT teaches the chat format afterwards)."""
+    options = ""
     if record["task"] == "fairness":
         options = "".join(f"{letter}. {choice}\n" for letter, choice in zip(LETTERS, record["choices"], strict=True))
-        if every:
-            question, label = other_question(record)
-            others = [(question, sft_target({**record, "sft_label": label}))]
-    elif every:
-        others = [(q, sft_target({**record, "sft_answer": answer})) for q, answer in other_questions(record)]
-    more = "".join(f"\nQuestion: {question}\n{answer}" for question, answer in others)
-    return f"Context: {record['context']}\nQuestion: {record['question']}\n{options}\n\n{sft_target(record)}{more}"
+    return f"Context: {record['context']}\nQuestion: {record['question']}\n{options}\n\n{sft_target(record)}"
 
 
 def pretrain_examples(records: list[dict], tokenizer: PreTrainedTokenizerBase, cfg: Config) -> list[SftExample]:
@@ -126,7 +105,7 @@ def pretrain_examples(records: list[dict], tokenizer: PreTrainedTokenizerBase, c
         if record["task"] in chat_tasks:
             ids = conversation(record, tokenizer, cfg.model.chat_template_kwargs).ids
         else:
-            text = pretraining_text(record, cfg.pretrain.every_question)
+            text = pretraining_text(record)
             ids = [tokenizer.bos_token_id, *tokenizer.encode(text, add_special_tokens=False),
                    tokenizer.eos_token_id]
         if len(ids) > limit:
@@ -136,44 +115,13 @@ def pretrain_examples(records: list[dict], tokenizer: PreTrainedTokenizerBase, c
     return examples
 
 
-COPY_CHECK_TEXTS = 64
-"""Fresh variable-length copy texts ``metrics/pretrain.json`` scores the base on (``copy_check``)."""
-
-
-def copy_warmup(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> list[dict]:
-    """``pretrain.copy_warmup_steps`` steps on fresh copy texts alone, at ``pretrain.copy_warmup_lr`` and
-    unclipped (the settings at which an induction head forms); its history, empty when off."""
-    steps = cfg.pretrain.copy_warmup_steps
-    if not steps:
-        return []
-    texts = copy_texts(steps * cfg.pretrain.batch_size, copy_vocab(tokenizer), tokenizer.bos_token_id, "variable",
-                       derive_seed(cfg.seed, ("copy_warmup", 0)))
-    return train_sft(model, texts, tokenizer.pad_token_id, copy_warmup_settings(cfg), cfg.seed, make_accelerator(),
-                     desc="copy warm-up")
-
-
-def copy_warmup_settings(cfg: Config) -> PretrainConfig:
-    """The copy warm-up's optimizer settings: one pass, peak ``pretrain.copy_warmup_lr`` after 2 % of the
-    steps, gradients never clipped (clipped at 1.0, the head did not form; ``benchmarks/copying.py``)."""
-    return cfg.pretrain.model_copy(update={"epochs": 1, "lr": cfg.pretrain.copy_warmup_lr, "warmup_ratio": 0.02,
-                                           "max_grad_norm": math.inf})
-
-
 def pretrain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> dict:
-    """Causal-LM pretraining of ``model`` in place (after the copy warm-up, with ``pretrain.copy_texts``
-    fresh copy texts in every epoch); returns the summary ``metrics/pretrain.json`` holds."""
+    """Causal-LM pretraining of ``model`` in place; returns the summary ``metrics/pretrain.json`` holds."""
     records = [record.model_dump() for record in pretrain_records(cfg)]
     examples = pretrain_examples(records, tokenizer, cfg)
-    vocab, bos, n_copy = copy_vocab(tokenizer), tokenizer.bos_token_id, cfg.pretrain.copy_texts
-
-    def fresh_copy_texts(epoch: int) -> list[SftExample]:
-        return copy_texts(n_copy, vocab, bos, "variable", derive_seed(cfg.seed, ("copy_texts", epoch)))
-
     started = time.perf_counter()
-    warmup = copy_warmup(model, tokenizer, cfg)
     history = train_sft(model, examples, tokenizer.pad_token_id, cfg.pretrain, cfg.seed,
-                        make_accelerator(), desc="pretrain", fresh=fresh_copy_texts if n_copy else None)
-    check = copy_texts(COPY_CHECK_TEXTS, vocab, bos, "variable", derive_seed(cfg.seed, ("copy_check", 0)))
+                        make_accelerator(), desc="pretrain")
     return {
         "loss_first": history[0]["loss"],
         "loss_final": history[-1]["loss"],
@@ -181,11 +129,6 @@ def pretrain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: Co
         "steps": len(history),
         "examples": len(examples),
         "tokens": sum(len(example.ids) for example in examples),
-        "copy_texts": n_copy * cfg.pretrain.epochs,
-        "copy_warmup_steps": len(warmup),
-        "copy_warmup_loss_final": warmup[-1]["loss"] if warmup else None,
-        # Loss on the second copy of fresh copy texts: near ln(vocabulary) unless the base copies by content.
-        "copy_check": copy_accuracy(model, check, tokenizer.pad_token_id),
         "wall_time_s": round(time.perf_counter() - started, 2),
     }
 
@@ -201,7 +144,7 @@ def run(cfg: Config) -> int:
         save_model(model.cpu(), tokenizer, out)
         print(f"base: pretrained on {summary['examples']} generated records ({summary['tokens']} tokens), "
               f"{summary['steps']} steps in {summary['wall_time_s']:.1f}s, loss {summary['loss_first']:.3f} -> "
-              f"{summary['loss_final']:.3f}; loss on fresh copy texts {summary['copy_check']['loss']:.3f}")
+              f"{summary['loss_final']:.3f}")
     write_lineage(out, make_lineage("base", cfg, base_inputs(cfg)))
     write_atomically({paths.metrics_file(cfg, "pretrain"): json.dumps(summary, indent=2) + "\n"})
     return 0

@@ -2,7 +2,7 @@
 
 Each training record becomes ``render_sft(prompt messages, target)``: the prompt ids are exactly the
 ids GRPO will sample from, and only the assistant answer plus its end-of-turn token carry loss, so
-the model learns to stop (the loop is ``grpo/train/supervised.py``'s). Full fine-tuning by default (the tiny model); with ``sft.lora`` a LoRA
+the model learns to stop (the loop is ``grpo/train/causal_lm.py``'s). Full fine-tuning by default (the tiny model); with ``sft.lora`` a LoRA
 adapter is trained and merged, so the saved SFT weights are the policy GRPO's reference is (I9).
 """
 
@@ -19,11 +19,12 @@ from grpo.data.select import train_records
 from grpo.files import write_atomically
 from grpo.locks import writes
 from grpo.model.device import make_accelerator
-from grpo.model.load import load_base
-from grpo.model.modeling import save_model, wrap_lora
+from grpo.model.loading import save_model
+from grpo.model.lora import wrap_lora
 from grpo.model.precision import apply_memory_settings
+from grpo.model.stage_models import load_base
 from grpo.provenance.lineage import make_lineage, write_lineage
-from grpo.train.supervised import build_examples, train_sft
+from grpo.train.causal_lm import build_examples, train_sft
 
 
 @writes(lambda cfg: paths.model_dir(cfg, "sft"))

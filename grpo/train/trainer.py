@@ -35,16 +35,14 @@ from grpo.health.metrics import MetricsWriter
 from grpo.health.monitor import Monitor, raise_if_stop
 from grpo.locks import writes
 from grpo.model.device import make_accelerator
-from grpo.model.engines import make_engine
-from grpo.model.modeling import save_model
-from grpo.model.rollout import stop_ids
+from grpo.model.loading import save_model
 from grpo.provenance.gate import require_preflight
 from grpo.provenance.lineage import is_stale, make_lineage, write_lineage
 from grpo.seeding import derive_seed
 from grpo.train import checkpoint as ckpt
 from grpo.train import sharding
-from grpo.train.policy import Policy, build_policy
-from grpo.train.step import StepContext, StepResult, grpo_step
+from grpo.train.policy import Policy
+from grpo.train.step import StepResult, build_training, grpo_step
 from grpo.train.task_mix import sample_step, shard
 
 
@@ -110,15 +108,6 @@ def _shard(cfg: Config, by_task: dict, step: int, attempt: int, accelerator: Acc
     return shard(records, accelerator.process_index, accelerator.num_processes)
 
 
-def _context(cfg: Config, policy: Policy, accelerator: Accelerator) -> StepContext:
-    eos_ids = stop_ids(policy.model, policy.tokenizer, cfg.model.extra_stop_tokens)
-    engine = make_engine(cfg.grpo.rollout, policy.model, policy.tokenizer, seed=cfg.seed,
-                         shared_prefill=cfg.grpo.shared_prefix)
-    return StepContext(cfg=cfg, model=policy.model, tokenizer=policy.tokenizer, optimizer=policy.optimizer,
-                       scheduler=policy.scheduler, eos_ids=eos_ids, accelerator=accelerator,
-                       reference=policy.reference, engine=engine)
-
-
 def save_checkpoint(cfg: Config, policy: Policy, accelerator: Accelerator, step: int, history: list[dict],
                     lineage: dict) -> None:
     """The main process writes; under FSDP every process first gives its shards (a gather)."""
@@ -144,11 +133,12 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
     """Run (or resume) GRPO; returns the metric history. Raises TrainingStopped on a collapse."""
     require_preflight(cfg)
     accelerator = make_accelerator()
-    policy = build_policy(cfg, accelerator.device, shard=sharding.policy_sharder(cfg, accelerator))
+    context = build_training(cfg, accelerator, shard=sharding.policy_sharder(cfg, accelerator))
+    policy = context.policy
     lineage = make_lineage("grpo", cfg, paths.stage_inputs(cfg, "grpo"))
     start, history = resume(cfg, policy)
+    context.engine.sync_weights(policy.model)  # an engine of its own (vLLM) samples from the resumed weights
     by_task = split_by_task(train_records(cfg, "grpo"))
-    context = _context(cfg, policy, accelerator)
     monitor = Monitor(cfg.monitor)
     writer = MetricsWriter(paths.run_dir(cfg), cfg.experiment, cfg.tracking, config_to_dict(cfg),
                            is_main_process=accelerator.is_main_process, resume_step=start)

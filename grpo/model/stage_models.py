@@ -12,8 +12,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo import paths
 from grpo.config import Config
-from grpo.model.base import base_inputs
-from grpo.model.modeling import load_model, load_tokenizer
+from grpo.model.base_model import base_inputs
+from grpo.model.loading import load_model, load_tokenizer
 from grpo.provenance.lineage import check_lineage
 
 

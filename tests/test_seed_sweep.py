@@ -1,4 +1,4 @@
-"""Tests of grpo/seeds.py: per-seed output folders, the table and the count of seeds improved beyond noise."""
+"""Tests of grpo/seed_sweep.py: per-seed output folders, the table and the count of seeds improved beyond noise."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from grpo.cli import build_parser
-from grpo.seeds import COLUMNS, improved, seed_config, seed_row, seeds_report, seeds_table
+from grpo.seed_sweep import COLUMNS, improved, seed_config, seed_row, seeds_report, seeds_table
 from tests.test_evaluate import project_cfg
 
 

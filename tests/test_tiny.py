@@ -1,4 +1,4 @@
-"""grpo/model/modeling.py: the embedded tiny model, real loading by path, LoRA wrapping."""
+"""grpo/model/tiny.py: the embedded tiny model, real loading by path, LoRA wrapping."""
 
 from __future__ import annotations
 
@@ -6,15 +6,9 @@ import pytest
 import torch
 
 from grpo.config import LoraConfig, ModelConfig
-from grpo.model.modeling import (
-    EOT,
-    SPECIAL_TOKENS,
-    ModelLoadError,
-    build_tiny,
-    load_model,
-    load_tokenizer,
-    wrap_lora,
-)
+from grpo.model.loading import ModelLoadError, load_model, load_tokenizer
+from grpo.model.lora import wrap_lora
+from grpo.model.tiny import EOT, SPECIAL_TOKENS, build_tiny
 
 
 def test_tiny_tokenizer_has_llama3_specials_and_pad_equal_eot(tiny_tokenizer):
@@ -46,7 +40,7 @@ def test_build_save_load_round_trip(tmp_path, tiny_sizes):
 
 
 def test_same_seed_same_weights(tiny_tokenizer, tiny_sizes):
-    from grpo.model.modeling import build_tiny_model
+    from grpo.model.tiny import build_tiny_model
 
     a = build_tiny_model(tiny_tokenizer, tiny_sizes, seed=5)
     b = build_tiny_model(tiny_tokenizer, tiny_sizes, seed=5)

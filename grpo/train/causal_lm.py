@@ -7,7 +7,7 @@ run ``train_sft``: AdamW, linear warmup and decay, gradient clipping, the accele
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from accelerate import Accelerator
@@ -66,6 +66,16 @@ def sft_loss(model: PreTrainedModel, batch: SftBatch) -> tuple[torch.Tensor, dic
     return loss, {"loss": loss.item(), "token_accuracy": accuracy.item(), "tokens": int(mask.sum())}
 
 
+def batch_loss(model: PreTrainedModel, examples: Sequence[SftExample], pad_id: int, device: torch.device,
+               bf16: bool) -> tuple[torch.Tensor, dict[str, float]]:
+    """What the loop trains on for one batch of examples: their padded batch on ``device`` and its loss
+    (``sft_loss``) under the stage's precision (bf16 autocast over fp32 master weights where it pays).
+    The pre-flight gate drives this very function (I2: the stop token carries loss)."""
+    batch = SftBatch(*to_device(device, *sft_batch(examples, pad_id)))
+    with bf16_autocast(device, bf16):
+        return sft_loss(model, batch)
+
+
 LENGTH_GROUP_BATCHES = 50
 """Batches per length-sorted chunk of ``group_by_length``: long enough that batches pad little, short
 enough that an epoch's order stays random."""
@@ -96,29 +106,22 @@ def train_sft(
     accelerator: Accelerator,
     progress: bool = True,
     desc: str = "sft",
-    fresh: Callable[[int], Sequence[SftExample]] | None = None,
 ) -> list[dict]:
     """AdamW over shuffled mini-batches on ``accelerator``'s device and precision (as GRPO); returns
-    one metrics dict per optimizer step. ``desc`` labels the progress bar (``sft``, ``pretrain``).
-    ``fresh(epoch)``, when given, adds examples drawn anew for that epoch, shuffled in with ``examples``
-    (the base stage's copy texts, so that none is seen twice)."""
+    one metrics dict per optimizer step. ``desc`` labels the progress bar (``sft``, ``pretrain``)."""
     model.to(accelerator.device)
     generator = torch.Generator().manual_seed(seed)
-    per_epoch = [[*examples, *fresh(epoch)] if fresh else examples for epoch in range(cfg.epochs)]
-    total = sum(-(-len(shown) // cfg.batch_size) for shown in per_epoch)
+    total = cfg.epochs * -(-len(examples) // cfg.batch_size)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = get_linear_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total), total)
     history: list[dict] = []
     model.train()
     bar = tqdm(total=total, desc=desc, disable=not progress)
-    for epoch, shown in enumerate(per_epoch):
-        lengths = [len(example.ids) for example in shown]
+    lengths = [len(example.ids) for example in examples]
+    for epoch in range(cfg.epochs):
         for rows in epoch_batches(lengths, cfg.batch_size, generator, cfg.group_by_length):
-            batch = sft_batch([shown[i] for i in rows], pad_id)
-            batch = SftBatch(*to_device(accelerator.device, *batch))
-            with bf16_autocast(accelerator.device, cfg.bf16):  # over fp32 master weights
-                loss, stats = sft_loss(model, batch)
+            loss, stats = batch_loss(model, [examples[i] for i in rows], pad_id, accelerator.device, cfg.bf16)
             if not torch.isfinite(loss):
                 raise GrpoError(f"sft: loss is {loss.item()} at step {len(history) + 1}; lower sft.lr")
             optimizer.zero_grad(set_to_none=True)

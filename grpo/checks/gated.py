@@ -1,32 +1,40 @@
-"""What the pre-flight checks run on: the GRPO step's own context around the configured policy.
+"""The trainer's step as the pre-flight gate checks it: made by the trainer's own construction.
 
-The checks call the stage functions through it (``draw``, ``prepare_batch``, the rollout and the
-scorer), so what they prove is proven on the code the stages run.
+``gate_step`` builds the policy with ``train.policy.build_policy`` and the step with
+``train.step.build_step``, exactly as ``train.trainer.train`` does (the trainer's modules are in the
+pre-flight's fingerprint, so a change to how it wires the step re-runs the gate), picks probe records and
+loads what the checks compare with: a fresh load of the SFT weights (the reference must be them, I9) and
+the pre-SFT base (it must differ from them). Every check drives the step's own functions through it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from accelerate import Accelerator
 
+from grpo import paths
 from grpo.config import Config
-from grpo.data.prompts import example_messages
+from grpo.data.prompts import example_messages, render_records
+from grpo.data.select import train_records
 from grpo.model.chat import render_prompt
-from grpo.model.precision import autocast_enabled
-from grpo.model.rollout import stop_ids
-from grpo.train.step import ScoredBatch, StepContext, draw, prepare_batch
+from grpo.model.device import make_accelerator
+from grpo.model.loading import load_model
+from grpo.model.stage_models import load_base
+from grpo.train.policy import frozen_copy
+from grpo.train.step import ScoredBatch, Step, build_step, build_training, draw, prepare_batch
 
 
 @dataclass
-class Subject:
-    """What the checks run on: the GRPO step's context around the policy, and the models to compare with."""
+class Gated:
+    """What the checks run on: the trainer's step around the configured policy, and the models to compare with."""
 
-    ctx: StepContext  # the configured policy (LoRA on the SFT weights, or all of them) and its reference
+    ctx: Step  # the configured policy (LoRA on the SFT weights, or all of them), its reference and optimizer
     records: list[dict]  # one per task, prompt widths as different as possible, shortest first
     sft: torch.nn.Module  # a fresh load of the SFT weights: the reference must equal it (I9)
     base: torch.nn.Module | None  # the pre-SFT base: the reference must differ from it (None: not compared)
@@ -55,29 +63,43 @@ class Subject:
     @property
     def prompts(self) -> list[list[int]]:
         kwargs = self.cfg.model.chat_template_kwargs
-        return [render_prompt(self.tokenizer, example_messages(r), **kwargs) for r in self.records]
+        return render_records(self.tokenizer, self.records, kwargs)
 
-    def tolerance(self, logit_scale: float | None = None) -> float:
-        """Log-prob agreement expected of two scorings of the same ids: 1e-4 for fp32 weights, 5e-2 for
-        bf16 weights. A check that scores in the step's precision passes ``logit_scale``, the largest
-        scaled logit max |z / T| it compared: under ``grpo.bf16`` autocast a logit z is known to about
-        |z| * 2^-8 (8 mantissa bits; two kernel paths were measured to differ by 0.6-1 such step), so
-        the bound is 2 such steps (1e-3 at least): it scales with the logits, so near-uniform logits
-        (where a wrong temperature moves little) get a bound as tight as their noise."""
-        if next(self.policy.parameters()).dtype != torch.float32:
-            return 5e-2
-        if logit_scale is None or not autocast_enabled(self.ctx.accelerator.device, self.cfg.grpo.bf16):
-            return 1e-4
-        return max(1e-3, 2 * 2**-8 * logit_scale)
+    def variant(self, **grpo: Any) -> Step:
+        """The trainer's step built again with some ``grpo`` params replaced (``with_grpo``)."""
+        return with_grpo(self.ctx, **grpo)
+
+    def tolerance(self) -> float:
+        """Log-prob agreement expected of two scorings of the same ids through the same path (the
+        checks compare in the step's precision on the same kernels, or in fp32): 1e-4 for fp32 weights,
+        5e-2 for weights loaded in bf16 (``model.dtype: bfloat16``)."""
+        return 1e-4 if next(self.policy.parameters()).dtype == torch.float32 else 5e-2
 
 
-def with_grpo(ctx: StepContext, **grpo: Any) -> StepContext:
-    """``ctx`` with some ``grpo`` params replaced (``sampling`` as a dict of its fields)."""
+@contextlib.contextmanager
+def restored(step: Step) -> Iterator[None]:
+    """Run the step's real optimizer inside; its trainable weights, optimizer and scheduler state are put
+    back exactly as they were on exit (the gate trains nothing)."""
+    weights = [p.detach().clone() for p in step.params]
+    optimizer, scheduler = copy.deepcopy(step.optimizer.state_dict()), copy.deepcopy(step.scheduler.state_dict())
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for param, value in zip(step.params, weights, strict=True):
+                param.copy_(value)
+        step.optimizer.load_state_dict(optimizer)
+        step.scheduler.load_state_dict(scheduler)
+        step.model.zero_grad(set_to_none=True)
+
+
+def with_grpo(ctx: Step, **grpo: Any) -> Step:
+    """``ctx`` built again with some ``grpo`` params replaced (``sampling`` as a dict of its fields)."""
     sampling = ctx.cfg.grpo.sampling.model_copy(update=grpo.pop("sampling", {}))
     loss = ctx.cfg.grpo.loss.model_copy(update=grpo.pop("loss", {}))
     cfg = ctx.cfg.model_copy(update={"grpo": ctx.cfg.grpo.model_copy(update={**grpo, "sampling": sampling,
                                                                               "loss": loss})})
-    return dataclasses.replace(ctx, cfg=cfg)
+    return build_step(cfg, ctx.policy, ctx.accelerator)
 
 
 def _noise(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -113,7 +135,7 @@ def perturbed_policy(model: torch.nn.Module, seed: int, scale: float = 0.05):
                 p.copy_(value)
 
 
-def step_batch(s: Subject, seed: int, **grpo: Any) -> tuple[ScoredBatch, Any]:
+def step_batch(s: Gated, seed: int, **grpo: Any) -> tuple[ScoredBatch, Any]:
     """One ``draw`` and ``prepare_batch`` of the GRPO step over the subject's records."""
     ctx = with_grpo(s.ctx, **grpo)
     sampled = draw(ctx, s.records, seed)
@@ -138,17 +160,21 @@ def _records(cfg: Config, tokenizer, records: list[dict]) -> list[dict]:
     return [r for _, r in chosen]
 
 
-def make_subject(cfg: Config, policy: torch.nn.Module, tokenizer, records: list[dict], sft: torch.nn.Module,
-                 base: torch.nn.Module | None = None, reference: torch.nn.Module | None = None) -> Subject:
-    """The step's context around ``policy`` and its ``reference``, as ``train.policy.build_policy``
-    makes them (LoRA on the SFT model and None: the adapter disabled; or the whole SFT model and a
-    frozen copy of it); ``sft`` is a separately loaded copy of its weights, ``base`` the pre-SFT model."""
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    policy = policy.to(accelerator.device)
-    reference = None if reference is None else reference.to(accelerator.device)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=0.0)  # the checks never step through it
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    eos_ids = stop_ids(policy, tokenizer, cfg.model.extra_stop_tokens)
-    ctx = StepContext(cfg, policy, tokenizer, optimizer, scheduler, eos_ids, accelerator, reference=reference)
-    return Subject(ctx, _records(cfg, tokenizer, records), sft, base)
+def gated(cfg: Config, step: Step, records: list[dict], sft: torch.nn.Module, base: torch.nn.Module | None) -> Gated:
+    """The gate's view of ``step`` (``build_step``'s: LoRA on the SFT model with the adapter disabled as its
+    reference, or the whole SFT model and a frozen copy of it), on probe records drawn from ``records``;
+    ``sft`` is a separately loaded copy of its weights, ``base`` the pre-SFT model."""
+    if step.reference is None and not hasattr(step.model, "disable_adapter"):
+        # Full fine-tuning with beta == 0 keeps no reference; the I8/I9 checks raise beta and need one.
+        step = build_step(cfg, dataclasses.replace(step.policy, reference=frozen_copy(step.model)), step.accelerator)
+    return Gated(step, _records(cfg, step.tokenizer, records), sft, base)
+
+
+def gate_step(cfg: Config) -> Gated:
+    """The gate's step for ``cfg``: the trainer's own (``build_training``: the policy and the step around it),
+    probe records from its training prompts, the SFT weights loaded apart, the base model."""
+    accelerator = make_accelerator()
+    step = build_training(cfg, accelerator)
+    sft = load_model(paths.model_dir(cfg, "sft"), cfg.model).to(accelerator.device).eval()
+    base = load_base(cfg)[0].to(accelerator.device).eval()
+    return gated(cfg, step, train_records(cfg, "grpo"), sft, base)

@@ -20,9 +20,10 @@ import torch
 from grpo import paths
 from grpo.config import Config
 from grpo.errors import GrpoError
-from grpo.model.base import base_inputs
+from grpo.model.base_model import base_inputs
 from grpo.model.device import make_accelerator
-from grpo.model.modeling import POINTER_FILE, load_model, load_tokenizer, wrap_lora
+from grpo.model.loading import POINTER_FILE, load_model, load_tokenizer
+from grpo.model.lora import wrap_lora
 from grpo.provenance.lineage import is_stale, read_lineage
 from grpo.train import checkpoint as ckpt
 from grpo.train.policy import frozen_copy

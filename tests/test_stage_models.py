@@ -1,4 +1,4 @@
-"""grpo/model/load.py: the base model is refused when stale, by every stage that reads it (I12)."""
+"""grpo/model/stage_models.py: the base model is refused when stale, by every stage that reads it (I12)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from grpo import paths
 from grpo.config import config_from_dict
 from grpo.data import prepare
-from grpo.model.load import check_sft, load_base
+from grpo.model.stage_models import check_sft, load_base
 from grpo.provenance.lineage import StaleArtifactError, make_lineage, write_lineage
 from grpo.train import pretrain, sft
 

@@ -1,4 +1,4 @@
-"""grpo/train/supervised.py: SFT examples from the one renderer, the masked loss, and the training loop."""
+"""grpo/train/causal_lm.py: SFT examples from the one renderer, the masked loss, and the training loop."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from grpo.config import SftConfig, config_from_dict
 from grpo.core.batching import sft_batch
 from grpo.data.prepare import build_records
 from grpo.errors import GrpoError
-from grpo.train.copying import copy_texts, copy_vocab
-from grpo.train.supervised import LENGTH_GROUP_BATCHES, build_examples, epoch_batches, sft_loss, train_sft
+from grpo.train.causal_lm import LENGTH_GROUP_BATCHES, build_examples, epoch_batches, sft_loss, train_sft
 
 
 @pytest.fixture(scope="module")
@@ -107,32 +106,3 @@ def test_grouped_training_steps_every_example_and_lowers_the_loss(records, tiny_
         assert sum(h["tokens"] for h in history if h["epoch"] == epoch) == \
             sum(h["tokens"] for h in plain if h["epoch"] == epoch)
     assert [h["tokens"] for h in history] != [h["tokens"] for h in plain]
-
-
-def test_fresh_examples_are_drawn_anew_for_each_epoch_and_all_trained_on(records, tiny_model, tiny_tokenizer):
-    """``fresh(epoch)`` (the base stage's copy texts) is called once per epoch, in order, and every epoch
-    trains on its own draw besides ``examples``; an empty draw leaves training exactly as without one."""
-    examples = build_examples(records, tiny_tokenizer, 512, {})
-    vocab = copy_vocab(tiny_tokenizer)
-    draws = {epoch: copy_texts(4, vocab, tiny_tokenizer.bos_token_id, "variable", seed=epoch) for epoch in range(3)}
-    calls = []
-
-    def fresh(epoch):
-        calls.append(epoch)
-        return draws[epoch]
-
-    def supervised(shown):
-        return sum(sum(example.loss_mask[1:]) for example in shown)
-
-    cfg = SftConfig(epochs=3, batch_size=4, lr=1e-2, warmup_ratio=0.0)
-    history = train_sft(copy.deepcopy(tiny_model), examples, tiny_tokenizer.pad_token_id, cfg, seed=1,
-                        accelerator=Accelerator(cpu=True), progress=False, fresh=fresh)
-    assert calls == [0, 1, 2] and len(history) == 3 * 3  # 6 + 4 examples, batches of 4: 3 an epoch
-    assert len({supervised(draw) for draw in draws.values()}) == 3, "draws tell apart by their tokens"
-    for epoch in range(3):
-        assert sum(h["tokens"] for h in history if h["epoch"] == epoch) == supervised([*examples, *draws[epoch]])
-    plain = train_sft(copy.deepcopy(tiny_model), examples, tiny_tokenizer.pad_token_id, cfg, seed=1,
-                      accelerator=Accelerator(cpu=True), progress=False)
-    empty = train_sft(copy.deepcopy(tiny_model), examples, tiny_tokenizer.pad_token_id, cfg, seed=1,
-                      accelerator=Accelerator(cpu=True), progress=False, fresh=lambda epoch: [])
-    assert [h["loss"] for h in empty] == [h["loss"] for h in plain]

@@ -1,12 +1,12 @@
-"""grpo/data/checks.py: the derived columns hold what their rules need (None where a rule does not apply)."""
+"""grpo/data/rules.py: the derived columns hold what their rules need (None where a rule does not apply)."""
 
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
-from grpo.data.checks import build_frame
 from grpo.data.jsonl import RawRow
+from grpo.data.rules import build_frame
 from grpo.data.schema import ABSTENTION, make_record
 from grpo.data.splits import apply_sft_noise
 

@@ -14,7 +14,8 @@ from grpo import paths
 from grpo.config import Config
 from grpo.model.architectures import build_architecture, count_parameters, tokenizer_folder
 from grpo.model.gguf import convert_gguf
-from grpo.model.modeling import build_tiny, load_model, load_tokenizer, save_model, write_pointer
+from grpo.model.loading import load_model, load_tokenizer, save_model, write_pointer
+from grpo.model.tiny import build_tiny
 from grpo.sources import gguf_file, is_gguf
 
 

@@ -1,0 +1,256 @@
+"""The trainer's real step against the reference step written from scratch (``reference_step.py``).
+
+The gate runs ``grpo_step`` itself, with the step ``build_step`` made for the trainer, on the probe records
+and a policy moved away from its reference (so I8/I9 cannot hold by accident), and compares every
+tensor that entered its loss (``StepTrace``) with the reference step's on the same generated tokens:
+prompt and completion ids, the completion mask, the texts the rewards read, rewards, advantages, the
+stored old and reference log-probs, the update's log-probs and entropy, the per-task losses, KL and
+entropy, the combined gradient it stepped on (taken from the optimizer at its step) and the update the
+optimizer made. Variants probe what one configuration cannot show:
+
+- ``configured``: the params as they are (entropy bonus and KL switched on if off, so their signs show);
+- ``T != 1``: another sampling temperature (I10: a scorer that drops T);
+- ``pad != stop``: a pad token that is not a stop token (I5: a mask that runs past the first stop);
+- ``two updates``: ``num_iterations: 2`` (the stored old log-probs, I8/I10);
+- ``near-greedy, inexact means``: T = 0.05 and reward weights whose fp32 group mean is inexact, so
+  groups of equal rewards appear (I12);
+- every multitask mode (``sum`` one backward and per task, ``pcgrad``, ``cagrad`` with one graph or one
+  per task, ``reward_only``): the update's gradient on the configured variant's batch.
+
+The step runs in fp32 here (its bf16 path differs only by the autocast around the same code): the
+reference is fp32, and the bounds are fp32's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+
+from grpo.checks.gated import Gated, perturbed_policy, restored
+from grpo.checks.probes import Check
+from grpo.checks.reference_step import ReferenceStep, reference_step
+from grpo.model.chat import special_ids
+from grpo.train.step import Step, StepTrace, build_step, grpo_step
+from grpo.train.update import global_totals, gradient
+
+LOGPROB_BOUND = 1e-4
+"""fp32: a row scored alone (the reference) and inside the padded, cached batch (the step)."""
+COSINE_BOUND = 1e-4
+"""1 - cosine of the step's gradient and the reference's (fp32 reassociation, CAGrad's dual solved two ways)."""
+NORM_BOUND = 1e-3
+"""Relative error of the gradient's norm."""
+UPDATE_COSINE_BOUND = 1e-3
+"""1 - cosine of the weights' change and the first AdamW step on the reference's clipped gradient."""
+MODES = ({"mode": "sum"}, {"mode": "sum", "task_stats": True}, {"mode": "pcgrad"},
+         {"mode": "cagrad", "low_memory": False}, {"mode": "cagrad", "low_memory": True},
+         {"mode": "pcgrad", "reward_only": True}, {"mode": "cagrad", "reward_only": True})
+
+
+@dataclasses.dataclass
+class Optimised:
+    """What the trainer's optimizer saw and did at its first step."""
+
+    grad: torch.Tensor | None = None  # [P] the gradient it stepped on (clipped)
+    before: torch.Tensor | None = None  # [P] the weights before
+    after: torch.Tensor | None = None  # [P] the weights after
+    lr: float = 0.0
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+def run_step(step: Step, records: list[dict], seed_index: int) -> tuple[StepTrace, dict[str, Any], Optimised]:
+    """The trainer's ``grpo_step`` on ``records``: its trace and metrics, and what its optimizer stepped on
+    and did at its first step. The caller restores the weights (``restored``)."""
+    seen = Optimised()
+
+    def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if seen.grad is None:
+            seen.grad = _flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in step.params])
+            seen.before = _flat(step.params)
+            seen.lr = float(optimizer.param_groups[0]["lr"])
+
+    def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if seen.after is None:
+            seen.after = _flat(step.params)
+
+    handles = [step.optimizer.register_step_pre_hook(before_step), step.optimizer.register_step_post_hook(after_step)]
+    try:
+        result = grpo_step(step, records, seed_index, lambda attempt: records)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return result.trace, result.metrics, seen
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def _cosine_gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """1 - cosine(a, b); 0 when both are zero, 2 when one is."""
+    na, nb = float(a.norm()), float(b.norm())
+    if na == 0 and nb == 0:
+        return 0.0
+    if na == 0 or nb == 0:
+        return 2.0
+    return 1.0 - float(a.double() @ b.double()) / (na * nb)
+
+
+def compare(trace: StepTrace, metrics: dict[str, Any] | None, ref: ReferenceStep) -> dict[str, tuple[float, float]]:
+    """``{quantity: (value, bound)}`` of the step against the reference; ids, masks and texts count rows.
+    ``metrics``: the step's, when they describe its first update (one update per step), else None."""
+    rollout, batch, n = trace.draw.rollout, trace.batch, len(ref.prompts)
+    lengths = [len(c) for c in ref.completions]
+    width = rollout.prompt_ids.shape[1]
+    ids = batch.inputs.input_ids.cpu()
+    out = {
+        "prompt_ids": sum(rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist() != ref.prompts[i]
+                          for i in range(n)),
+        "completion_ids": sum(rollout.completion_ids[i, : lengths[i]].tolist() != ref.completions[i]
+                              for i in range(n)),
+        "completion_mask": sum(rollout.completion_mask[i].int().tolist() != [1] * lengths[i] + [0] * (
+            rollout.completion_mask.shape[1] - lengths[i]) for i in range(n)),
+        "joined_ids": sum(ids[i, width - len(ref.prompts[i]) : width].tolist() != ref.prompts[i]
+                          or ids[i, width : width + lengths[i]].tolist() != ref.completions[i] for i in range(n)),
+        "reward_texts": sum(a != b for a, b in zip(rollout.texts, ref.texts, strict=True)),
+    }
+    out = {key: (float(value), 0.0) for key, value in out.items()}
+    if any(out[key][0] for key in ("completion_ids", "completion_mask")):
+        return out  # the per-token quantities below would compare different tokens
+    out["rewards"] = (_gap(trace.draw.rewards, torch.tensor(ref.rewards)), 1e-6)
+    out["advantages"] = (_gap(trace.draw.advantages, torch.tensor(ref.advantages)), 1e-5)
+
+    def per_token(tensor: torch.Tensor | None, rows: list[torch.Tensor]) -> float:
+        return max(_gap(tensor[i, : lengths[i]].cpu(), rows[i].cpu()) for i in range(n)) if tensor is not None else 0.0
+
+    out["ref_logprobs"] = (per_token(batch.ref_logprobs, ref.ref_logprobs), LOGPROB_BOUND)
+    out["old_logprobs"] = (per_token(batch.old_logprobs, ref.logprobs), LOGPROB_BOUND)
+    out["logprobs"] = (per_token(trace.policy.logprobs, ref.logprobs), LOGPROB_BOUND)
+    out["entropy"] = (per_token(trace.policy.entropy, ref.entropy), LOGPROB_BOUND)
+    if metrics is None:
+        return out
+    for task, value in ref.task_losses.items():
+        out[f"loss/{task}"] = (abs(metrics[f"loss/{task}"] - value), LOGPROB_BOUND * (1 + abs(value)))
+    out["kl"] = (abs(metrics["kl"] - ref.kl), LOGPROB_BOUND * (1 + ref.kl))
+    out["entropy_mean"] = (abs(metrics["entropy"] - ref.mean_entropy), LOGPROB_BOUND * (1 + ref.mean_entropy))
+    return out
+
+
+def compare_update(step: Step, metrics: dict[str, Any], seen: Optimised,
+                   ref: ReferenceStep) -> dict[str, tuple[float, float]]:
+    """The gradient the optimizer first stepped on, its norm, and the weights' change, against the reference
+    (``grad_norm`` is the last update's: compared only with one update per step)."""
+    direction = ref.direction(step.cfg.grpo.multitask).to(step.accelerator.device)
+    norm = float(direction.norm())
+    out = {}
+    if step.cfg.grpo.num_iterations == 1:
+        out["grad_norm"] = (abs(metrics["grad_norm"] - norm) / max(norm, 1e-12), NORM_BOUND)
+    if seen.grad is None:  # no optimizer step: the step found a zero gradient
+        out["gradient"] = (0.0 if norm == 0 else 2.0, COSINE_BOUND)
+        return out
+    clipped = direction * min(1.0, step.cfg.grpo.max_grad_norm / (norm + 1e-6))  # clip_grad_norm_'s rule
+    out["gradient"] = (_cosine_gap(seen.grad, clipped), COSINE_BOUND)
+    eps = step.optimizer.param_groups[0].get("eps", 1e-8)
+    adam = -seen.lr * clipped / (clipped.abs() + eps)  # AdamW's first step: m = g, v = g^2 after correction
+    out["update"] = (_cosine_gap(seen.after - seen.before, adam), UPDATE_COSINE_BOUND)
+    return out
+
+
+def _pad_not_stop(step: Step) -> Step | None:
+    """The step with a tokenizer whose pad token is a special token that does not stop a completion (None
+    when the pad is no stop already, or no such token exists)."""
+    tokenizer = step.tokenizer
+    if tokenizer.pad_token_id not in step.eos_ids:
+        return None
+    spare = sorted(special_ids(tokenizer) - set(step.eos_ids))
+    if not spare:
+        return None
+    other = dataclasses.replace(step.policy, tokenizer=_with_pad(tokenizer, spare[0]))
+    return build_step(step.cfg, other, step.accelerator)
+
+
+def _with_pad(tokenizer, pad_id: int):
+    copied = copy.deepcopy(tokenizer)
+    copied.pad_token = copied.convert_ids_to_tokens(pad_id)
+    return copied
+
+
+def _inexact_weights(group: int) -> dict[str, float]:
+    """Reward weights whose rewards' fp32 group mean is not the value itself (float noise to mask, I12)."""
+    for value in (0.1, 0.2, 0.7, *(k / 100 for k in range(1, 100))):
+        same = torch.full((1, group), value)
+        if bool((same - same.mean(-1, keepdim=True)).any()):
+            return {"fairness": value, "hallucination": value}
+    return {"fairness": 0.1, "hallucination": 0.1}
+
+
+def variants(s: Gated) -> dict[str, Step]:
+    """The trainer's step under each probed setting (``build_step`` again for each), in fp32."""
+    grpo, loss = s.cfg.grpo, s.cfg.grpo.loss
+    on = {"bf16": False, "loss": {"beta": max(loss.beta, 0.04), "entropy_coef": loss.entropy_coef or 0.01}}
+    other_t = 0.7 if grpo.sampling.temperature == 1.0 else 1.0
+    out = {
+        "configured": s.variant(**on),
+        f"T={other_t}": s.variant(**on, sampling={"temperature": other_t}),
+        "two updates": s.variant(**on, num_iterations=2),
+    }
+    weights = s.cfg.rewards.model_copy(update={"weights": s.cfg.rewards.weights.model_copy(
+        update=_inexact_weights(grpo.group_size))})
+    near_greedy = s.variant(**on, sampling={"temperature": 0.05})
+    out["near-greedy, inexact means"] = dataclasses.replace(near_greedy, cfg=near_greedy.cfg.model_copy(
+        update={"rewards": weights}))
+    pad = _pad_not_stop(out["configured"])
+    if pad is not None:
+        out["pad != stop"] = pad
+    return out
+
+
+def check_step_agreement(s: Gated) -> Check:
+    """I3-I12 on the trainer's own step: every tensor that enters its loss, its gradient and its update
+    against the reference step (module docstring), in every variant and multitask mode."""
+    failures, worst, compared = [], {}, 0
+    probed = variants(s)
+    with perturbed_policy(s.policy, s.cfg.seed):
+        for name, step in probed.items():
+            with restored(step):  # the step trains the weights: they come back before the reference scores
+                trace, metrics, seen = run_step(step, s.records, 1)
+            ref = reference_step(step.cfg, step.model, s.sft, step.tokenizer, s.records, trace.draw.rollout.sequences)
+            first = metrics if step.cfg.grpo.num_iterations == 1 else None  # else the metrics are the last update's
+            found = compare(trace, first, ref) | compare_update(step, metrics, seen, ref)
+            if name == "configured":
+                with restored(step):
+                    found |= _modes(step, trace, ref)
+            for key, (value, bound) in found.items():
+                compared += 1
+                worst[key] = max(worst.get(key, 0.0), value)
+                if not value <= bound:  # a NaN fails
+                    failures.append(f"{name}: {key} {value:.3g} > {bound:.3g}")
+    detail = (f"{compared} comparisons over {len(probed)} variants ({', '.join(probed)}) and {len(MODES)} modes; worst: "
+              + ", ".join(f"{k} {v:.2g}" for k, v in worst.items()))
+    return Check("step_agreement", "fail" if failures else "pass", len(failures),
+                 detail + ("; " + "; ".join(failures[:12]) if failures else ""),
+                 "the trainer's step differs from the reference step in what the failures name: see "
+                 "grpo/checks/reference_step.py for what each quantity must be" if failures else "",
+                 "I3-I12", 0)
+
+
+def _modes(configured: Step, trace: StepTrace, ref: ReferenceStep) -> dict[str, tuple[float, float]]:
+    """The update's gradient (before clipping) in every multitask mode on the configured variant's batch."""
+    out = {}
+    batch = dataclasses.replace(trace.batch, prefills=())  # the kept prefill is of the weights before the step
+    for mode in MODES:
+        multitask = configured.cfg.grpo.multitask.model_copy(update=mode)
+        step = build_step(configured.cfg.model_copy(update={"grpo": configured.cfg.grpo.model_copy(
+            update={"multitask": multitask})}), configured.policy, configured.accelerator)
+        direction = gradient(step, batch, global_totals(step, batch)).direction
+        want = ref.direction(multitask).to(direction.device)
+        label = "+".join(f"{k}={v}" for k, v in mode.items())
+        out[f"gradient[{label}]"] = (_cosine_gap(direction, want), COSINE_BOUND)
+        out[f"grad_norm[{label}]"] = (abs(float(direction.norm()) - float(want.norm())) / max(float(want.norm()), 1e-12),
+                                     NORM_BOUND)
+    return out

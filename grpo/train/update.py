@@ -1,0 +1,244 @@
+"""The update of a GRPO step: scoring -> loss -> gradient combination -> optimizer, over a scored batch.
+
+For each of ``grpo.num_iterations`` passes: the policy scores the batch's rows, one part at a time
+(``parts``: per task and micro-batch, or every task together), each task's loss terms are taken from
+its own rows (``task_losses``), their gradients are summed over the micro-batches, combined once in the
+configured mode (``core.multitask``), clipped, and the optimizer steps. ``sum`` mode without per-task
+statistics differentiates the summed loss once instead (the sum is linear).
+
+Each loss is scaled by its part's share of the task's rows (or tokens for ``token_mean``) over all
+processes (``Totals``), so the gradients summed over micro-batches and processes are the one-process
+gradient of the whole batch, however the rows are spread.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from grpo.core.losses import LossTerms, policy_loss_terms, total_loss
+from grpo.core.multitask import TaskGradients, accumulate, check_finite, combine_task_gradients, task_gradient
+from grpo.data.schema import TASKS
+from grpo.errors import GrpoError
+from grpo.model.scoring import Scored, score_inputs
+from grpo.train import collectives
+
+if TYPE_CHECKING:  # the step's types; importing them at run time would be circular
+    from grpo.train.step import ScoredBatch, Step
+
+
+class NonFiniteError(GrpoError):
+    """A reward, loss or gradient is NaN/Inf; the step is abandoned before anything is updated."""
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Rows and completion tokens of each task over ALL processes: the denominators of each task's
+    loss, so the processes' losses (and gradients) summed are the one-process ones of the global batch."""
+
+    rows: dict[str, float]
+    tokens: dict[str, float]
+
+
+def global_totals(step: Step, batch: ScoredBatch) -> Totals:
+    """Each task's rows and completion tokens, summed over the processes (one small all-reduce)."""
+    local = torch.tensor([[float(len(batch.rows[t])), float(batch.completion_mask[batch.rows[t]].sum())]
+                          if t in batch.rows else [0.0, 0.0] for t in TASKS], dtype=torch.float64)  # [K, 2]
+    local = collectives.sum_tensor(step.accelerator, local).cpu()
+    return Totals({t: float(local[i, 0]) for i, t in enumerate(TASKS)},
+                  {t: float(local[i, 1]) for i, t in enumerate(TASKS)})
+
+
+def parts(step: Step) -> list[tuple[tuple[str, ...], int]]:
+    """What each policy pass scores at once, in order: ``(tasks, micro-batch)``. One graph per task
+    (``low_memory``), or one over every task (the shared graph, and ``sum``'s single backward). Every
+    process passes every task: under FSDP each forward and backward is a collective."""
+    together = step.summed or not step.cfg.grpo.multitask.low_memory
+    subsets = [TASKS] if together else [(task,) for task in TASKS]
+    return [(subset, micro) for micro in range(step.cfg.grpo.grad_accum) for subset in subsets]
+
+
+def _micro_rows(batch: ScoredBatch, totals: Totals, task: str, micro: int, n_micro: int,
+                loss_type: str) -> tuple[torch.Tensor, float]:
+    """Rows of ``task`` in micro-batch ``micro`` and their share of the task's loss over the GLOBAL
+    batch (rows, or tokens for token_mean)."""
+    part = torch.tensor_split(batch.rows[task], n_micro)[micro]
+    if loss_type == "token_mean":
+        share = float(batch.completion_mask[part].sum()) / max(totals.tokens[task], 1.0)
+    else:
+        share = len(part) / totals.rows[task]
+    return part, share
+
+
+def _score_rows(step: Step, batch: ScoredBatch, rows: torch.Tensor) -> Scored:
+    """The policy's log-probs and entropy of ``rows`` (with grad), as the reference and old log-probs
+    were scored: the same temperature (I10), the same shared-prefix path, the rollout's kept prefill."""
+    with step.autocast():
+        return score_inputs(step.model, batch.inputs.rows(rows), shared_prefix=step.shares_prefix,
+                            prefills=batch.prefills)
+
+
+class Scoring(NamedTuple):
+    """The policy pass over some rows of the batch, detached: what the loss was computed from."""
+
+    rows: torch.Tensor  # [n] row indices
+    logprobs: torch.Tensor  # [n, C]
+    entropy: torch.Tensor  # [n, C]
+
+
+def task_losses(step: Step, batch: ScoredBatch, totals: Totals, subset: tuple[str, ...],
+                micro: int) -> tuple[dict[str, LossTerms], dict[str, dict[str, float]], Scoring | None]:
+    """One forward over micro-batch ``micro`` of the rows of ``subset``; each task's loss terms from its
+    own rows, scaled by their share, its statistics weighted by its share of the task's tokens, and the
+    pass itself (detached).
+    Under FSDP a task without rows here gets a zero-weighted loss on one row: every process must run
+    the same forwards and backwards, each is a collective there."""
+    loss_cfg, n_micro = step.cfg.grpo.loss, step.cfg.grpo.grad_accum
+    found = {t: _micro_rows(batch, totals, t, micro, n_micro, loss_cfg.loss_type) for t in subset if t in batch.rows}
+    found = {t: p for t, p in found.items() if len(p[0])}
+    if step.space.sharded:
+        placeholder = torch.zeros(1, dtype=torch.long, device=batch.advantages.device)
+        found = {t: found.get(t, (placeholder, 0.0)) for t in subset}
+    if not found:
+        return {}, {}, None
+    rows = torch.cat([p[0] for p in found.values()])
+    scored = _score_rows(step, batch, rows)
+    losses, stats_out, offset = {}, {}, 0
+    for task, (idx, share) in found.items():
+        here = slice(offset, offset + len(idx))
+        offset += len(idx)
+        logprobs = scored.logprobs[here].float()
+        old = batch.old_logprobs[idx] if batch.old_logprobs is not None else logprobs.detach()
+        ref = batch.ref_logprobs[idx] if batch.ref_logprobs is not None else None
+        terms, stats = policy_loss_terms(
+            logprobs, old, ref, batch.advantages[idx], batch.completion_mask[idx], scored.entropy[here].float(),
+            epsilon_low=loss_cfg.epsilon_low, epsilon_high=loss_cfg.epsilon_high,
+            loss_type=loss_cfg.loss_type, max_completion_length=step.cfg.grpo.sampling.max_new_tokens,
+            token_weights=None if batch.is_weights is None else batch.is_weights[idx],
+        )
+        losses[task] = LossTerms(*(term * share for term in terms))
+        # The statistics are token means over this part: weighted by its share of the task's tokens
+        # over all processes, they add up to the token mean of the global batch however it is split.
+        token_share = float(batch.completion_mask[idx].sum()) / max(totals.tokens[task], 1.0) if share else 0.0
+        stats_out[task] = {key: token_share * float(value) for key, value in (stats | scored.logits_stats).items()}
+    return losses, stats_out, Scoring(rows, scored.logprobs.detach().float(), scored.entropy.detach().float())
+
+
+def _add_stats(into: dict[str, dict[str, float]], stats: dict[str, dict[str, float]]) -> None:
+    for task, values in stats.items():
+        acc = into.setdefault(task, {})
+        for key, value in values.items():
+            acc[key] = acc.get(key, 0.0) + value
+
+
+class Gradient(NamedTuple):
+    """One pass over the batch: the update direction, its statistics, and what the policy scored."""
+
+    direction: torch.Tensor  # [P] the combined gradient (before clipping)
+    stats: dict[str, Any]  # combination statistics and loss/<task>
+    task_stats: dict[str, dict[str, float]]  # per-task loss and logits statistics (shares of the task's tokens)
+    scored: list[Scoring]  # the policy pass, part by part
+
+
+def gradient(step: Step, batch: ScoredBatch, totals: Totals) -> Gradient:
+    """The update direction ``[P]`` of one pass over the batch, its combination statistics, the per-task
+    statistics and the pass: every part scored, each task's gradient taken and summed over micro-batches,
+    then combined (I7: every loss through ``total_loss``)."""
+    mt, loss_cfg = step.cfg.grpo.multitask, step.cfg.grpo.loss
+    params, space = step.params, step.space
+    task_stats: dict[str, dict[str, float]] = {}
+    scored: list[Scoring] = []
+    if step.summed:  # sum mode: the gradient of the summed loss is the sum of the task gradients
+        direction, losses = space.zeros(params), {}
+        for subset, micro in parts(step):
+            by_task, stats, seen = task_losses(step, batch, totals, subset, micro)
+            _add_stats(task_stats, stats)
+            if not by_task:
+                continue
+            scored.append(seen)
+            totals_here = {task: total_loss(terms, loss_cfg.beta, loss_cfg.entropy_coef)
+                           for task, terms in by_task.items()}
+            direction += space.flat_grad(sum(totals_here.values()), params, retain=False)
+            for task, value in totals_here.items():
+                losses[task] = losses.get(task, 0.0) + float(value.detach())
+            del by_task, totals_here
+        direction = step.reduce(direction)
+        bad = sorted(task for task, value in losses.items() if not math.isfinite(value)) or sorted(losses)
+        check_finite(direction, f"the summed loss (task(s) {bad})", space)
+        stats: dict[str, Any] = {f"loss/{task}": value for task, value in losses.items()}
+        return Gradient(direction, stats | {"multitask/tasks_combined": float(len(losses))}, task_stats, scored)
+    grads: dict[str, TaskGradients] = {}
+    for subset, micro in parts(step):
+        by_task, stats, seen = task_losses(step, batch, totals, subset, micro)
+        _add_stats(task_stats, stats)
+        scored += [seen] if seen is not None else []
+        for task in subset:
+            if task in by_task:
+                retain = not mt.low_memory and task != subset[-1]
+                accumulate(grads, task, task_gradient(params, by_task[task], loss_cfg.beta, loss_cfg.entropy_coef,
+                                                      mt.reward_only, retain, space))
+        del by_task
+    direction, stats = combine_task_gradients(
+        grads, TASKS, space.zeros(params), mode=mt.mode, c=mt.cagrad_c, rescale=mt.cagrad_rescale,
+        reward_only=mt.reward_only, reduce_fn=step.reduce if step.replicated else None, space=space)
+    return Gradient(direction, stats, task_stats, scored)
+
+
+def update(step: Step, batch: ScoredBatch) -> tuple[dict[str, Any], PolicyPass]:
+    """``num_iterations`` clipped optimizer steps on the combined per-task gradients: the last one's
+    metrics, and what the first one's policy pass scored."""
+    params, space = step.params, step.space
+    totals = global_totals(step, batch)
+    metrics: dict[str, Any] = {}
+    first: PolicyPass | None = None
+    for _ in range(step.cfg.grpo.num_iterations):
+        step.optimizer.zero_grad(set_to_none=True)
+        taken = gradient(step, batch, totals)
+        first = first or policy_pass(batch, taken.scored)
+        space.write(params, taken.direction)
+        losses = {k: v for k, v in taken.stats.items() if k.startswith("loss/")}
+        task_stats, losses = collectives.sum_task_statistics(step.accelerator, taken.task_stats, losses)
+        mt_stats = {k: v for k, v in taken.stats.items() if not k.startswith("loss/")} | losses
+        grad_norm = space.clip(params, step.cfg.grpo.max_grad_norm)
+        if not math.isfinite(grad_norm):
+            step.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(f"grpo: gradient norm is {grad_norm}; nothing was updated")
+        if grad_norm > 0:  # a zero gradient makes no step: Adam's momentum must not drift in a deadlock
+            step.optimizer.step()
+        metrics = {**token_means(task_stats, totals), **mt_stats, "grad_norm": grad_norm}
+    with warnings.catch_warnings():  # the step may have been skipped on purpose (zero gradient)
+        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+        step.scheduler.step()
+    metrics["loss"] = sum(v for k, v in metrics.items() if k.startswith("loss/"))
+    metrics["lr"] = step.scheduler.get_last_lr()[0]
+    return metrics, first
+
+
+class PolicyPass(NamedTuple):
+    """The log-probs and entropy the update's (first) policy pass scored, detached: [N, C] each, 0 on rows
+    it did not score."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+
+
+def policy_pass(batch: ScoredBatch, scored: list[Scoring]) -> PolicyPass:
+    """The parts of a pass put back in row order."""
+    logprobs = torch.zeros(batch.completion_mask.shape, device=batch.completion_mask.device)
+    entropy = torch.zeros_like(logprobs)
+    for part in scored:
+        logprobs[part.rows], entropy[part.rows] = part.logprobs, part.entropy
+    return PolicyPass(logprobs, entropy)
+
+
+def token_means(task_stats: dict[str, dict[str, float]], totals: Totals) -> dict[str, float]:
+    """Token mean over both tasks (global tokens) of the per-task loss and logits statistics."""
+    total = sum(totals.tokens[t] for t in task_stats) or 1.0
+    keys = set().union(*(s.keys() for s in task_stats.values())) if task_stats else set()
+    return {key: sum(s.get(key, 0.0) * totals.tokens[t] for t, s in task_stats.items()) / total
+            for key in keys}

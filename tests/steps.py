@@ -1,0 +1,45 @@
+"""A GRPO step around the tiny model, for the tests of the step, its update and the checks that drive it."""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+
+from grpo.config import config_from_dict
+from grpo.data.prepare import build_records
+from grpo.model.lora import wrap_lora
+from grpo.train.policy import Policy
+from grpo.train.step import Step, build_step
+from grpo.train.update import update
+
+
+def make_context(tiny_model, tiny_tokenizer, **grpo) -> Step:
+    cfg = config_from_dict({
+        "grpo": {"group_size": 2, "sampling": {"max_new_tokens": 5}, **grpo},
+        "model": {"lora": {"r": 2, "alpha": 4}},
+    })
+    torch.manual_seed(0)
+    model = wrap_lora(tiny_model, cfg.model.lora)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    return build_step(cfg, Policy(model, tiny_tokenizer, optimizer, scheduler, None), Accelerator(cpu=True))
+
+
+def step_records() -> list[dict]:
+    """Two fairness and two hallucination training records."""
+    cfg = config_from_dict({"data": {"n_train": 16, "n_eval": 4}})
+    train = [r.model_dump(mode="json") for r in build_records(cfg)["train"]]
+    return [r for r in train if r["task"] == "fairness"][:2] + [r for r in train if r["task"] == "hallucination"][:2]
+
+
+def with_advantages(sampled, advantages):
+    return type(sampled)(sampled.rollout, sampled.records, sampled.rewards, advantages, sampled.stats,
+                         prefills=sampled.prefills)
+
+
+def combined_gradient(ctx, batch) -> torch.Tensor:
+    update(ctx, batch)
+    return torch.cat([p.grad.flatten() for p in ctx.model.parameters() if p.requires_grad])
+
+

@@ -1,0 +1,121 @@
+"""grpo/train/update.py: the step's update, scored part by part; I7 (a step on the entropy bonus raises
+entropy) in every gradient mode, through the very function the trainer runs."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from grpo.core.losses import masked_mean
+from grpo.core.multitask import MultitaskError
+from grpo.model.scoring import score_inputs
+from grpo.train.step import draw, prepare_batch
+from grpo.train.update import global_totals, gradient, parts, task_losses, update
+from tests.steps import make_context, step_records, with_advantages
+
+
+@pytest.fixture(scope="module")
+def records():
+    return step_records()
+
+
+MODES = [  # (mode, reward_only, low_memory, task_stats)
+    ("sum", False, False, True), ("pcgrad", False, False, False), ("cagrad", False, False, False),
+    ("cagrad", True, False, False), ("cagrad", False, True, False), ("pcgrad", True, False, False),
+    ("sum", False, True, True), ("cagrad", True, True, False), ("sum", False, True, False),
+    ("sum", True, True, False),
+]
+
+
+def _batch(ctx, records, advantages=None):
+    sampled = draw(ctx, records, seed=5)
+    advantages = torch.zeros(len(sampled.rewards)) if advantages is None else advantages
+    return prepare_batch(ctx, with_advantages(sampled, advantages))
+
+
+@torch.no_grad()
+def _entropy(ctx, batch) -> float:
+    return float(masked_mean(score_inputs(ctx.model, batch.inputs).entropy, batch.completion_mask))
+
+
+@pytest.mark.parametrize(("mode", "reward_only", "low_memory", "task_stats"), MODES)
+@pytest.mark.parametrize("entropy_coef", [0.5, -0.5])
+def test_i7_entropy_step_raises_entropy_in_every_mode(tiny_model, tiny_tokenizer, records, mode, reward_only,
+                                                      low_memory, task_stats, entropy_coef):
+    """Zero advantages and no KL: the update's direction is the entropy bonus's alone, combined in the mode;
+    one SGD step along it raises entropy for a positive coefficient and lowers it for a negative one."""
+    multitask = {"mode": mode, "reward_only": reward_only, "low_memory": low_memory, "task_stats": task_stats}
+    ctx = make_context(tiny_model, tiny_tokenizer, multitask=multitask,
+                       loss={"beta": 0.0, "entropy_coef": entropy_coef})
+    with torch.no_grad():  # a moved adapter, so the entropy gradient reaches A and B
+        for name, param in ctx.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
+    batch = _batch(ctx, records)
+    before = _entropy(ctx, batch)
+    direction = gradient(ctx, batch, global_totals(ctx, batch)).direction
+    with torch.no_grad():
+        offset = 0
+        for p in ctx.params:
+            p -= 2.0 * direction[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+    after = _entropy(ctx, batch)
+    assert (after - before) * entropy_coef > 1e-5, (before, after)
+
+
+def test_parts_score_per_task_or_together(tiny_model, tiny_tokenizer):
+    tasks = ("fairness", "hallucination")
+    low = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "cagrad"}, grad_accum=2)
+    assert parts(low) == [(("fairness",), 0), (("hallucination",), 0), (("fairness",), 1), (("hallucination",), 1)]
+    shared = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "cagrad", "low_memory": False})
+    assert parts(shared) == [(tasks, 0)]
+    summed = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "sum"})
+    assert summed.summed and parts(summed) == [(tasks, 0)]
+
+
+def test_the_summed_backward_is_the_sum_of_the_task_gradients(tiny_model, tiny_tokenizer, records):
+    """``sum`` without task statistics takes one backward of the summed loss: the same direction as the
+    per-task gradients summed, without their norms."""
+    advantages = torch.linspace(-1, 1, 2 * len(records))
+    loss = {"beta": 0.04, "entropy_coef": 0.01}
+    one = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "sum"}, loss=loss)
+    each = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "sum", "task_stats": True},
+                        loss=loss)
+    got, got_stats, _, _ = gradient(one, b := _batch(one, records, advantages), global_totals(one, b))
+    want, want_stats, _, _ = gradient(each, c := _batch(each, records, advantages), global_totals(each, c))
+    assert want.abs().max() > 0
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert "grad_norm/fairness" not in got_stats and "grad_norm/fairness" in want_stats
+    assert got_stats["loss/fairness"] == pytest.approx(want_stats["loss/fairness"], abs=1e-6)
+
+
+@pytest.mark.parametrize("multitask", [{"mode": "sum"}, {"mode": "cagrad"}, {"mode": "cagrad", "low_memory": False}])
+def test_a_nan_loss_raises_naming_the_task_and_updates_nothing(tiny_model, tiny_tokenizer, records, multitask):
+    ctx = make_context(tiny_model, tiny_tokenizer, multitask=multitask)
+    advantages = torch.ones(2 * len(records))
+    batch = _batch(ctx, records, advantages)
+    advantages[batch.rows["hallucination"][0]] = float("nan")
+    batch = _batch(ctx, records, advantages)
+    before = [p.detach().clone() for p in ctx.model.parameters()]
+    with pytest.raises(MultitaskError, match="hallucination"):
+        update(ctx, batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, ctx.model.parameters(), strict=True))
+    assert not ctx.optimizer.state
+
+
+def test_task_losses_scale_each_task_by_its_share_of_the_batch(tiny_model, tiny_tokenizer, records):
+    """Two micro-batches' losses of a task add up to the whole task's loss (grpo: rows, token_mean: tokens)."""
+    for loss_type in ("grpo", "token_mean"):
+        whole = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"loss_type": loss_type})
+        split = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"loss_type": loss_type}, grad_accum=2)
+        advantages = torch.linspace(-1, 1, 2 * len(records))
+        batch = _batch(whole, records, advantages)
+        totals = global_totals(whole, batch)
+        full, _, _ = task_losses(whole, batch, totals, ("fairness",), 0)
+        fresh = dataclasses.replace(batch, prefills=())  # the rollout's kept prefill is of whole's model
+        halves = [task_losses(split, fresh, totals, ("fairness",), micro)[0] for micro in (0, 1)]
+        total = sum(float(h["fairness"].policy) for h in halves)
+        assert total == pytest.approx(float(full["fairness"].policy), abs=1e-6), loss_type
