@@ -17,22 +17,20 @@ from typing import Any, NamedTuple
 
 import torch
 
-from grpo.checks.gated import Gated, perturbed_policy, restored, step_batch
+from grpo.checks.gated import Gated, perturbed_policy, restored, step_batch, with_grpo
 from grpo.checks.probes import ENTROPY_TOL, Check, bounded, reference_kl
 from grpo.checks.tokenizer_boundary import boundary_problems
 from grpo.core.advantages import group_advantages
-from grpo.core.attention import model_attention_mask
-from grpo.core.batching import left_pad, position_ids_from_mask
+from grpo.core.batching import left_pad
 from grpo.core.logprobs import score_completions
 from grpo.core.losses import clipped_surrogate, k3_kl, masked_mean
-from grpo.core.prefix import shared_prefix_logits
 from grpo.model.rollout import Rollout, rollout_from_sequences, sampling_processors
 from grpo.model.sampling import EosSuppressor, build_logits_processors
-from grpo.model.scoring import RolloutInputs, score_inputs
+from grpo.model.scoring import score_inputs
 from grpo.train.causal_lm import build_examples
 from grpo.train.dynamic_sampling import Draw
-from grpo.train.step import ScoredBatch, header_tokens, prepare_batch
-from grpo.train.update import global_totals, gradient
+from grpo.train.step import ScoredBatch, Step, header_tokens, prepare_batch
+from grpo.train.update import global_totals, gradient, part_rows, parts, score_parts
 
 
 def check_render_parity(s: Gated) -> Check:
@@ -200,12 +198,13 @@ def check_penalty_scope(s: Gated) -> Check:
     return check
 
 
-def _fresh_gap(s: Gated, model: torch.nn.Module, inputs: RolloutInputs, ref: torch.Tensor) -> float:
-    """Max |ref - log-probs of ``model``| over the completion tokens, scored as the step scores."""
-    model.to(inputs.input_ids.device).eval()
-    with torch.no_grad(), s.ctx.autocast():
-        other = score_inputs(model, inputs, shared_prefix=s.cfg.grpo.shared_prefix).logprobs.float()
-    return float((ref - other).abs()[inputs.completion_mask].max())
+def _fresh_gap(s: Gated, model: torch.nn.Module, batch: ScoredBatch) -> float:
+    """Max |the step's reference log-probs - ``model``'s| over the completion tokens, ``model`` scored part by
+    part as the step scores its reference (the same forwards: in any precision the SFT weights agree
+    exactly, where a model that is not them differs by far more)."""
+    model.to(batch.inputs.input_ids.device).eval()
+    other = score_parts(s.ctx, batch.inputs, batch.rows, adapter=True, model=model).logprobs
+    return float((batch.ref_logprobs - other).abs()[batch.completion_mask].max())
 
 
 def _per_token_leak(old: torch.Tensor) -> tuple[float, float]:
@@ -231,8 +230,8 @@ def check_ratio_kl_reference(s: Gated) -> Check:
     with perturbed_policy(s.policy, s.cfg.seed):
         batch, _ = step_batch(s, s.cfg.seed + 1, num_iterations=2, loss={"beta": max(s.cfg.grpo.loss.beta, 0.04)})
         kl = reference_kl(s.policy, batch.inputs, s.reference)
-    sft_gap = _fresh_gap(s, s.sft, batch.inputs, batch.ref_logprobs)
-    base_gap = _fresh_gap(s, s.base, batch.inputs, batch.ref_logprobs) if s.base is not None else None
+    sft_gap = _fresh_gap(s, s.sft, batch)
+    base_gap = _fresh_gap(s, s.base, batch) if s.base is not None else None
     leak, own = _per_token_leak(batch.old_logprobs)
     same = s.tolerance() / 10  # 1e-5 in fp32; SFT and base log-probs differ by far more
     numbers = {"ref_vs_fresh_sft": sft_gap, "ref_vs_base": base_gap, "kl_perturbed": kl,
@@ -254,23 +253,35 @@ def check_ratio_kl_reference(s: Gated) -> Check:
                  "I8, I9", bound)
 
 
-def _formula(s: Gated, inputs: RolloutInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropy of ``softmax(z / T)`` written out in float64 on the raw logits of the forward
-    the step's scorer runs (``core.prefix.shared_prefix_logits`` under the step's precision, or a plain
-    forward when it scores whole sequences): [N, C] each. The same forward, so the gap measures the
-    formula (the temperature, the log-softmax, the entropy), whatever the precision."""
-    width = inputs.completion_mask.shape[1]
-    with torch.no_grad(), s.ctx.autocast():
-        if s.ctx.shares_prefix:
-            logits = shared_prefix_logits(s.policy, inputs.input_ids, inputs.attention_mask, width)
-        else:
-            logits = s.policy(input_ids=inputs.input_ids, position_ids=position_ids_from_mask(inputs.attention_mask),
-                              attention_mask=model_attention_mask(s.policy, inputs.attention_mask,
-                                                                  inputs.input_ids.shape[1]),
-                              logits_to_keep=width + 1).logits[:, :-1]
-    logp = torch.log_softmax(logits.double() / inputs.temperature, dim=-1)
-    chosen = logp.gather(-1, inputs.input_ids[:, -width:].unsqueeze(-1)).squeeze(-1)
-    return chosen, -(logp.exp() * logp).sum(-1)
+def _formula(step: Step, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The policy's log-probs and entropy part by part as the step scores them (``update.part_rows``), and
+    ``softmax(z / T)``'s written out in float64 on the raw logits those very forwards produced (the output
+    layer's, caught by a hook): [N, C] each. The same forwards, so the gap measures the formula (the
+    temperature, the log-softmax, the entropy), whatever the precision."""
+    inputs, width = batch.inputs, batch.completion_mask.shape[1]
+    shape = batch.completion_mask.shape
+    scored_logp, scored_entropy = torch.zeros(shape), torch.zeros(shape)
+    logp, entropy = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
+    caught: list[torch.Tensor] = []
+    hook = step.model.get_output_embeddings().register_forward_hook(lambda m, i, out: caught.append(out.detach()))
+    try:
+        for subset, micro in parts(step):
+            found = part_rows(step, batch.rows, subset, micro)
+            if not found:
+                continue
+            idx = torch.cat([part for part, _ in found.values()])
+            segments = [task for task, (part, _) in found.items() for _ in range(len(part))]
+            with torch.no_grad(), step.autocast():
+                scored = score_inputs(step.model, inputs.rows(idx), shared_prefix=step.shares_prefix, segments=segments)
+            raw = caught[-1][:, -width - 1 : -1] if caught[-1].shape[1] == width + 1 else caught[-1]  # [n, C, V]
+            written = torch.log_softmax(raw.double() / inputs.temperature, dim=-1)
+            ids = inputs.input_ids[idx, -width:].unsqueeze(-1)
+            logp[idx.cpu()] = written.gather(-1, ids).squeeze(-1).cpu()
+            entropy[idx.cpu()] = -(written.exp() * written).sum(-1).cpu()
+            scored_logp[idx.cpu()], scored_entropy[idx.cpu()] = scored.logprobs.float().cpu(), scored.entropy.float().cpu()
+    finally:
+        hook.remove()
+    return logp, entropy, torch.stack([scored_logp, scored_entropy])
 
 
 def check_temperature(s: Gated) -> Check:
@@ -284,14 +295,15 @@ def check_temperature(s: Gated) -> Check:
             batch, sampled = step_batch(s, s.cfg.seed + 2, num_iterations=2, sampling={"temperature": t})
             if sampled.rollout.temperature != t or batch.inputs.temperature != t:
                 wrong_record.append(t)
-            with torch.no_grad(), s.ctx.autocast():
-                entropy = score_inputs(s.policy, batch.inputs, shared_prefix=s.ctx.shares_prefix).entropy
-            logp, manual_entropy = _formula(s, batch.inputs)
-            mask = batch.completion_mask
-            gaps[f"T={t}"] = max(float((batch.old_logprobs.double() - logp).abs()[mask].max()),
+            logp, manual_entropy, (scored_logp, entropy) = _formula(with_grpo(s.ctx, num_iterations=2,
+                                                                              sampling={"temperature": t}), batch)
+            mask = batch.completion_mask.cpu()
+            gaps[f"T={t}"] = max(float((batch.old_logprobs.cpu().double() - logp).abs()[mask].max()),
+                                 float((scored_logp.double() - logp).abs()[mask].max()),
                                  float((entropy.double() - manual_entropy).abs()[mask].max()))
     worst = max(gaps.values())
-    detail = f"max |scored - written out| of log-probs and entropy on the scorer's own logits: {gaps}"
+    detail = (f"max |scored - written out| of the stored and fresh log-probs and the entropy, on the raw logits of "
+              f"the step's own forwards: {gaps}")
     check = bounded("temperature", "I10", worst, s.tolerance(), detail,
                     "divide the logits by the rollout's temperature before log-softmax AND entropy")
     if wrong_record:

@@ -212,7 +212,7 @@ def reference_step(cfg: Config, policy: torch.nn.Module, sft: torch.nn.Module, t
         policy_loss = _aggregate(policy_terms, loss.loss_type, n_max)
         regulariser = (loss.beta * _aggregate(kls, loss.loss_type, n_max)
                        - loss.entropy_coef * _aggregate(entropies, loss.loss_type, n_max))
-        task_losses[task] = float(policy_loss + regulariser)
+        task_losses[task] = float((policy_loss + regulariser).detach())
         policy_grads[task], regulariser_grads[task] = (_flat_grad(term, params) for term in (policy_loss, regulariser))
     tokens = sum(len(c) for c in completions)
     with torch.no_grad():

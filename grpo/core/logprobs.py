@@ -8,7 +8,7 @@ bonus talk about a policy that never acted. Positions are counted over real toke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -107,6 +107,7 @@ def score_completions(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     shared_prefix: bool = False,
     prefills: Sequence[PromptPrefill] = (),
+    segments: Sequence[Hashable] | None = None,
 ) -> Scored:
     """Log-probs and entropy of the last ``C`` tokens under ``softmax(z / T)``.
 
@@ -116,7 +117,9 @@ def score_completions(
     peft-wrapped models (the keyword arguments pass through to the base model).
     ``shared_prefix``: each distinct prompt runs once and its completions against its key/value
     cache (``grpo.core.prefix``): the same numbers, without recomputing a prompt G times; with
-    ``prefills`` (the rollout's kept prefills of these prompts) without running the prompts at all.
+    ``prefills`` (the rollout's kept prefills of these prompts) without running the prompts at all;
+    ``segments`` (a label per row, its task): the prompts are prefilled one forward per segment, as the
+    rollout keeps them, so every pass over the same rows computes alike.
     """
     width = input_ids.shape[1]
     if not 1 <= completion_width < width:
@@ -129,7 +132,7 @@ def score_completions(
             f"score_completions: temperature must be > 0 (got {temperature}); pass the sampling temperature"
         )
     if shared_prefix:
-        raw = shared_prefix_logits(model, input_ids, attention_mask, completion_width, prefills)  # [B, C, V]
+        raw = shared_prefix_logits(model, input_ids, attention_mask, completion_width, prefills, segments)  # [B, C, V]
     else:
         raw = model(
             input_ids=input_ids,

@@ -1,9 +1,8 @@
 """Shared-prefix forward: each distinct prompt runs through the model once, its completions against
 its key/value cache.
 
-The G completions of a GRPO group share their prompt, and the prompts (80-130 tokens) are much
-longer than the completions (a few tokens), so a plain forward over ``[prompt | completion]`` rows
-recomputes every prompt G times. Causal attention makes the prompt's keys and values independent
+The G completions of a GRPO group share their prompt, and a prompt is usually much longer than its
+completions, so a plain forward over ``[prompt | completion]`` rows recomputes every prompt G times. Causal attention makes the prompt's keys and values independent
 of what follows, so running the prompt once and attending the completion tokens to its cache gives
 the same logits, and, since the cache is an ordinary tensor of the graph, the same gradients: the
 prompt's share of every row's gradient flows back through the cache expansion and is summed (Prefix
@@ -53,42 +52,25 @@ def shared_prefix_logits(
     attention_mask: torch.Tensor,  # [B, P + C]: 1 = real token
     completion_width: int,  # C
     prefills: Sequence[PromptPrefill] = (),
+    segments: Sequence[Hashable] | None = None,  # [B] a label per row (its task); None: one segment
 ) -> torch.Tensor:
     """Logits that score the last ``C`` tokens -> [B, C, V], equal to the last ``C + 1`` positions of a
     plain forward (without the final one) up to floating-point reassociation.
 
-    The prompt's last position predicts completion token 0; completion tokens ``0 .. C - 2`` predict
-    tokens ``1 .. C - 1``, so the completion pass runs ``C - 1`` tokens against the expanded cache.
-    ``prefills``: the rollout's kept prefills of these prompts (``keep_prefills``): the prompt pass is
-    not run again, the last prompt column and the completion run against the kept keys and values.
+    The prompts are prefilled (every column but the last) once per distinct prompt, one forward per
+    segment over its distinct prompts in order of first appearance (``keep_prefills``, the very function
+    the rollout keeps its prefill with), then the last prompt column and the completion run against the
+    expanded cache. ``prefills``: the rollout's kept prefills of these prompts stand in for that prefill.
+    The same rows and segments thus always run the same computation, in any precision: the stored
+    reference and old log-probs and the update's are bit for bit alike where the weights are.
     """
-    if prefills:
-        return _prefilled_logits(model, input_ids, attention_mask, completion_width, prefills)
-    prompt_width = input_ids.shape[1] - completion_width
-    groups = prefix_groups(input_ids[:, :prompt_width], attention_mask[:, :prompt_width])
-    ids, mask = input_ids[:, groups.start :], attention_mask[:, groups.start :]
-    positions = position_ids_from_mask(mask)
-    width = prompt_width - groups.start
-    prefix = model(
-        input_ids=ids[groups.first, :width],
-        attention_mask=model_attention_mask(model, mask[groups.first, :width], width),
-        position_ids=positions[groups.first, :width],
-        logits_to_keep=1,
-        use_cache=True,
-    )
-    first_logits = prefix.logits[groups.inverse]  # [B, 1, V]
-    if completion_width == 1:
-        return first_logits
-    cache = prefix.past_key_values
-    cache.reorder_cache(groups.inverse)  # index_select: every row gets its prompt's keys and values
-    rest = model(
-        input_ids=ids[:, width:-1],
-        attention_mask=model_attention_mask(model, mask[:, :-1], completion_width - 1),
-        position_ids=positions[:, width:-1],
-        past_key_values=cache,
-        use_cache=True,
-    )
-    return torch.cat([first_logits, rest.logits], dim=1)
+    if not prefills:
+        prompt_width = input_ids.shape[1] - completion_width
+        prompts, mask = input_ids[:, :prompt_width], attention_mask[:, :prompt_width]
+        labels = list(segments) if segments is not None else [0] * input_ids.shape[0]
+        first = sorted(prefix_groups(prompts, mask).first.tolist())  # one row of each distinct prompt, in order
+        prefills = keep_prefills(model, prompts[first], mask[first], [labels[row] for row in first])
+    return _prefilled_logits(model, input_ids, attention_mask, completion_width, prefills)
 
 
 @torch.no_grad()
@@ -136,18 +118,18 @@ def trainable_weights(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
 
 def keep_prefills(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                   segments: Sequence[Hashable]) -> tuple[PromptPrefill, ...]:
-    """The prefill of every prompt but its last column WITH its graph, one forward per segment (the
-    update runs one graph per task in ``low_memory`` mode, so each task's backward must reach only its
-    own prompts' graph). prompt_ids, prompt_mask: [n, P] left-padded, P >= 2; segments: [n] labels."""
+    """The prefill of every prompt but its last column, one forward per segment over its prompts in order
+    (the update runs one graph per task in ``low_memory`` mode, so each task's backward must reach only
+    its own prompts' graph), with the graph where grad is enabled (the rollout keeps it so).
+    prompt_ids, prompt_mask: [n, P] left-padded, P >= 2; segments: [n] labels."""
     out = []
     weights = trainable_weights(model)
-    with torch.enable_grad():
-        for label in dict.fromkeys(segments):
-            index = torch.tensor([i for i, s in enumerate(segments) if s == label], device=prompt_ids.device)
-            ids, mask = prompt_ids[index], prompt_mask[index]
-            cache = _prefill(model, ids, mask)
-            layers = tuple((layer.keys, layer.values) for layer in cache.layers)
-            out.append(PromptPrefill(ids, mask, index, layers, weights, type(cache)))
+    for label in dict.fromkeys(segments):
+        index = torch.tensor([i for i, s in enumerate(segments) if s == label], device=prompt_ids.device)
+        ids, mask = prompt_ids[index], prompt_mask[index]
+        cache = _prefill(model, ids, mask)
+        layers = tuple((layer.keys, layer.values) for layer in cache.layers)
+        out.append(PromptPrefill(ids, mask, index, layers, weights, type(cache)))
     return tuple(out)
 
 

@@ -126,7 +126,8 @@ def sample_rollout(
     distinct = prompt.input_ids[::group_size].to(device), prompt.attention_mask[::group_size].to(device)
     if shared_prefill and keep_segments is not None and prompt_width > 1:
         # Outside ``cast_frozen_weights_once``: it marks the frozen weights as requiring grad.
-        kept = keep_prefills(model, *distinct, keep_segments)
+        with torch.enable_grad():  # kept with its graph: the update's backward runs through it
+            kept = keep_prefills(model, *distinct, keep_segments)
         cache = {"past_key_values": decode_cache(model, kept, group_size)}
     # The seed is an argument: sampling never depends on (or moves) the global generator.
     devices = [device] if device.type == "cuda" else []

@@ -11,7 +11,7 @@ Nothing here reads ``grpo.sampling.temperature``: a scorer cannot disagree with 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,27 +52,30 @@ def rollout_inputs(rollout: Rollout, device: torch.device | str = "cpu") -> Roll
 
 
 def score_inputs(model: torch.nn.Module, inputs: RolloutInputs, adapter: bool = True,
-                 shared_prefix: bool = False, prefills: Sequence[PromptPrefill] = ()) -> Scored:
+                 shared_prefix: bool = False, prefills: Sequence[PromptPrefill] = (),
+                 segments: Sequence[Hashable] | None = None) -> Scored:
     """Log-probs and entropy of the completions under ``softmax(z / inputs.temperature)``.
 
     ``adapter=False`` scores the reference (I9): the same peft model with its LoRA adapter disabled.
     ``shared_prefix``: each distinct prompt runs once and its completions against its cache (exact);
-    ``prefills``: the rollout's kept prefills of the prompts stand in for that prompt pass (``core.prefix``).
+    ``prefills``: the rollout's kept prefills of the prompts stand in for that prompt pass (``core.prefix``);
+    ``segments``: a label per row (its task), one prefill forward each (``core.prefix.shared_prefix_logits``).
     """
     context = contextlib.nullcontext() if adapter else adapter_disabled(model)
     with context:
         return score_completions(model, inputs.input_ids, inputs.attention_mask, inputs.completion_mask.shape[1],
-                                 inputs.temperature, shared_prefix=shared_prefix, prefills=prefills)
+                                 inputs.temperature, shared_prefix=shared_prefix, prefills=prefills,
+                                 segments=segments)
 
 
 def score_reference(model: torch.nn.Module, inputs: RolloutInputs, reference: torch.nn.Module | None = None,
-                    shared_prefix: bool = False) -> Scored:
+                    shared_prefix: bool = False, segments: Sequence[Hashable] | None = None) -> Scored:
     """The reference's log-probs and entropy (I9): ``reference`` (the frozen SFT copy that full
     fine-tuning keeps) when given, else ``model`` with its LoRA adapter disabled."""
     if reference is not None:
-        return score_inputs(reference, inputs, shared_prefix=shared_prefix)
+        return score_inputs(reference, inputs, shared_prefix=shared_prefix, segments=segments)
     if not hasattr(model, "disable_adapter"):
         raise ScoringError(
             f"the reference of a {type(model).__name__} without a LoRA adapter is a frozen copy of the SFT "
             "model, and none was given: pass train.policy.build_policy's `reference` (model.lora.enabled: false)")
-    return score_inputs(model, inputs, adapter=False, shared_prefix=shared_prefix)
+    return score_inputs(model, inputs, adapter=False, shared_prefix=shared_prefix, segments=segments)

@@ -35,7 +35,7 @@ from grpo.health.metrics import completion_stats, task_reward_stats
 from grpo.model.engines import HFEngine, RolloutEngine, make_engine
 from grpo.model.precision import bf16_autocast, has_dropout
 from grpo.model.rollout import stop_ids
-from grpo.model.scoring import RolloutInputs, rollout_inputs, score_inputs, score_reference
+from grpo.model.scoring import RolloutInputs, rollout_inputs
 from grpo.rewards import group_rewards
 from grpo.seeding import derive_seed
 from grpo.train import collectives
@@ -43,7 +43,7 @@ from grpo.train.dynamic_sampling import Draw, MoreRecordsFn, merge_draws
 from grpo.train.mismatch import sampler_correction
 from grpo.train.policy import Policy, build_policy
 from grpo.train.sharding import gathered, grad_space
-from grpo.train.update import NonFiniteError, PolicyPass, update
+from grpo.train.update import NonFiniteError, PolicyPass, score_parts, update
 
 
 @dataclass
@@ -267,26 +267,20 @@ def raise_on_nonfinite_rewards(step: Step, rewards: torch.Tensor, tasks: Sequenc
 # --------------------------------------------------------------------------- scoring
 
 
-def _stored_logprobs(step: Step, inputs: RolloutInputs, adapter: bool) -> torch.Tensor:
-    """Log-probs kept fixed through the update: the old policy's, or the reference's (adapter off, I9)."""
-    with torch.no_grad(), step.autocast():
-        if not adapter:  # I9: the frozen SFT copy (full fine-tuning) or the adapter disabled (LoRA)
-            return score_reference(step.model, inputs, step.reference, shared_prefix=step.shares_prefix).logprobs.float()
-        return score_inputs(step.model, inputs, shared_prefix=step.shares_prefix).logprobs.float()
-
-
 def prepare_batch(step: Step, sampled: Draw) -> ScoredBatch:
     """Join prompt and generated ids (I3) and compute the stored old and reference log-probs, all
     under the temperature the rollout recorded (I10): the same distribution the update scores."""
     rollout, device = sampled.rollout, step.accelerator.device
     inputs = rollout_inputs(rollout, device)
-    old = _stored_logprobs(step, inputs, adapter=True) if step.cfg.grpo.num_iterations > 1 else None
-    ref = _stored_logprobs(step, inputs, adapter=False) if step.cfg.grpo.loss.beta > 0 else None
     rows = {t: torch.tensor([i for i, x in enumerate(sampled.tasks) if x == t], dtype=torch.long, device=device)
             for t in TASKS}
+    rows = {t: r for t, r in rows.items() if len(r)}
+    # Scored part by part as the update scores (I8): where the weights are the same, the numbers are too.
+    old = score_parts(step, inputs, rows, adapter=True).logprobs if step.cfg.grpo.num_iterations > 1 else None
+    ref = score_parts(step, inputs, rows, adapter=False).logprobs if step.cfg.grpo.loss.beta > 0 else None
     weights = None if sampled.is_weights is None else sampled.is_weights.to(device)
-    return ScoredBatch(inputs, sampled.advantages.to(device), old, ref, {t: r for t, r in rows.items() if len(r)},
-                       weights, sampled.prefills if step.reuses_prefill else ())
+    return ScoredBatch(inputs, sampled.advantages.to(device), old, ref, rows, weights,
+                       sampled.prefills if step.reuses_prefill else ())
 
 
 # --------------------------------------------------------------------------- the step

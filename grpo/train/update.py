@@ -25,7 +25,7 @@ from grpo.core.losses import LossTerms, policy_loss_terms, total_loss
 from grpo.core.multitask import TaskGradients, accumulate, check_finite, combine_task_gradients, task_gradient
 from grpo.data.schema import TASKS
 from grpo.errors import GrpoError
-from grpo.model.scoring import Scored, score_inputs
+from grpo.model.scoring import RolloutInputs, Scored, score_inputs, score_reference
 from grpo.train import collectives
 
 if TYPE_CHECKING:  # the step's types; importing them at run time would be circular
@@ -63,24 +63,58 @@ def parts(step: Step) -> list[tuple[tuple[str, ...], int]]:
     return [(subset, micro) for micro in range(step.cfg.grpo.grad_accum) for subset in subsets]
 
 
-def _micro_rows(batch: ScoredBatch, totals: Totals, task: str, micro: int, n_micro: int,
-                loss_type: str) -> tuple[torch.Tensor, float]:
-    """Rows of ``task`` in micro-batch ``micro`` and their share of the task's loss over the GLOBAL
-    batch (rows, or tokens for token_mean)."""
-    part = torch.tensor_split(batch.rows[task], n_micro)[micro]
+def part_rows(step: Step, rows: dict[str, torch.Tensor], subset: tuple[str, ...],
+              micro: int) -> dict[str, tuple[torch.Tensor, bool]]:
+    """The rows of each task of ``subset`` in micro-batch ``micro`` (``rows``: task -> its rows of the
+    batch), each with whether they are real. Under FSDP a task without rows here gets one placeholder row
+    (0, not real): every process must run the same forwards and backwards, each is a collective there."""
+    found = {t: torch.tensor_split(rows[t], step.cfg.grpo.grad_accum)[micro] for t in subset if t in rows}
+    found = {t: (idx, True) for t, idx in found.items() if len(idx)}
+    if step.space.sharded:
+        placeholder = torch.zeros(1, dtype=torch.long, device=next(iter(rows.values())).device)
+        found = {t: found.get(t, (placeholder, False)) for t in subset}
+    return found
+
+
+def score_parts(step: Step, inputs: RolloutInputs, rows: dict[str, torch.Tensor], adapter: bool,
+                model: torch.nn.Module | None = None) -> Scored:
+    """The policy's (``adapter``) or the reference's log-probs and entropy of every row [N, C], scored part
+    by part exactly as the update scores them (``parts``, ``part_rows``, one prefill forward per task):
+    the stored old and reference log-probs are then the very numbers the update's pass gives where the
+    weights are the same (ratio 1 and KL 0 at the start, bit for bit, in any precision). ``model``:
+    another model scored the same way (the gate compares a fresh load of the SFT weights)."""
+    logprobs = torch.zeros(inputs.completion_mask.shape, device=inputs.completion_mask.device)
+    entropy = torch.zeros_like(logprobs)
+    for subset, micro in parts(step):
+        found = part_rows(step, rows, subset, micro)
+        if not found:
+            continue
+        idx = torch.cat([part for part, _ in found.values()])
+        segments = [task for task, (part, _) in found.items() for _ in range(len(part))]
+        with torch.no_grad(), step.autocast():
+            if adapter or model is not None:
+                scored = score_inputs(model or step.model, inputs.rows(idx), shared_prefix=step.shares_prefix,
+                                      segments=segments)
+            else:  # I9: the frozen SFT copy (full fine-tuning) or the adapter disabled (LoRA)
+                scored = score_reference(step.model, inputs.rows(idx), step.reference,
+                                         shared_prefix=step.shares_prefix, segments=segments)
+        logprobs[idx], entropy[idx] = scored.logprobs.float(), scored.entropy.float()
+    return Scored(logprobs, entropy, {})
+
+
+def _share(batch: ScoredBatch, totals: Totals, task: str, part: torch.Tensor, loss_type: str) -> float:
+    """The part's share of the task's loss over the GLOBAL batch (rows, or tokens for token_mean)."""
     if loss_type == "token_mean":
-        share = float(batch.completion_mask[part].sum()) / max(totals.tokens[task], 1.0)
-    else:
-        share = len(part) / totals.rows[task]
-    return part, share
+        return float(batch.completion_mask[part].sum()) / max(totals.tokens[task], 1.0)
+    return len(part) / totals.rows[task]
 
 
-def _score_rows(step: Step, batch: ScoredBatch, rows: torch.Tensor) -> Scored:
+def _score_rows(step: Step, batch: ScoredBatch, rows: torch.Tensor, segments: list[str]) -> Scored:
     """The policy's log-probs and entropy of ``rows`` (with grad), as the reference and old log-probs
-    were scored: the same temperature (I10), the same shared-prefix path, the rollout's kept prefill."""
+    were scored: the same temperature (I10), the same parts and prefill path, the rollout's kept prefill."""
     with step.autocast():
         return score_inputs(step.model, batch.inputs.rows(rows), shared_prefix=step.shares_prefix,
-                            prefills=batch.prefills)
+                            prefills=batch.prefills, segments=segments)
 
 
 class Scoring(NamedTuple):
@@ -96,18 +130,14 @@ def task_losses(step: Step, batch: ScoredBatch, totals: Totals, subset: tuple[st
     """One forward over micro-batch ``micro`` of the rows of ``subset``; each task's loss terms from its
     own rows, scaled by their share, its statistics weighted by its share of the task's tokens, and the
     pass itself (detached).
-    Under FSDP a task without rows here gets a zero-weighted loss on one row: every process must run
-    the same forwards and backwards, each is a collective there."""
-    loss_cfg, n_micro = step.cfg.grpo.loss, step.cfg.grpo.grad_accum
-    found = {t: _micro_rows(batch, totals, t, micro, n_micro, loss_cfg.loss_type) for t in subset if t in batch.rows}
-    found = {t: p for t, p in found.items() if len(p[0])}
-    if step.space.sharded:
-        placeholder = torch.zeros(1, dtype=torch.long, device=batch.advantages.device)
-        found = {t: found.get(t, (placeholder, 0.0)) for t in subset}
+    A placeholder row under FSDP (``part_rows``) weighs 0."""
+    loss_cfg = step.cfg.grpo.loss
+    found = {t: (idx, _share(batch, totals, t, idx, loss_cfg.loss_type) if real else 0.0)
+             for t, (idx, real) in part_rows(step, batch.rows, subset, micro).items()}
     if not found:
         return {}, {}, None
     rows = torch.cat([p[0] for p in found.values()])
-    scored = _score_rows(step, batch, rows)
+    scored = _score_rows(step, batch, rows, [task for task, (idx, _) in found.items() for _ in range(len(idx))])
     losses, stats_out, offset = {}, {}, 0
     for task, (idx, share) in found.items():
         here = slice(offset, offset + len(idx))
