@@ -45,7 +45,7 @@ pipeline: setup
 test: setup
 	python -m pytest -q
 
-# GPU benchmark (CUDA only; `python benchmarks/gpu.py --smoke` runs on CPU): see README "GPU and scale".
+# GPU benchmark (CUDA only; `python benchmarks/gpu.py --smoke` runs on CPU): see docs/scaling.md "GPU benchmark".
 bench-gpu: setup
 	python benchmarks/gpu.py
 

@@ -1,8 +1,12 @@
-"""The mutation table: each DESIGN.md bug class written as a small patch of the code a stage runs.
+"""The mutation table: each bug class of docs/invariants.md written as small patches of the code a stage
+runs, several ways per class: in the function the class is about, in the SFT loop, in the rollout's
+construction sites, in the trainer's wiring of the step.
 
-``tests/test_mutations.py`` applies each patch to a copy of the project and asserts that both the
-named tests and ``grpo preflight`` (the named check) fail. A mutation that survives is a missing
-test. The README's invariant table lists the same rows.
+``tests/test_mutations.py`` applies each patch to a copy of the project and asserts that the named tests
+fail and that ``grpo preflight`` fails with the named check, or (``check`` None: a patch of the trainer's
+own wiring, which the gate cannot run) that the passing report of the unpatched code goes stale, so
+``grpo train`` refuses to start. A mutation that survives is a missing test or check. docs/invariants.md
+lists the same rows.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ class Mutation(NamedTuple):
     old: str  # must occur exactly once in the file
     new: str
     tests: tuple[str, ...]  # pytest node ids that must fail
-    check: str  # the pre-flight check that must fail
+    check: str | None  # the pre-flight check that must fail; None: the patch makes the gate's report stale
     retrain_sft: bool = False  # the patch is in the SFT stage: rebuild models/sft before the pre-flight
 
 
@@ -116,6 +120,128 @@ MUTATIONS: tuple[Mutation, ...] = (
         "zero_variance_divided_by_epsilon", "I12", "grpo/core/advantages.py",
         "    advantages = torch.where(zero_std.unsqueeze(-1), torch.zeros_like(centred), centred).reshape(-1)\n",
         "    advantages = centred.reshape(-1)\n",
+        ("tests/test_advantages.py::test_i12_zero_variance_groups_give_zero_advantage_and_are_counted",),
+        "zero_variance_groups",
+    ),
+    # ------------------------------------------------------------------ other ways to write the same bugs
+    Mutation(
+        "sft_conversation_without_the_system_turn", "I1", "grpo/train/causal_lm.py",
+        "    return render_sft(tokenizer, example_messages(record), sft_target(record), **template_kwargs)\n",
+        "    return render_sft(tokenizer, example_messages(record)[1:], sft_target(record), **template_kwargs)\n",
+        ("tests/test_stage_invariants.py::test_i1_sft_stage_examples_start_with_the_rl_prompt_ids",),
+        "render_parity", retrain_sft=True,
+    ),
+    Mutation(
+        "sft_loss_drops_the_stop_position", "I2", "grpo/train/causal_lm.py",
+        "    mask = batch.loss_mask[:, 1:]  # [B, T-1] bool\n",
+        "    mask = batch.loss_mask[:, 1:].clone()  # [B, T-1] bool\n    mask[:, -1] = False\n",
+        ("tests/test_causal_lm.py::test_i2_the_loss_reaches_every_stop_token",),
+        "sft_supervises_stop", retrain_sft=True,
+    ),
+    Mutation(
+        "sft_loop_drops_the_stop_from_each_example", "I2", "grpo/train/causal_lm.py",
+        "            loss, stats = batch_loss(model, [examples[i] for i in rows], pad_id, accelerator.device, cfg.bf16)\n",
+        "            unstopped = [SftExample(examples[i].ids, [*examples[i].loss_mask[:-1], False]) for i in rows]\n"
+        "            loss, stats = batch_loss(model, unstopped, pad_id, accelerator.device, cfg.bf16)\n",
+        ("tests/test_causal_lm.py::test_i2_training_supervises_every_stop_token",),
+        "sft_ends_answers", retrain_sft=True,
+    ),
+    Mutation(
+        "rollout_reencodes_its_completions", "I3", "grpo/model/rollout.py",
+        "    completion_ids = completion_ids_from_generated(sequences.cpu(), prompt.input_ids.shape[1])\n",
+        "    completion_ids = completion_ids_from_generated(sequences.cpu(), prompt.input_ids.shape[1])\n"
+        "    width = completion_ids.shape[1]\n"
+        "    decoded = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)\n"
+        "    completion_ids = torch.tensor([(tokenizer.encode(t, add_special_tokens=False)\n"
+        "                                    + [tokenizer.pad_token_id] * width)[:width] for t in decoded])\n",
+        ("tests/test_rollout.py::test_i3_the_rollout_keeps_the_generated_ids",),
+        "step_agreement",
+    ),
+    Mutation(
+        "reward_texts_cut_per_row", "I4", "grpo/model/rollout.py",
+        "        texts=tokenizer.batch_decode(kept, skip_special_tokens=True),\n",
+        "        texts=tokenizer.batch_decode([row[int(n):][: len(k)].tolist() for row, n, k in\n"
+        "                                      zip(sequences.cpu(), prompt.attention_mask.sum(1), kept, strict=True)],\n"
+        "                                     skip_special_tokens=True),\n",
+        ("tests/test_rollout.py::test_i4_the_reward_texts_are_the_completions_decoded",),
+        "step_agreement",
+    ),
+    Mutation(
+        "mask_keeps_tokens_after_the_first_stop", "I5", "grpo/model/rollout.py",
+        "    masks = completion_mask(completion_ids, eos_ids)\n",
+        "    masks = completion_mask(completion_ids, eos_ids)\n"
+        "    masks = masks._replace(mask=masks.mask | ~torch.isin(completion_ids, torch.tensor(list(eos_ids))))\n",
+        ("tests/test_stage_invariants.py::test_i5_rollout_mask_stops_at_the_first_stop_when_pad_is_not_a_stop",),
+        "rollout_cut_and_mask",
+    ),
+    Mutation(
+        "processors_built_with_the_first_prompts_width", "I6", "grpo/model/rollout.py",
+        "    processors, suppressor = build_logits_processors(prompt_width, eos_ids, sampling)\n",
+        "    processors, suppressor = build_logits_processors(len(prompts[0]), eos_ids, sampling)\n",
+        ("tests/test_rollout.py::test_i6_processors_count_completion_tokens_of_a_short_first_prompt",),
+        "processors_see_completion",
+    ),
+    Mutation(
+        "entropy_sign_flipped_in_the_summed_backward", "I7", "grpo/train/update.py",
+        "            totals_here = {task: total_loss(terms, loss_cfg.beta, loss_cfg.entropy_coef)\n",
+        "            totals_here = {task: total_loss(terms, loss_cfg.beta, -loss_cfg.entropy_coef)\n",
+        ("tests/test_update.py::test_i7_entropy_step_raises_entropy_in_every_mode",),
+        "step_agreement",
+    ),
+    Mutation(
+        "kl_from_the_sequence_log_ratio", "I8", "grpo/core/losses.py",
+        "    delta = _masked(ref_logprobs - logprobs, completion_mask)\n",
+        "    per_row = ((ref_logprobs - logprobs) * completion_mask).sum(-1, keepdim=True)\n"
+        "    delta = _masked((per_row / completion_mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(logprobs),\n"
+        "                    completion_mask)\n",
+        ("tests/test_losses.py::test_i8_kl_is_the_per_token_k3_estimator",),
+        "ratio_kl_reference", retrain_sft=True,  # SFT's masked loss is in losses.py too: models/sft goes stale
+    ),
+    Mutation(
+        "the_steps_reference_is_the_base", "I9", "grpo/train/step.py",
+        "                eos_ids=eos_ids, accelerator=accelerator, engine=engine, reference=policy.reference,\n",
+        "                eos_ids=eos_ids, accelerator=accelerator, engine=engine,\n"
+        "                reference=__import__('grpo.model.stage_models', fromlist=['load_base']).load_base(cfg)[0]\n"
+        "                .to(accelerator.device).eval(),\n",
+        ("tests/test_trainer.py::test_i9_the_trainers_first_step_has_ratio_1_and_kl_0",),
+        "first_step",
+    ),
+    Mutation(
+        "the_trainer_swaps_in_the_base_as_reference", "I9", "grpo/train/trainer.py",
+        "    policy = context.policy\n",
+        "    context = __import__('dataclasses').replace(context, reference=__import__(\n"
+        "        'grpo.model.stage_models', fromlist=['load_base']).load_base(cfg)[0].eval())\n"
+        "    policy = context.policy\n",
+        ("tests/test_trainer.py::test_i9_the_trainers_first_step_has_ratio_1_and_kl_0",),
+        None,
+    ),
+    Mutation(
+        "update_scores_at_temperature_one", "I10", "grpo/train/update.py",
+        "        return score_inputs(step.model, batch.inputs.rows(rows), shared_prefix=step.shares_prefix,\n",
+        "        rows_at_one = __import__('dataclasses').replace(batch.inputs.rows(rows), temperature=1.0)\n"
+        "        return score_inputs(step.model, rows_at_one, shared_prefix=step.shares_prefix,\n",
+        ("tests/test_update.py::test_i10_the_update_scores_at_the_rollouts_temperature",),
+        "step_agreement",
+    ),
+    Mutation(
+        "reference_scored_at_temperature_one", "I10", "grpo/train/update.py",
+        "                scored = score_reference(step.model, inputs.rows(idx), step.reference,\n",
+        "                scored = score_reference(step.model, __import__('dataclasses').replace(\n"
+        "                    inputs.rows(idx), temperature=1.0), step.reference,\n",
+        ("tests/test_step.py::test_i10_the_reference_is_scored_at_the_rollouts_temperature",),
+        "step_agreement",
+    ),
+    Mutation(
+        "attention_reaches_the_padding", "I11", "grpo/core/attention.py",
+        "    real = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, K]\n",
+        "    real = torch.ones_like(attention_mask, dtype=torch.bool)[:, None, None, :]  # [B, 1, 1, K]\n",
+        ("tests/test_logprobs.py::test_i11_logprobs_alone_equal_inside_padded_batch",),
+        "left_padded_extraction", retrain_sft=True,
+    ),
+    Mutation(
+        "zero_variance_read_on_scaled_rewards", "I12", "grpo/core/advantages.py",
+        "    zero_std = grouped.amax(dim=-1) == grouped.amin(dim=-1)  # [n_groups], exact equality\n",
+        "    zero_std = centred.abs().amax(dim=-1) == 0  # [n_groups]\n",
         ("tests/test_advantages.py::test_i12_zero_variance_groups_give_zero_advantage_and_are_counted",),
         "zero_variance_groups",
     ),

@@ -32,6 +32,8 @@ TINY_PARAMS: dict[str, Any] = {
     },
     "pretrain": {"records": 16, "epochs": 1, "batch_size": 8},
     "sft": {"epochs": 1, "batch_size": 8},
+    # One epoch of a 1-layer model does not learn to stop: the gate reports the share, not a failure.
+    "preflight": {"min_ended_share": 0.0},
     "grpo": {"group_size": 2, "steps": 2, "prompts_per_step": 2, "sampling": {"max_new_tokens": 6}},
     "checkpoint": {"every": 1},
     "tracking": {"wandb": "disabled"},

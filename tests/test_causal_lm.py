@@ -12,7 +12,14 @@ from grpo.config import SftConfig, config_from_dict
 from grpo.core.batching import sft_batch
 from grpo.data.prepare import build_records
 from grpo.errors import GrpoError
-from grpo.train.causal_lm import LENGTH_GROUP_BATCHES, build_examples, epoch_batches, sft_loss, train_sft
+from grpo.train.causal_lm import (
+    LENGTH_GROUP_BATCHES,
+    batch_loss,
+    build_examples,
+    epoch_batches,
+    sft_loss,
+    train_sft,
+)
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +113,32 @@ def test_grouped_training_steps_every_example_and_lowers_the_loss(records, tiny_
         assert sum(h["tokens"] for h in history if h["epoch"] == epoch) == \
             sum(h["tokens"] for h in plain if h["epoch"] == epoch)
     assert [h["tokens"] for h in history] != [h["tokens"] for h in plain]
+
+
+def test_i2_the_loss_reaches_every_stop_token(records, tiny_model, tiny_tokenizer):
+    """The batch the loop trains on (``batch_loss``): each conversation's stop token, in the last column of
+    the left-padded batch, gets a gradient at the logits that predict it."""
+    examples = build_examples(records, tiny_tokenizer, 512, {})
+    caught = []
+
+    def keep(module, inputs, output):
+        output.retain_grad()
+        caught.append(output)
+
+    hook = tiny_model.get_output_embeddings().register_forward_hook(keep)
+    loss, _ = batch_loss(tiny_model, examples, tiny_tokenizer.pad_token_id, torch.device("cpu"), bf16=False)
+    loss.backward()
+    hook.remove()
+    stops = torch.tensor([example.ids[-1] for example in examples])
+    at_stop = caught[0].grad[torch.arange(len(examples)), -2, stops]  # d loss / d logit of the stop token
+    assert (at_stop < 0).all(), at_stop  # the loss falls as the stop token grows likelier
+
+
+def test_i2_training_supervises_every_stop_token(records, tiny_model, tiny_tokenizer):
+    """An epoch of the loop puts loss on every supervised token of every example, each stop token included:
+    the tokens it reports add up to the examples' supervised tokens."""
+    examples = build_examples(records, tiny_tokenizer, 512, {})
+    cfg = SftConfig(epochs=1, batch_size=4, lr=1e-3)
+    history = train_sft(copy.deepcopy(tiny_model), examples, tiny_tokenizer.pad_token_id, cfg, seed=0,
+                        accelerator=Accelerator(cpu=True), progress=False)
+    assert sum(h["tokens"] for h in history) == sum(sum(example.loss_mask) for example in examples)

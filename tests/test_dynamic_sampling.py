@@ -44,7 +44,7 @@ def sample_groups(monkeypatch):
 
     def run(table: dict[int, Draw], records, more_records, mode, max_resample, pad_id):
         calls = iter(sorted(table))
-        monkeypatch.setattr(step_module, "draw", lambda step, recs, seed, timer: table[next(calls)])
+        monkeypatch.setattr(step_module, "draw", lambda step, _records, seed, timer: table[next(calls)])
         cfg = config_from_dict({"grpo": {"dynamic_sampling": mode, "max_resample": max_resample}})
         stub = SimpleNamespace(cfg=cfg, accelerator=SimpleNamespace(process_index=0),
                                tokenizer=SimpleNamespace(pad_token_id=pad_id))

@@ -141,3 +141,38 @@ def test_the_real_smollm2_file_converts_and_answers():
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, len(prompt):])
+
+
+@pytest.mark.slow
+def test_the_gate_refuses_the_raw_conversion_and_passes_the_repaired_one(tmp_path):
+    """The pipeline on a GGUF file (the embedded base of a project, its tokenizer trained on the data):
+    given the folder transformers alone converted (eos from the bos id, no pad), `grpo preflight` fails
+    naming the turn-start token and the fix; given the file itself, the base stage repairs the tokenizer
+    and the pre-flight passes."""
+    import json
+
+    from grpo.cli import main
+    from grpo.config import ModelConfig
+    from grpo.model.loading import load_model, load_tokenizer
+    from tests.tiny_project import run_stages, tiny_params, write_params
+
+    source = tmp_path / "source"
+    run_stages(write_params(source, tiny_params(source)), "prepare", "base")
+    base = source / "models" / "base"
+    path = write_gguf(load_model(base, ModelConfig()), load_tokenizer(base, ModelConfig()), tmp_path / "tiny.gguf")
+    model, raw = raw_conversion(path)
+    model.save_pretrained(tmp_path / "raw")
+    raw.save_pretrained(tmp_path / "raw")
+    for name, given, passes in (("raw", tmp_path / "raw", False), ("repaired", path, True)):
+        root = tmp_path / name
+        params = write_params(root, tiny_params(root, model={"name_or_path": str(given)}))
+        run_stages(params, "prepare", "validate", "base", "sft")
+        assert (main(["preflight", "--params", str(params)]) == 0) is passes, name
+        report = json.loads((root / "reports" / "preflight.json").read_text())
+        special = next(c for c in report["checks"] if c["name"] == "special_tokens")
+        if passes:
+            assert report["passed"], [c for c in report["checks"] if not c["passed"]]
+        else:
+            assert not special["passed"]
+            assert "eos token '<|begin_of_text|>' (id 0) is a turn-start token" in special["detail"]
+            assert "give the .gguf itself as model.name_or_path" in special["hint"]

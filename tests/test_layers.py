@@ -1,4 +1,4 @@
-"""The layering of grpo/: every module imports only from its own layer or those below (README "Layout").
+"""The layering of grpo/: every module imports only from its own layer or those below (docs/design.md "Layers").
 
 Parsed from the code's own import statements (``ast``, function-level imports included), so the
 layering cannot decay silently. Bottom-up:

@@ -154,7 +154,7 @@ def test_precision_fields_are_config_with_defaults():
     assert cfg.model.attn_implementation == "sdpa" and not cfg.model.gradient_checkpointing
     assert not cfg.sft.bf16 and not cfg.grpo.bf16  # fp32 unless asked: the exactness tests rely on it
     shipped = load_config(ROOT / "params.yaml")
-    # the 1.0M embedded model gains nothing from bf16 on CPU (README, Precision): the shipped params run fp32
+    # the 1.0M embedded model gains nothing from bf16 on CPU (docs/configuration.md, precision): the shipped params run fp32
     assert not (shipped.pretrain.bf16 or shipped.sft.bf16 or shipped.grpo.bf16)
     assert config_from_dict({"model": {"gradient_checkpointing": True}}).model.gradient_checkpointing
 

@@ -57,7 +57,7 @@ def test_shared_prefix_gives_the_plain_forward_numbers(policy, tiny_tokenizer, r
     torch.testing.assert_close(fast.entropy[mask], plain.entropy[mask], rtol=0, atol=1e-5)
     torch.testing.assert_close(fast_loss, plain_loss, rtol=1e-6, atol=1e-5)
     assert plain_grads.abs().max() > 1e-3
-    torch.testing.assert_close(fast_grads, plain_grads, rtol=0, atol=1e-5)
+    torch.testing.assert_close(fast_grads, plain_grads, rtol=1e-5, atol=1e-5)
     for key, value in plain.logits_stats.items():
         assert fast.logits_stats[key] == pytest.approx(value, abs=1e-5)
 
@@ -72,9 +72,9 @@ def test_shared_prefix_with_one_completion_token(policy, tiny_tokenizer):
 
 
 def test_each_distinct_prompt_runs_once_per_segment(policy, tiny_tokenizer):
-    """The prompt pass sees one row per distinct prompt and every column but the last, one forward per
+    """The prompt pass sees one row per distinct prompt and every prompt column, one forward per
     segment (its prompts in order of first appearance, as the rollout keeps them); the completion pass
-    sees the last prompt column and C - 1 tokens per row."""
+    sees C - 1 tokens per row (the last prompt column's logits score completion token 0)."""
     input_ids, attention_mask, _ = grouped_batch(tiny_tokenizer.pad_token_id, prompt_lengths=(7, 12, 4))
     seen = []
     hook = policy.get_base_model().model.embed_tokens.register_forward_hook(
@@ -84,7 +84,7 @@ def test_each_distinct_prompt_runs_once_per_segment(policy, tiny_tokenizer):
         segments = ["b"] * G + ["a"] * G + ["b"] * G  # prompts 0 and 2 in one segment, prompt 1 in another
         score_completions(policy, input_ids, attention_mask, WIDTH, TEMPERATURE, shared_prefix=True, segments=segments)
     hook.remove()
-    assert seen == [(3, 11), (3 * G, WIDTH), (2, 11), (1, 11), (3 * G, WIDTH)]
+    assert seen == [(3, 12), (3 * G, WIDTH - 1), (2, 12), (1, 12), (3 * G, WIDTH - 1)]
 
 
 def test_the_same_rows_and_segments_score_bit_for_bit_alike(policy, tiny_tokenizer):
@@ -173,7 +173,7 @@ def test_kept_prefill_gives_a_fresh_passs_numbers_and_gradients(policy, tiny_tok
     torch.testing.assert_close(scored.logprobs[mask], plain.logprobs[mask], rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(scored.entropy[mask], plain.entropy[mask], rtol=0, atol=1e-5)
     torch.testing.assert_close(loss.detach(), plain_loss, rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(grads, plain_grads, rtol=0, atol=1e-5)
+    torch.testing.assert_close(grads, plain_grads, rtol=1e-5, atol=1e-5)
 
 
 def test_a_kept_prefill_refuses_moved_weights_and_rows_it_does_not_hold(policy, tiny_tokenizer):
@@ -238,5 +238,5 @@ def test_kept_prefill_on_a_qwen_architecture(tiny_tokenizer):
         loss.backward()
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
         torch.testing.assert_close(scored.logprobs[completion_mask], plain.logprobs[completion_mask], rtol=0, atol=1e-5)
-        torch.testing.assert_close(grads, plain_grads, rtol=0, atol=1e-5)
+        torch.testing.assert_close(grads, plain_grads, rtol=1e-5, atol=1e-5)
         assert plain_grads.abs().max() > 1e-4, implementation

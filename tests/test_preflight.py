@@ -7,10 +7,9 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo.checks.preflight import CHECKS, make_subject, report_path, run_checks_on
-from grpo.checks.subject import perturbed_policy
+from grpo.checks.gated import perturbed_policy
+from grpo.checks.preflight import CHECKS, report_path, run_checks_on
 from grpo.cli import main
 from grpo.config import config_from_dict, load_config
 from grpo.data.prepare import build_records
@@ -19,37 +18,16 @@ from grpo.model.lora import wrap_lora
 from grpo.model.precision import cpu_has_native_bf16
 from grpo.provenance.gate import PreflightError, require_preflight
 from grpo.train.policy import frozen_copy
+from tests.gate_subjects import CFG, FULL, random_model_for, subject_for
 from tests.tiny_project import prepared_project
 
 pytestmark = pytest.mark.slow
-CFG = config_from_dict({"grpo": {"group_size": 2, "sampling": {"max_new_tokens": 4}},
-                        "model": {"lora": {"r": 2, "alpha": 4}}})
 
 
 @pytest.fixture(scope="module")
 def records():
     cfg = config_from_dict({"data": {"n_train": 12, "n_eval": 4}})
     return [r.model_dump(mode="json") for r in build_records(cfg)["train"]]
-
-
-def random_model_for(tokenizer) -> LlamaForCausalLM:
-    """A 1-layer random Llama over the tokenizer's whole vocabulary (the real families have none here).
-
-    A wide initialisation keeps its next-token distribution away from uniform: at the maximum entropy
-    log V no step can raise entropy, and the I7 check would have nothing to show."""
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         initializer_range=0.5)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
-
-
-def subject_for(cfg, model, tokenizer, records):
-    """The checks' subject around ``model`` wrapped as the GRPO policy, with a copy as the fresh SFT."""
-    sft = copy.deepcopy(model)
-    torch.manual_seed(cfg.seed)
-    return make_subject(cfg, wrap_lora(model, cfg.model.lora), tokenizer, records, sft)
 
 
 def test_every_check_passes_on_every_tokenizer(any_tokenizer, records):
@@ -64,29 +42,26 @@ def test_every_check_passes_on_every_tokenizer(any_tokenizer, records):
     checks = run_checks_on(subject)
     assert [c.name for c in checks] == [f.__name__.removeprefix("check_") for f in CHECKS]
     failed = {c.name: (c.detail, c.value) for c in checks if not c.passed}
-    assert failed == {}
+    # A random model never learnt to end its answers: the one check a real SFT model must pass here.
+    assert set(failed) <= {"sft_ends_answers"}, failed
     assert all(c.bound is not None for c in checks), "every check reports the bound it compared with"
 
 
 @pytest.mark.skipif(not cpu_has_native_bf16(), reason="this CPU has no native bf16: grpo.bf16 runs fp32 here")
 def test_every_check_passes_under_bf16_autocast_with_its_bound(tiny_tokenizer, records):
-    """``grpo.bf16`` on a bf16 CPU: the checks run the step's bf16 path and compare with the bf16 bound."""
+    """``grpo.bf16`` on a bf16 CPU: the checks run the step's bf16 path with the same bounds as fp32 (the
+    checks compare on the step's own forwards, or in fp32), and the step's passes agree bit for bit."""
     cfg = config_from_dict({**CFG.model_dump(mode="json"), "grpo": {**CFG.grpo.model_dump(mode="json"), "bf16": True}})
     subject = subject_for(cfg, random_model_for(tiny_tokenizer), tiny_tokenizer, records)
     fp32 = subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, records)
-    assert subject.tolerance() == fp32.tolerance() == fp32.tolerance(15.0) == 1e-4  # fp32 scorings: fp32 bound
-    assert subject.tolerance(15.0) == pytest.approx(2 * 15.0 / 256) and subject.tolerance(0.1) == 1e-3
+    assert subject.tolerance() == fp32.tolerance() == 1e-4
     with subject.ctx.autocast():
-        assert subject.policy(input_ids=torch.tensor([subject.prompts[0]])).logits.dtype == torch.bfloat16
-    checks = run_checks_on(subject)
-    assert {c.name: (c.detail, c.value) for c in checks if not c.passed} == {}
-    temperature = next(c for c in checks if c.name == "temperature")
-    assert 0 < temperature.value <= temperature.bound  # bf16 noise is there, and within the bound
-    assert temperature.bound < 0.5  # ... which stays far below what a missing division moves (tests/mutations.py)
-
-
-FULL = config_from_dict({**CFG.model_dump(mode="json"),
-                         "model": {**CFG.model.model_dump(mode="json"), "lora": {"enabled": False}}})
+        assert torch.is_autocast_enabled("cpu")
+    checks = {c.name: c for c in run_checks_on(subject)}
+    assert {n: (c.detail, c.value) for n, c in checks.items() if not c.passed} .keys() <= {"sft_ends_answers"}
+    assert checks["first_step"].value == 0.0  # ratio 1 and KL 0 exactly: the reference pass is the update's
+    assert checks["ratio_kl_reference"].value["ref_vs_fresh_sft"] == 0.0
+    assert checks["temperature"].value <= 1e-4
 
 
 def full_subject(tokenizer, records, base_as_reference: bool = False):
@@ -99,7 +74,7 @@ def full_subject(tokenizer, records, base_as_reference: bool = False):
         for p in base.parameters():
             p.mul_(0.5)
     reference = frozen_copy(base if base_as_reference else model)
-    return make_subject(FULL, model, tokenizer, records, copy.deepcopy(model), base, reference)
+    return subject_for(FULL, model, tokenizer, records, copy.deepcopy(model), base, reference)
 
 
 def test_every_check_passes_with_lora_off(tiny_tokenizer, records):
@@ -108,7 +83,7 @@ def test_every_check_passes_with_lora_off(tiny_tokenizer, records):
     subject = full_subject(tiny_tokenizer, records)
     assert not hasattr(subject.policy, "disable_adapter") and subject.reference is not None
     checks = {c.name: c for c in run_checks_on(subject)}
-    assert {name: (c.detail, c.value) for name, c in checks.items() if not c.passed} == {}
+    assert {name: (c.detail, c.value) for name, c in checks.items() if not c.passed}.keys() <= {"sft_ends_answers"}
     numbers = checks["ratio_kl_reference"].value
     assert numbers["kl_perturbed"] > 0 and numbers["ref_vs_base"] > numbers["ref_vs_fresh_sft"]
 

@@ -7,7 +7,7 @@ On a prepared project (tiny model, data, SFT, a passing pre-flight):
   in ``grpo/core/advantages.py`` makes GRPO end far below SFT and this test fail);
 - the entropy term's sign flipped in the gradient path of the configured multitask mode (DESIGN.md
   I7, ``grpo.core.multitask``'s use of ``total_loss``): the pre-flight gate runs the configured mode's
-  entropy step, fails ``entropy_sign`` and ``grpo train`` refuses to start, so no run with the bug can
+  entropy step, fails ``entropy_sign`` (and ``step_agreement``) and ``grpo train`` refuses to start, so no run with the bug can
   end up with a model; the same project without the bug passes again;
 - the reference equal to the pre-SFT base (I9): ``ratio_kl_reference`` fails and training refuses.
 """
@@ -40,10 +40,11 @@ def test_entropy_sign_flipped_in_the_configured_mode_is_caught_before_training(t
     monkeypatch.setattr(multitask, "total_loss", _entropy_sign_flipped)
     assert grpo_main(["preflight", "--params", str(params)]) == 1
     report = json.loads(report_path(cfg).read_text())
-    assert [check["name"] for check in report["checks"] if not check["passed"]] == ["entropy_sign"]
+    # The behaviour check and the step written apart (its update climbs the entropy) both see it.
+    assert [check["name"] for check in report["checks"] if not check["passed"]] == ["entropy_sign", "step_agreement"]
     capsys.readouterr()
     assert grpo_main(["train", "--params", str(params)]) == 1
-    assert "pre-flight failed (entropy_sign)" in capsys.readouterr().err
+    assert "pre-flight failed (entropy_sign, step_agreement)" in capsys.readouterr().err
     assert not (tmp_path / "p" / "models" / "grpo").exists()
     monkeypatch.undo()  # the same project without the bug passes again
     assert grpo_main(["preflight", "--params", str(params)]) == 0

@@ -102,6 +102,46 @@ def test_concat_pads_prompts_left_and_completions_right(tiny_model, tiny_tokeniz
     assert torch.equal(both.completion_mask.sum(dim=1), torch.cat([short.lengths, long.lengths]))
 
 
+def test_i3_the_rollout_keeps_the_generated_ids(tiny_model, tiny_tokenizer, prompts):
+    """The completions are the decode loop's own tokens after the padded prompt width, never decoded text
+    encoded again (which would not give back a stop token, pads, or byte-split pieces)."""
+    out = rollout(tiny_model, tiny_tokenizer, prompts, group_size=3, seed=2)
+    width = out.prompt_ids.shape[1]
+    assert torch.equal(out.sequences[:, :width], out.prompt_ids)
+    assert torch.equal(out.completion_ids, out.sequences[:, width:])
+
+
+def test_i4_the_reward_texts_are_the_completions_decoded(tiny_model, tiny_tokenizer, prompts):
+    """What the rewards and the monitor read is each completion's own ids up to its stop, decoded: no
+    prompt text, none of the padding after it."""
+    out = rollout(tiny_model, tiny_tokenizer, prompts, group_size=3, seed=2)
+    for i, n in enumerate(out.lengths.tolist()):
+        ids = out.completion_ids[i, :n].tolist()
+        assert out.texts[i] == tiny_tokenizer.decode(ids, skip_special_tokens=True), i
+        assert out.raw_texts[i] == tiny_tokenizer.decode(ids, skip_special_tokens=False), i
+
+
+@pytest.mark.parametrize("penalty", ["presence_penalty", "frequency_penalty"])
+def test_i6_processors_count_completion_tokens_of_a_short_first_prompt(tiny_model, tiny_tokenizer, prompts, penalty):
+    """The rollout's own processors, the shortest prompt first: a token favoured by a bias of 200 at the end
+    of every prompt is drawn first (the penalty counts the completion only) and not again (it does count
+    the completion); with the stop tokens favoured, EOS suppression holds every row to two tokens."""
+    from grpo.checks.behaviour import biased
+
+    short_first = sorted(prompts, key=len)
+    favoured = short_first[0][-1]
+    eos = stop_ids(tiny_model, tiny_tokenizer)
+    sampling = SamplingConfig(max_new_tokens=3, min_new_tokens=0, **{penalty: 400.0})
+    with biased(tiny_model, [favoured]):
+        out = rollout(tiny_model, tiny_tokenizer, short_first, group_size=2, sampling=sampling)
+    assert out.completion_ids[:, 0].tolist() == [favoured] * 4
+    assert (out.completion_ids[:, 1] != favoured).all()
+    with biased(tiny_model, eos):
+        out = rollout(tiny_model, tiny_tokenizer, short_first, group_size=2,
+                      sampling=SamplingConfig(max_new_tokens=3, min_new_tokens=2))
+    assert out.lengths.tolist() == [3] * 4 and not out.truncated.any()
+
+
 def test_stop_ids_add_the_models_own_generation_eos(tiny_model, tiny_tokenizer):
     ids = stop_ids(tiny_model, tiny_tokenizer)
     assert set(end_of_turn_ids(tiny_tokenizer)) <= set(ids)

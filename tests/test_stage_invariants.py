@@ -98,6 +98,23 @@ def test_i5_rollout_mask_runs_to_the_first_stop_when_pad_is_eos(tiny_tokenizer, 
     assert rollout.lengths.tolist() == [3, 2, 5] and rollout.truncated.tolist() == [False, False, True]
 
 
+def test_i5_rollout_mask_stops_at_the_first_stop_when_pad_is_not_a_stop(tiny_tokenizer, records):
+    """A pad that is no stop token (Qwen's): the pad ids the decode loop writes after a row's stop token
+    are not part of the completion, and neither is any token after the first stop."""
+    import copy
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.pad_token = tokenizer.bos_token
+    pad, eot = tokenizer.pad_token_id, end_of_turn_ids(tokenizer)[0]
+    assert pad not in end_of_turn_ids(tokenizer)
+    prompts = _prompts(tokenizer, records)[:3]
+    word = prompts[0][-5]
+    rows = [[word, eot, pad, pad, pad], [word, word, word, eot, pad], [word, eot, word, word, pad]]
+    rollout = _hand_rollout(tokenizer, prompts, rows)
+    assert rollout.completion_mask.int().tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0]]
+    assert rollout.lengths.tolist() == [2, 4, 2]
+
+
 # --------------------------------------------------------------------------- I3: step.prepare_batch
 
 

@@ -255,3 +255,21 @@ def test_no_prefill_is_kept_for_a_model_with_dropout(tiny_model, tiny_tokenizer)
     layer.lora_dropout["default"] = torch.nn.Dropout(0.1)  # what model.lora.dropout: 0.1 builds
     rebuilt = build_step(ctx.cfg, ctx.policy, ctx.accelerator)
     assert not rebuilt.reuses_prefill
+
+
+def test_i10_the_reference_is_scored_at_the_rollouts_temperature(tiny_model, tiny_tokenizer, records):
+    """The stored reference log-probs at T = 0.7 are those of the SFT weights (a copy without the adapter)
+    under softmax(z / 0.7), scored row by row apart."""
+    sft = copy.deepcopy(tiny_model)
+    ctx = make_context(tiny_model, tiny_tokenizer, loss={"beta": 0.04}, sampling={"max_new_tokens": 5, "temperature": 0.7})
+    with torch.no_grad():  # a moved adapter: the reference is the SFT weights, not the policy
+        for name, param in ctx.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3, generator=torch.Generator().manual_seed(4))
+    batch = prepare_batch(ctx, draw(ctx, records, seed=9))
+    inputs, mask = batch.inputs, batch.completion_mask
+    from grpo.core.logprobs import score_completions
+
+    with torch.no_grad():
+        want = score_completions(sft, inputs.input_ids, inputs.attention_mask, mask.shape[1], 0.7).logprobs
+    torch.testing.assert_close(batch.ref_logprobs[mask], want[mask], rtol=1e-6, atol=1e-5)

@@ -69,6 +69,18 @@ def test_sft_then_train_end_to_end(project, tmp_path):
     assert summary["steps"] == 4
 
 
+def test_i9_the_trainers_first_step_has_ratio_1_and_kl_0(project, tmp_path):
+    """The trainer's own step (its context, reference and optimizer, as `grpo train` wires them): at its
+    first step the policy is its reference, so every token's ratio is 1 and its KL 0, and no ratio clips."""
+    params = copy_project(project, tmp_path / "p")
+    cfg = load_config(params)
+    assert cfg.grpo.loss.beta > 0
+    assert main(["train", "--params", str(params), "--max-steps", "1"]) == 0
+    first = json.loads((Path(cfg.paths.runs_dir) / cfg.experiment / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and first["kl"] <= 1e-9 and first["ratio/mean"] == pytest.approx(1.0, abs=1e-7)
+    assert first["clip_ratio/region_mean"] == 0.0
+
+
 def _train_process(params: Path, *extra: str) -> subprocess.Popen:
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([GRPO, "train", "--params", str(params), *extra], env=env,
@@ -162,7 +174,7 @@ def test_lora_off_trains_every_weight_against_the_frozen_sft_model(project, tmp_
     from grpo.data.jsonl import read_records
     from grpo.model.device import make_accelerator
     from grpo.model.stage_models import load_sft
-    from grpo.train import trainer
+    from grpo.train.policy import build_policy
     from grpo.train.step import build_step, draw, grpo_step, prepare_batch
 
     params = copy_project(project, tmp_path / "p")
@@ -175,7 +187,7 @@ def test_lora_off_trains_every_weight_against_the_frozen_sft_model(project, tmp_
     run_stages(params, "sft")  # model.* is part of the SFT lineage: rebuilt under these params
     sft, _ = load_sft(cfg)
     accelerator = make_accelerator()
-    policy = trainer.build_policy(cfg, accelerator.device)
+    policy = build_policy(cfg, accelerator.device)
     assert not any("lora" in name for name, _ in policy.model.named_parameters())
     assert all(p.requires_grad for p in policy.model.parameters())
     assert policy.reference is not None and not any(p.requires_grad for p in policy.reference.parameters())

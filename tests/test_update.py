@@ -119,3 +119,15 @@ def test_task_losses_scale_each_task_by_its_share_of_the_batch(tiny_model, tiny_
         halves = [task_losses(split, fresh, totals, ("fairness",), micro)[0] for micro in (0, 1)]
         total = sum(float(h["fairness"].policy) for h in halves)
         assert total == pytest.approx(float(full["fairness"].policy), abs=1e-6), loss_type
+
+
+def test_i10_the_update_scores_at_the_rollouts_temperature(tiny_model, tiny_tokenizer, records):
+    """At T = 0.7 with two updates per rollout, the update's first policy pass scores the very numbers the
+    stored old log-probs hold (same forwards, same temperature): a pass that dropped T would not."""
+    ctx = make_context(tiny_model, tiny_tokenizer, num_iterations=2,
+                       sampling={"max_new_tokens": 5, "temperature": 0.7})
+    batch = _batch(ctx, records, torch.linspace(-1, 1, 2 * len(records)))
+    assert batch.inputs.temperature == 0.7 and batch.old_logprobs is not None
+    _, first = update(ctx, batch)
+    mask = batch.completion_mask
+    assert torch.equal(first.logprobs[mask], batch.old_logprobs[mask])

@@ -21,14 +21,11 @@ import torch
 from grpo.checks.gated import Gated, restored
 from grpo.checks.probes import Check, bounded
 from grpo.data.prompts import render_records
-from grpo.data.select import balanced_records, eval_records
 from grpo.model.chat import special_ids
 from grpo.model.rollout import generate_rollout
 from grpo.train.causal_lm import batch_loss, build_examples
 from grpo.train.step import grpo_step
 
-ENDED_SHARE = 0.5
-"""The share of eval prompts whose greedy SFT answer must end within ``grpo.sampling.max_new_tokens``."""
 BIAS = 200.0
 """Added to the logits a probe favours: far beyond any logit gap, so the outcome does not depend on them."""
 
@@ -81,17 +78,17 @@ def check_sft_supervises_stop(s: Gated) -> Check:
 def check_sft_ends_answers(s: Gated) -> Check:
     """I2 in the trained SFT model: greedy answers to eval prompts end with a stop token in the budget."""
     cfg = s.cfg
-    records = balanced_records(eval_records(cfg), cfg.eval.diagnose.prompts)
-    prompts = render_records(s.tokenizer, records, cfg.model.chat_template_kwargs)
+    prompts = render_records(s.tokenizer, s.questions, cfg.model.chat_template_kwargs)
     with torch.no_grad(), s.ctx.autocast():
         rollout = generate_rollout(s.sft, s.tokenizer, prompts, 1, cfg.grpo.sampling, s.eos_ids, cfg.seed, greedy=True)
     ended = 1.0 - float(rollout.truncated.float().mean())
-    detail = (f"{len(prompts)} eval prompts, greedy: {ended:.0%} of the SFT model's answers end with a stop token "
+    detail = (f"{len(prompts)} prompts, greedy: {ended:.0%} of the SFT model's answers end with a stop token "
               f"within grpo.sampling.max_new_tokens={cfg.grpo.sampling.max_new_tokens}")
-    check = bounded("sft_ends_answers", "I2", 1.0 - ended, 1.0 - ENDED_SHARE, detail,
+    share = cfg.preflight.min_ended_share
+    check = bounded("sft_ends_answers", "I2", 1.0 - ended, 1.0 - share, detail,
                     "the SFT model does not stop: check that SFT supervises the end-of-turn token (I2) and that "
                     "it trained enough, or raise grpo.sampling.max_new_tokens")
-    return Check(check.name, check.status, ended, detail, check.hint, "I2", f">= {ENDED_SHARE}")
+    return Check(check.name, check.status, ended, detail, check.hint, "I2", f">= {share} (preflight.min_ended_share)")
 
 
 def _plain_last_token(s: Gated) -> int:

@@ -21,8 +21,8 @@ import torch
 from grpo import paths
 from grpo.config import Config
 from grpo.data.prompts import example_messages, render_records
-from grpo.data.select import train_records
-from grpo.model.chat import render_prompt
+from grpo.data.select import balanced_records, eval_records, train_records
+from grpo.model.chat import render_prompt, special_ids
 from grpo.model.device import make_accelerator
 from grpo.model.loading import load_model
 from grpo.model.stage_models import load_base
@@ -38,6 +38,7 @@ class Gated:
     records: list[dict]  # one per task, prompt widths as different as possible, shortest first
     sft: torch.nn.Module  # a fresh load of the SFT weights: the reference must equal it (I9)
     base: torch.nn.Module | None  # the pre-SFT base: the reference must differ from it (None: not compared)
+    questions: list[dict]  # eval records the SFT model must answer, ending its answers (I2)
 
     @property
     def cfg(self) -> Config:
@@ -91,6 +92,20 @@ def restored(step: Step) -> Iterator[None]:
         step.optimizer.load_state_dict(optimizer)
         step.scheduler.load_state_dict(scheduler)
         step.model.zero_grad(set_to_none=True)
+
+
+def pad_not_stop(tokenizer: Any, eos_ids: list[int]) -> Any | None:
+    """A copy of ``tokenizer`` whose pad token is a special token that ends no completion (None when its
+    pad is no stop token already, or it has no such token): the decode loop then writes non-stop ids after
+    a row's stop token, where a mask that reads ids instead of positions runs on (I5)."""
+    if tokenizer.pad_token_id not in eos_ids:
+        return None
+    spare = sorted(special_ids(tokenizer) - set(eos_ids))
+    if not spare:
+        return None
+    copied = copy.deepcopy(tokenizer)
+    copied.pad_token = copied.convert_ids_to_tokens(spare[0])
+    return copied
 
 
 def with_grpo(ctx: Step, **grpo: Any) -> Step:
@@ -160,14 +175,17 @@ def _records(cfg: Config, tokenizer, records: list[dict]) -> list[dict]:
     return [r for _, r in chosen]
 
 
-def gated(cfg: Config, step: Step, records: list[dict], sft: torch.nn.Module, base: torch.nn.Module | None) -> Gated:
+def gated(cfg: Config, step: Step, records: list[dict], sft: torch.nn.Module, base: torch.nn.Module | None,
+          questions: list[dict] | None = None) -> Gated:
     """The gate's view of ``step`` (``build_step``'s: LoRA on the SFT model with the adapter disabled as its
     reference, or the whole SFT model and a frozen copy of it), on probe records drawn from ``records``;
-    ``sft`` is a separately loaded copy of its weights, ``base`` the pre-SFT model."""
+    ``sft`` is a separately loaded copy of its weights, ``base`` the pre-SFT model, ``questions`` the eval
+    records the SFT model answers (default: the probe records)."""
     if step.reference is None and not hasattr(step.model, "disable_adapter"):
         # Full fine-tuning with beta == 0 keeps no reference; the I8/I9 checks raise beta and need one.
         step = build_step(cfg, dataclasses.replace(step.policy, reference=frozen_copy(step.model)), step.accelerator)
-    return Gated(step, _records(cfg, step.tokenizer, records), sft, base)
+    probes = _records(cfg, step.tokenizer, records)
+    return Gated(step, probes, sft, base, probes if questions is None else questions)
 
 
 def gate_step(cfg: Config) -> Gated:
@@ -177,4 +195,5 @@ def gate_step(cfg: Config) -> Gated:
     step = build_training(cfg, accelerator)
     sft = load_model(paths.model_dir(cfg, "sft"), cfg.model).to(accelerator.device).eval()
     base = load_base(cfg)[0].to(accelerator.device).eval()
-    return gated(cfg, step, train_records(cfg, "grpo"), sft, base)
+    questions = balanced_records(eval_records(cfg), cfg.eval.diagnose.prompts)
+    return gated(cfg, step, train_records(cfg, "grpo"), sft, base, questions)

@@ -1,11 +1,13 @@
 """The pre-flight checks of invariants I1-I12, each driving a stage's own function.
 
-The stage functions come in through ``Gated`` (``gated.py``: the trainer's step, built as it builds it) (the SFT stage's ``build_examples``, the rollout's
-``rollout_from_sequences``, the step's ``draw`` and ``prepare_batch``, the scorer ``score_inputs``,
-the loss's ``clipped_surrogate`` and ``k3_kl``, ``multitask_backward``, ``group_advantages``), with
-probes built so no check can pass vacuously: prompts of very different widths (a wrong cut lands in
-real prompt text), a stop token equal to pad in mid-row, a policy perturbed away from the SFT weights
-(LoRA B != 0, or noise on every trainable weight) before the ratio/KL/reference checks, a temperature other than 1, rewards whose fp32 group mean is inexact.
+The stage functions come in through ``Gated`` (``gated.py``: the trainer's step, built as it builds it):
+the SFT stage's ``build_examples``, the rollout's ``rollout_from_sequences``, the step's ``draw`` and
+``prepare_batch``, the scorer ``score_inputs``, the loss's ``clipped_surrogate`` and ``k3_kl``, the
+update's ``gradient``, ``group_advantages``. The probes are built so no check can pass vacuously:
+prompts of very different widths (a wrong cut lands in real prompt text), a stop token equal to pad in
+mid-row, a policy perturbed away from the SFT weights (LoRA B != 0, or noise on every trainable weight)
+before the ratio/KL/reference checks, a temperature other than 1, rewards whose fp32 group mean is
+inexact.
 Each check reports the number it compared (``value``) and the ``bound``.
 """
 
@@ -17,12 +19,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from grpo.checks.gated import Gated, perturbed_policy, restored, step_batch, with_grpo
+from grpo.checks.gated import Gated, pad_not_stop, perturbed_policy, restored, step_batch, with_grpo
 from grpo.checks.probes import ENTROPY_TOL, Check, bounded, reference_kl
 from grpo.checks.tokenizer_boundary import boundary_problems
 from grpo.core.advantages import group_advantages
 from grpo.core.batching import left_pad
-from grpo.core.logprobs import score_completions
+from grpo.core.logprobs import completion_logits, score_completions
 from grpo.core.losses import clipped_surrogate, k3_kl, masked_mean
 from grpo.model.rollout import Rollout, rollout_from_sequences, sampling_processors
 from grpo.model.sampling import EosSuppressor, build_logits_processors
@@ -79,11 +81,12 @@ class HandRollout(NamedTuple):
     prompts: list[list[int]]  # [N] the prompt of every row
 
 
-def _hand_rollout(s: Gated) -> HandRollout:
+def _hand_rollout(s: Gated, tokenizer: Any = None) -> HandRollout:
     """``rollout_from_sequences`` on generate()-shaped rows: left-padded prompts of very different
-    widths, then completions with a stop token equal to pad in mid-row (and a sampled pad token
-    mid-row when pad is not a stop id)."""
-    pad, eos, word = s.tokenizer.pad_token_id, s.eos_ids[0], _plain_token(s)
+    widths, then completions with a stop token mid-row and the pad id after it (and a sampled pad token
+    mid-row when pad is not a stop id). ``tokenizer``: another pad than the configured one."""
+    tokenizer = s.tokenizer if tokenizer is None else tokenizer
+    pad, eos, word = tokenizer.pad_token_id, s.eos_ids[0], _plain_token(s)
     rows = [[word, word, eos, pad, pad, pad], [word, eos, eos, eos, pad, pad], [word] * 6]
     want = [[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1] * 6]
     if pad not in s.eos_ids:  # a sampled pad token mid-row is an ordinary token: the mask goes on
@@ -93,22 +96,29 @@ def _hand_rollout(s: Gated) -> HandRollout:
     prompt = left_pad(prompts, pad)
     sequences = torch.cat([prompt.input_ids, torch.tensor(rows)], dim=1)
     width = prompt.input_ids.shape[1]
-    rollout = rollout_from_sequences(s.tokenizer, prompt, sequences, s.eos_ids, EosSuppressor(width, s.eos_ids, 0),
+    rollout = rollout_from_sequences(tokenizer, prompt, sequences, s.eos_ids, EosSuppressor(width, s.eos_ids, 0),
                                      1, s.cfg.grpo.sampling)
     return HandRollout(rollout, rows, want, prompts)
 
 
 def check_rollout_cut_and_mask(s: Gated) -> Check:
-    """I4, I5: the rollout's ``rollout_from_sequences`` on ``_hand_rollout``'s rows: the completions
-    come back exactly (cut at the absolute prompt width), and the mask runs up to the first stop
-    token even where a stop token equals pad in mid-row."""
-    hand = _hand_rollout(s)
-    rollout, rows = hand.rollout, hand.rows
-    wrong_ids = [i for i in range(len(rows)) if rollout.completion_ids[i].tolist() != rows[i]]
-    wrong_mask = [i for i in range(len(rows)) if rollout.completion_mask[i].int().tolist() != hand.want[i]]
-    pad_is_stop = s.tokenizer.pad_token_id in s.eos_ids
-    detail = (f"{len(rows)} rows, prompt widths {[len(p) for p in hand.prompts]}, pad {'==' if pad_is_stop else '!='} "
-              f"a stop id; rows cut wrong: {wrong_ids}; rows masked wrong: {wrong_mask}")
+    """I4, I5: the rollout's ``rollout_from_sequences`` on ``_hand_rollout``'s rows, with the configured pad
+    and (where the configured pad is a stop id, pad == eos as in Llama-3) with a pad that is not: the
+    completions come back exactly (cut at the absolute prompt width), and the mask runs up to the first
+    stop token and not one token past it, whatever id follows."""
+    wrong_ids, wrong_mask, cases = [], [], []
+    for tokenizer in (s.tokenizer, pad_not_stop(s.tokenizer, s.eos_ids)):
+        if tokenizer is None:
+            continue
+        hand = _hand_rollout(s, tokenizer)
+        label = "pad == a stop id" if tokenizer.pad_token_id in s.eos_ids else "pad != a stop id"
+        cases.append(f"{len(hand.rows)} rows with {label}")
+        wrong_ids += [f"{label} row {i}" for i, row in enumerate(hand.rows)
+                      if hand.rollout.completion_ids[i].tolist() != row]
+        wrong_mask += [f"{label} row {i}" for i in range(len(hand.rows))
+                       if hand.rollout.completion_mask[i].int().tolist() != hand.want[i]]
+    detail = (f"{'; '.join(cases)}, prompt widths {[len(p) for p in s.prompts]}; rows cut wrong: {wrong_ids}; "
+              f"rows masked wrong: {wrong_mask}")
     return bounded("rollout_cut_and_mask", "I4, I5", len(wrong_ids) + len(wrong_mask), 0, detail,
                    "cut completions at the padded prompt width (not a per-row count) and mask up to the first "
                    "stop token by position (never `ids != pad`)")
@@ -255,32 +265,30 @@ def check_ratio_kl_reference(s: Gated) -> Check:
 
 def _formula(step: Step, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The policy's log-probs and entropy part by part as the step scores them (``update.part_rows``), and
-    ``softmax(z / T)``'s written out in float64 on the raw logits those very forwards produced (the output
-    layer's, caught by a hook): [N, C] each. The same forwards, so the gap measures the formula (the
-    temperature, the log-softmax, the entropy), whatever the precision."""
+    ``softmax(z / T)``'s written out in float64 on the raw logits of those very forwards
+    (``logprobs.completion_logits``, the scorer's own forward, run again on the same rows): [N, C] each.
+    The same forwards, so the gap measures the formula (the temperature, the log-softmax, the entropy),
+    whatever the precision."""
     inputs, width = batch.inputs, batch.completion_mask.shape[1]
     shape = batch.completion_mask.shape
     scored_logp, scored_entropy = torch.zeros(shape), torch.zeros(shape)
     logp, entropy = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
-    caught: list[torch.Tensor] = []
-    hook = step.model.get_output_embeddings().register_forward_hook(lambda m, i, out: caught.append(out.detach()))
-    try:
-        for subset, micro in parts(step):
-            found = part_rows(step, batch.rows, subset, micro)
-            if not found:
-                continue
-            idx = torch.cat([part for part, _ in found.values()])
-            segments = [task for task, (part, _) in found.items() for _ in range(len(part))]
-            with torch.no_grad(), step.autocast():
-                scored = score_inputs(step.model, inputs.rows(idx), shared_prefix=step.shares_prefix, segments=segments)
-            raw = caught[-1][:, -width - 1 : -1] if caught[-1].shape[1] == width + 1 else caught[-1]  # [n, C, V]
-            written = torch.log_softmax(raw.double() / inputs.temperature, dim=-1)
-            ids = inputs.input_ids[idx, -width:].unsqueeze(-1)
-            logp[idx.cpu()] = written.gather(-1, ids).squeeze(-1).cpu()
-            entropy[idx.cpu()] = -(written.exp() * written).sum(-1).cpu()
-            scored_logp[idx.cpu()], scored_entropy[idx.cpu()] = scored.logprobs.float().cpu(), scored.entropy.float().cpu()
-    finally:
-        hook.remove()
+    for subset, micro in parts(step):
+        found = part_rows(step, batch.rows, subset, micro)
+        if not found:
+            continue
+        idx = torch.cat([part for part, _ in found.values()])
+        segments = [task for task, (part, _) in found.items() for _ in range(len(part))]
+        rows = inputs.rows(idx)
+        with torch.no_grad(), step.autocast():
+            scored = score_inputs(step.model, rows, shared_prefix=step.shares_prefix, segments=segments)
+            raw = completion_logits(step.model, rows.input_ids, rows.attention_mask, width,
+                                    shared_prefix=step.shares_prefix, segments=segments)  # [n, C, V]
+        written = torch.log_softmax(raw.double() / inputs.temperature, dim=-1)
+        ids = rows.input_ids[:, -width:].unsqueeze(-1)
+        logp[idx.cpu()] = written.gather(-1, ids).squeeze(-1).cpu()
+        entropy[idx.cpu()] = -(written.exp() * written).sum(-1).cpu()
+        scored_logp[idx.cpu()], scored_entropy[idx.cpu()] = scored.logprobs.float().cpu(), scored.entropy.float().cpu()
     return logp, entropy, torch.stack([scored_logp, scored_entropy])
 
 

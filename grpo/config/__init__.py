@@ -18,7 +18,7 @@ fix. Values derived from others are functions, never fields to keep in sync.
 
 from grpo.config.base import ConfigError, Section
 from grpo.config.data import DataChecksConfig, DataConfig
-from grpo.config.eval import DiagnoseConfig, EvalConfig
+from grpo.config.eval import DiagnoseConfig, EvalConfig, PreflightConfig
 from grpo.config.health import MonitorConfig, RuleConfig, TrackingConfig
 from grpo.config.model import Architecture, LoraConfig, ModelConfig, TinyModelConfig
 from grpo.config.orchestration import ScheduleConfig
@@ -49,7 +49,7 @@ from grpo.config.tree import (
 __all__ = [
     "DEFAULT_PARAMS", "Architecture", "CheckpointConfig", "Config", "ConfigError", "DataChecksConfig", "DataConfig",
     "DiagnoseConfig", "EvalConfig", "GrpoConfig", "LoraConfig", "LossConfig", "ModelConfig", "MonitorConfig",
-    "MultitaskConfig", "OptimizerConfig", "PathsConfig", "PretrainConfig", "RewardWeights", "RewardsConfig",
+    "MultitaskConfig", "OptimizerConfig", "PathsConfig", "PreflightConfig", "PretrainConfig", "RewardWeights", "RewardsConfig",
     "RolloutConfig", "RuleConfig", "SamplingConfig", "ScheduleConfig", "Section", "SftConfig", "TinyModelConfig",
     "TrackingConfig", "config_from_dict", "config_to_dict", "load_config", "overlay", "parse_override",
     "read_params",

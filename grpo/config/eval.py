@@ -1,4 +1,5 @@
-"""``eval``: the evaluation stage and ``grpo diagnose`` (``grpo/eval/``, ``grpo/checks/diagnose.py``)."""
+"""``eval``: the evaluation stage and ``grpo diagnose`` (``grpo/eval/``, ``grpo/checks/diagnose.py``);
+``preflight``: the bounds of the gate's behaviour checks (``grpo/checks/behaviour.py``)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ class DiagnoseConfig(Section):
     """Positive entropy coefficient of the probe step (``loss = -coef * entropy``)."""
     grad_norm_warn: float = Field(1e-6, ge=0.0)
     """LoRA gradients: warn when the GRPO loss's gradient norm on the adapter is below this (vanishing)."""
+
+
+class PreflightConfig(Section):
+    min_ended_share: float = Field(0.5, ge=0.0, le=1.0)
+    """``sft_ends_answers``: the share of eval prompts whose greedy SFT answer must end with a stop token
+    within ``grpo.sampling.max_new_tokens``. An SFT model that does not stop gives GRPO truncated,
+    unrewardable completions; 0 turns the check into a report (a model trained too briefly to answer)."""
 
 
 class EvalConfig(Section):

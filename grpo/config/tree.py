@@ -17,7 +17,7 @@ from pydantic import Field, ValidationError
 
 from grpo.config.base import ConfigError, Section
 from grpo.config.data import DataConfig
-from grpo.config.eval import EvalConfig
+from grpo.config.eval import EvalConfig, PreflightConfig
 from grpo.config.health import MonitorConfig, TrackingConfig
 from grpo.config.model import ModelConfig
 from grpo.config.orchestration import ScheduleConfig
@@ -56,6 +56,8 @@ class Config(Section):
     """Causal-LM pretraining of the embedded model in the ``base`` stage."""
     sft: SftConfig = Field(default_factory=SftConfig)
     """Supervised fine-tuning."""
+    preflight: PreflightConfig = Field(default_factory=PreflightConfig)
+    """Bounds of the pre-flight gate's behaviour checks."""
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     """GRPO training."""
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)

@@ -1,6 +1,6 @@
 """Where a process's flat gradients live: whole on every process, or a shard of them (FSDP2).
 
-``multitask_backward`` works on flat per-task gradients ``[P]``. Without sharding ``P`` is every
+The GRPO update (``grpo.train.update``, ``grpo.core.multitask``) works on flat per-task gradients ``[P]``. Without sharding ``P`` is every
 trainable weight and each process takes ``torch.autograd.grad``; under FSDP2 (``fully_shard``) the
 parameters are ``DTensor`` shards, the gradient is taken by ``backward`` (FSDP reduce-scatters it
 into each parameter's ``.grad``, summed over processes), and ``P`` is this process's shard only. Every

@@ -98,6 +98,27 @@ def logits_stats(logits: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     return {name: float(value) for name, value in zip(names, values, strict=True)}
 
 
+def completion_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,  # [B, P + C] long: left-padded prompts, then completions
+    attention_mask: torch.Tensor,  # [B, P + C]: 1 = real token
+    completion_width: int,  # C
+    shared_prefix: bool = False,
+    prefills: Sequence[PromptPrefill] = (),
+    segments: Sequence[Hashable] | None = None,
+) -> torch.Tensor:
+    """The raw logits that score the last ``C`` tokens -> [B, C, V] (``score_completions``' forward)."""
+    if shared_prefix:
+        return shared_prefix_logits(model, input_ids, attention_mask, completion_width, prefills, segments)
+    return model(
+        input_ids=input_ids,
+        attention_mask=model_attention_mask(model, attention_mask, input_ids.shape[1]),
+        position_ids=position_ids_from_mask(attention_mask),
+        logits_to_keep=completion_width + 1,
+        use_cache=False,
+    ).logits[:, :-1, :]
+
+
 def score_completions(
     model: torch.nn.Module,
     input_ids: torch.Tensor,  # [B, P + C] long: left-padded prompts, then completions
@@ -131,16 +152,7 @@ def score_completions(
         raise ScoringError(
             f"score_completions: temperature must be > 0 (got {temperature}); pass the sampling temperature"
         )
-    if shared_prefix:
-        raw = shared_prefix_logits(model, input_ids, attention_mask, completion_width, prefills, segments)  # [B, C, V]
-    else:
-        raw = model(
-            input_ids=input_ids,
-            attention_mask=model_attention_mask(model, attention_mask, input_ids.shape[1]),
-            position_ids=position_ids_from_mask(attention_mask),
-            logits_to_keep=completion_width + 1,
-            use_cache=False,
-        ).logits[:, :-1, :]
+    raw = completion_logits(model, input_ids, attention_mask, completion_width, shared_prefix, prefills, segments)
     logits = raw / temperature  # [B, C, V], the sampling distribution (I10)
     completion_ids = input_ids[:, -completion_width:]  # [B, C]
     logprobs = selective_log_softmax(logits, completion_ids)  # [B, C]

@@ -57,10 +57,10 @@ def shared_prefix_logits(
     """Logits that score the last ``C`` tokens -> [B, C, V], equal to the last ``C + 1`` positions of a
     plain forward (without the final one) up to floating-point reassociation.
 
-    The prompts are prefilled (every column but the last) once per distinct prompt, one forward per
-    segment over its distinct prompts in order of first appearance (``keep_prefills``, the very function
-    the rollout keeps its prefill with), then the last prompt column and the completion run against the
-    expanded cache. ``prefills``: the rollout's kept prefills of these prompts stand in for that prefill.
+    The prompts are prefilled (every column, the last one's logits kept: they score completion token 0)
+    once per distinct prompt, one forward per segment over its distinct prompts in order of first
+    appearance (``keep_prefills``, the very function the rollout keeps its prefill with), then
+    completion tokens ``0 .. C - 2`` run against the expanded cache and score tokens ``1 .. C - 1``. ``prefills``: the rollout's kept prefills of these prompts stand in for that prefill.
     The same rows and segments thus always run the same computation, in any precision: the stored
     reference and old log-probs and the update's are bit for bit alike where the weights are.
     """
@@ -79,33 +79,38 @@ def prefilled_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
     ``repeats`` times (row ``i`` of the result is prompt ``i // repeats``), for ``generate``: given
     it, ``generate`` runs only the last prompt column and the new tokens. prompt_ids, prompt_mask: [n, P]
     left-padded, P >= 2. Positions as ``generate`` counts them (real tokens only)."""
-    cache = _prefill(model, prompt_ids, prompt_mask)
+    cache = _prefill(model, prompt_ids[:, :-1], prompt_mask[:, :-1]).past_key_values
     cache.batch_repeat_interleave(repeats)
     return cache
 
 
 def _prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
-    """The model's key/value cache of every column of the prompts [n, P] but the last."""
+    """The model's pass over the prompts [n, P]: its key/value cache and the last column's logits
+    [n, 1, V]. (Positions of left-padded prompts do not depend on later columns, so a prefix of the
+    columns is prefilled by passing only those.)"""
     return model(
-        input_ids=prompt_ids[:, :-1],
-        attention_mask=model_attention_mask(model, prompt_mask[:, :-1], prompt_ids.shape[1] - 1),
-        position_ids=position_ids_from_mask(prompt_mask)[:, :-1],
+        input_ids=prompt_ids,
+        attention_mask=model_attention_mask(model, prompt_mask, prompt_ids.shape[1]),
+        position_ids=position_ids_from_mask(prompt_mask),
         logits_to_keep=1,
         use_cache=True,
-    ).past_key_values
+    )
 
 
 @dataclass(frozen=True)
 class PromptPrefill:
-    """The policy's keys and values of every column but the last of some prompts, with the autograd
-    graph that made them: the rollout's prefill, kept so that the policy pass of the update does not
-    run the same prompts through the same weights again. Gradients of the update's loss flow through
-    the kept keys and values into that graph, so the update's gradients are those of a fresh pass."""
+    """The policy's keys and values of some prompts and the logits of their last column, with the
+    autograd graph that made them: the rollout's prefill, kept so that the policy pass of the update does
+    not run the same prompts through the same weights again. Gradients of the update's loss flow through
+    the kept logits, keys and values into that graph, so the update's gradients are those of a fresh
+    pass. (The kept logits are also what makes a sharded model's backward reach the last layer: FSDP
+    gathers a layer's weights again when the gradient reaches its output.)"""
 
     prompt_ids: torch.Tensor  # [n, P] left-padded, as the rollout padded them
     prompt_mask: torch.Tensor  # [n, P]
     index: torch.Tensor  # [n] which of the rollout's distinct prompts each row is
-    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values) [n, heads, P - 1, d]
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values) [n, heads, P, d]
+    first_logits: torch.Tensor  # [n, 1, V] the last prompt column's: they score completion token 0
     weights: tuple[tuple[int, int], ...]  # (identity, version) of each trainable parameter when computed
     cache_class: type  # the model's cache (a transformers ``DynamicCache``): built from (keys, values) per layer
 
@@ -118,28 +123,30 @@ def trainable_weights(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
 
 def keep_prefills(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                   segments: Sequence[Hashable]) -> tuple[PromptPrefill, ...]:
-    """The prefill of every prompt but its last column, one forward per segment over its prompts in order
-    (the update runs one graph per task in ``low_memory`` mode, so each task's backward must reach only
-    its own prompts' graph), with the graph where grad is enabled (the rollout keeps it so).
+    """The prefill of the prompts, one forward per segment over its prompts in order (the update runs
+    one graph per task in ``low_memory`` mode, so each task's backward must reach only its own prompts'
+    graph), with the graph where grad is enabled (the rollout keeps it so).
     prompt_ids, prompt_mask: [n, P] left-padded, P >= 2; segments: [n] labels."""
     out = []
     weights = trainable_weights(model)
     for label in dict.fromkeys(segments):
         index = torch.tensor([i for i, s in enumerate(segments) if s == label], device=prompt_ids.device)
         ids, mask = prompt_ids[index], prompt_mask[index]
-        cache = _prefill(model, ids, mask)
+        prefill = _prefill(model, ids, mask)
+        cache = prefill.past_key_values
         layers = tuple((layer.keys, layer.values) for layer in cache.layers)
-        out.append(PromptPrefill(ids, mask, index, layers, weights, type(cache)))
+        out.append(PromptPrefill(ids, mask, index, layers, prefill.logits, weights, type(cache)))
     return tuple(out)
 
 
 def decode_cache(model: torch.nn.Module, prefills: Sequence[PromptPrefill], repeats: int):
-    """The kept prefills as the decode loop's cache, without their graph: row ``i`` is distinct prompt
-    ``i // repeats`` (as ``prefilled_cache``)."""
+    """The kept prefills as the decode loop's cache of every prompt column but the last (the decode
+    loop runs that one itself), without their graph: row ``i`` is distinct prompt ``i // repeats`` (as
+    ``prefilled_cache``)."""
     index = torch.cat([p.index for p in prefills])
     order = torch.argsort(index).repeat_interleave(repeats)
     layers = [
-        tuple(torch.cat([p.layers[i][kv] for p in prefills]).detach()[order] for kv in (0, 1))
+        tuple(torch.cat([p.layers[i][kv] for p in prefills]).detach()[order][..., :-1, :] for kv in (0, 1))
         for i in range(len(prefills[0].layers))
     ]
     return prefills[0].cache_class(layers, config=model.config)
@@ -168,15 +175,21 @@ def _prefilled_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention
     if bool((found < 0).any()):
         raise PrefillError(f"shared_prefix_logits: rows {(found < 0).nonzero().flatten().tolist()} have a prompt "
                            "that no kept prefill has; pass the rollout's own rows or no prefills")
-    layers = [tuple(used[0].layers[i][kv] if len(used) == 1 else torch.cat([p.layers[i][kv] for p in used])
-                    for kv in (0, 1)) for i in range(len(used[0].layers))]
+    def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+    first_logits = joined([p.first_logits for p in used])[found]  # [B, 1, V]
+    if completion_width == 1:
+        return first_logits
+    layers = [tuple(joined([p.layers[i][kv] for p in used]) for kv in (0, 1)) for i in range(len(used[0].layers))]
     cache = used[0].cache_class(layers, config=model.config)
     cache.reorder_cache(found)  # index_select: every row gets its prompt's keys and values
     positions = position_ids_from_mask(attention_mask)
-    return model(
-        input_ids=input_ids[:, prompt_width - 1 : -1],
-        attention_mask=model_attention_mask(model, attention_mask[:, :-1], completion_width),
-        position_ids=positions[:, prompt_width - 1 : -1],
+    rest = model(
+        input_ids=input_ids[:, prompt_width:-1],
+        attention_mask=model_attention_mask(model, attention_mask[:, :-1], completion_width - 1),
+        position_ids=positions[:, prompt_width:-1],
         past_key_values=cache,
         use_cache=True,
     ).logits
+    return torch.cat([first_logits, rest], dim=1)

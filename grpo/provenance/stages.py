@@ -118,7 +118,8 @@ STAGES: dict[str, StageSpec] = {
             # The trainer's own module too: a change to how it wires the step makes the gate's report stale.
             ("grpo.checks.preflight", "grpo.train.trainer"),
             # Only what the checks use (PREFLIGHT_GRPO_KEYS; the rewards score the probe's completions).
-            ("seed", "model", "sft.max_length", "data.grpo_holdout", *PREFLIGHT_GRPO_KEYS, "rewards", "paths"),
+            ("seed", "model", "sft.max_length", "data.grpo_holdout", "preflight", *PREFLIGHT_GRPO_KEYS, "rewards",
+             "paths"),
             ("prepare", "validate", "base", "sft"),
             "check invariants I1-I12 on the configured model",
         ),

@@ -53,7 +53,7 @@ def tokenizer_corpus(cfg: Config) -> Iterator[str]:
 
     The prompt's fixed words come once per record, as often as the model reads them, so the BPE merges
     them into whole words: the default eval prompts are 90–179 tokens instead of 145–227 when the fixed
-    words were seen once and spelled letter by letter (README)."""
+    words were seen once and spelled letter by letter."""
     train_file = paths.data_file(cfg, "train")
     if train_file.is_file():
         yield from record_texts(read_records(train_file))

@@ -1,0 +1,86 @@
+"""grpo/checks/behaviour.py: the checks that watch what the stage code does, each passing on the right code
+and failing on a bug written where the function-level checks do not look."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from grpo.checks.behaviour import (
+    biased,
+    check_first_step,
+    check_processors_see_completion,
+    check_sft_ends_answers,
+    check_sft_supervises_stop,
+)
+from grpo.config import config_from_dict
+from grpo.data.prepare import build_records
+from grpo.model import rollout as rollout_module
+from grpo.train import causal_lm
+from tests.gate_subjects import CFG, FULL, random_model_for, subject_for
+
+
+@pytest.fixture(scope="module")
+def records():
+    cfg = config_from_dict({"data": {"n_train": 12, "n_eval": 4}})
+    return [r.model_dump(mode="json") for r in build_records(cfg)["train"]]
+
+
+@pytest.fixture
+def subject(tiny_tokenizer, records):
+    return subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, records)
+
+
+def test_the_sft_batch_check_sees_the_loop_drop_the_stop_token(subject, monkeypatch):
+    assert check_sft_supervises_stop(subject).status == "pass"
+    original = causal_lm.sft_loss
+
+    def without_the_last_position(model, batch):  # the loop's loss mask loses each conversation's stop token
+        mask = batch.loss_mask.clone()
+        mask[:, -1] = False
+        return original(model, batch._replace(loss_mask=mask))
+
+    monkeypatch.setattr(causal_lm, "sft_loss", without_the_last_position)
+    check = check_sft_supervises_stop(subject)
+    assert check.status == "fail" and check.value == 2
+
+
+def test_an_sft_model_that_stops_passes_and_one_that_never_does_fails(subject):
+    """A random model never ends its answers; the same model biased towards its end-of-turn token does."""
+    never = check_sft_ends_answers(subject)
+    assert never.status == "fail" and never.value < 0.5
+    with biased(subject.sft, [subject.eos_ids[0]]):
+        ends = check_sft_ends_answers(subject)
+    assert ends.status == "pass" and ends.value == 1.0
+
+
+def test_the_processors_check_sees_a_rollout_built_with_another_prompt_width(subject, monkeypatch):
+    assert check_processors_see_completion(subject).status == "pass"
+    build = rollout_module.build_logits_processors
+    monkeypatch.setattr(rollout_module, "build_logits_processors",
+                        lambda width, eos_ids, sampling: build(width - 3, eos_ids, sampling))
+    check = check_processors_see_completion(subject)
+    assert check.status == "fail" and check.value == 3  # both penalties and EOS suppression
+    assert "counted prompt tokens" in check.detail
+
+
+def test_the_first_step_check_sees_a_reference_that_is_not_the_policy(tiny_tokenizer, records):
+    """Full fine-tuning against a frozen copy of the weights: ratio 1 and KL 0 at the first step; against a
+    copy of other weights (a pre-SFT base as the trainer's reference, I9): KL > 0."""
+    model = random_model_for(tiny_tokenizer)
+    right = subject_for(FULL, model, tiny_tokenizer, records, reference=copy.deepcopy(model).requires_grad_(False))
+    check = check_first_step(right)
+    assert check.status == "pass" and check.value == 0.0
+    other = random_model_for(tiny_tokenizer)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)
+    model = random_model_for(tiny_tokenizer)
+    wrong = subject_for(FULL, model, tiny_tokenizer, records, reference=other.requires_grad_(False))
+    before = [p.detach().clone() for p in wrong.ctx.params]
+    check = check_first_step(wrong)
+    assert check.status == "fail" and check.value > 1e-6
+    assert all(torch.equal(a, b) for a, b in zip(before, wrong.ctx.params, strict=True))  # the gate trains nothing
+    assert not wrong.ctx.optimizer.state

