@@ -67,6 +67,20 @@ def _seeds_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="seeds to run (default: 1 2 3)")
 
 
+def _bias_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bbq", type=Path, required=True,
+                        help="folder of BBQ category files (data/*.jsonl of github.com/nyu-mll/BBQ)")
+    parser.add_argument("--per-category", type=_item_count, default=100,
+                        help="items drawn from each category (default: 100)")
+
+
+def _item_count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not an item count: give 1 or more (default 100)")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -107,6 +121,8 @@ COMMANDS: dict[str, Command] = {
     "status": Command("grpo.provenance.status:run",
                       "what is stale and why (refreshes fingerprints, then dvc status)"),
     "pipeline": Command("grpo.pipeline:run", "run every stage in order in one process, without DVC (`make run` runs them by `dvc repro`)"),
+    "bias": Command("grpo.eval.bias:run", "the run's models on published BBQ items: accuracy and bias scores",
+                    _bias_args),
     "seeds": Command("grpo.seed_sweep:run", "run the pipeline once per seed and print GRPO − SFT across seeds",
                      _seeds_args),
 }

@@ -10,7 +10,7 @@ import pytest
 from grpo.cli import COMMANDS, COMMON, build_parser, main, resolve
 from grpo.provenance import stages
 
-NON_STAGE = ("plot-entropy", "diagnose", "fingerprint", "status", "pipeline", "seeds")
+NON_STAGE = ("plot-entropy", "diagnose", "fingerprint", "status", "pipeline", "seeds", "bias")
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def test_every_entry_takes_its_commands_options_by_keyword():
     signature (a stage left with an ``args`` parameter would raise TypeError only when run)."""
     parser = build_parser()
     for name, command in COMMANDS.items():
-        argv = [name, "TARGET"] if name == "diagnose" else [name]
+        argv = {"diagnose": [name, "TARGET"], "bias": [name, "--bbq", "DIR"]}.get(name, [name])
         options = {k: v for k, v in vars(parser.parse_args(argv)).items() if k not in COMMON}
         inspect.signature(resolve(command.entry)).bind(object(), **options)
 

@@ -210,7 +210,7 @@ def test_evaluate_model_stops_on_the_trainers_stop_ids(project, monkeypatch):
     class Seen(Exception):
         pass
 
-    def spy(model, tokenizer, prompts, group_size, sampling, eos_ids, seed, greedy=False):
+    def spy(model, tokenizer, prompts, group_size, sampling, eos_ids, seed, greedy=False, shared_prefill=False):
         seen.append(list(eos_ids))
         raise Seen  # the stop ids are all this test needs
 
@@ -220,6 +220,25 @@ def test_evaluate_model_stops_on_the_trainers_stop_ids(project, monkeypatch):
     assert seen == [stop_ids(model, tokenizer, project.model.extra_stop_tokens)]
     assert "<|end_of_text|>" in tokenizer.convert_ids_to_tokens(seen[0])
     assert set(seen[0]) > set(end_of_turn_ids(tokenizer, project.model.extra_stop_tokens))
+
+
+def test_evaluation_decodes_in_the_rollouts_precision(project, monkeypatch):
+    """Under ``grpo.bf16`` every evaluation forward runs in bf16 autocast (where it pays: CUDA or a CPU
+    with native bf16), as the training rollout does; without it, in fp32."""
+    import grpo.eval.evaluate as evaluate_module
+    from grpo.model.precision import autocast_enabled
+
+    tokenizer = load_tokenizer(paths.model_dir(project, "sft"), project.model)
+    model = load_model(paths.model_dir(project, "sft"), project.model).eval()
+    records = eval_records(project)[:2]
+    for bf16 in (False, True):
+        cfg = project.model_copy(update={"grpo": project.grpo.model_copy(update={"bf16": bf16})})
+        seen: list[bool] = []
+        hook = model.get_output_embeddings().register_forward_hook(
+            lambda module, args, out: seen.append(torch.is_autocast_enabled("cpu")))
+        evaluate_module.evaluate_model(model, tokenizer, records, cfg, progress=False)
+        hook.remove()
+        assert seen and set(seen) == {bf16 and autocast_enabled(torch.device("cpu"), True)}
 
 
 # ---------------------------------------------------------------------------- the stage

@@ -56,6 +56,7 @@ from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entro
 from grpo.files import write_atomically
 from grpo.locks import writes
 from grpo.model.device import make_accelerator, model_device
+from grpo.model.precision import bf16_autocast
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
 from grpo.model.scoring import rollout_inputs, score_inputs
 from grpo.model.stage_models import check_grpo, check_sft, load_base, load_grpo, load_sft
@@ -189,12 +190,14 @@ def evaluate_model(
     starts = range(0, len(prompts), size)
     for index, start in enumerate(tqdm(starts, desc=desc, disable=not progress)):
         batch = prompts[start : start + size]
-        greedy.add(generate_rollout(model, tokenizer, batch, 1, sampling, eos_ids, cfg.seed, greedy=True))
-        if group:
-            # Seeded by batch index, not by model: every model draws from the same random stream.
-            rollout = generate_rollout(model, tokenizer, batch, group, sampling, eos_ids,
-                                       seed=derive_seed(cfg.seed, ("eval_batch", index)))
-            sampled.add(rollout, entropy_sum(model, rollout))
+        # The rollout's precision (grpo.bf16), each prompt's prefill shared by its samples (the same tokens).
+        with bf16_autocast(model_device(model), cfg.grpo.bf16):
+            greedy.add(generate_rollout(model, tokenizer, batch, 1, sampling, eos_ids, cfg.seed, greedy=True))
+            if group:
+                # Seeded by batch index, not by model: every model draws from the same random stream.
+                rollout = generate_rollout(model, tokenizer, batch, group, sampling, eos_ids,
+                                           seed=derive_seed(cfg.seed, ("eval_batch", index)), shared_prefill=True)
+                sampled.add(rollout, entropy_sum(model, rollout))
     if texts is not None:
         texts.update(greedy=greedy.texts, **({"sampled": sampled.texts} if group else {}))
     results = {"greedy": task_metrics(greedy.texts, records, cfg) | greedy.length_stats()}

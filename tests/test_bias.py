@@ -1,0 +1,61 @@
+"""``grpo bias``: a run's models on published BBQ items (the test fixture's excerpt of the release)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from grpo.cli import main as grpo_main
+from grpo.config import load_config
+from grpo.data.prompts import render_records
+from grpo.eval.bias import bbq_records
+from tests.tiny_project import run_stages, tiny_params, write_params
+
+BBQ = Path(__file__).parent / "fixtures" / "bbq"
+
+
+def test_bbq_records_are_balanced_per_category_and_reproducible():
+    records = bbq_records(BBQ, 4, seed=3)
+    by_category = Counter(r["category"] for r in records)
+    assert len(by_category) == len(list(BBQ.glob("*.jsonl"))) and set(by_category.values()) == {4}
+    for category in by_category:
+        strata = Counter((r["context_condition"], r["question_polarity"])
+                         for r in records if r["category"] == category)
+        assert len(strata) == 4 and set(strata.values()) == {1}, (category, strata)
+    assert all(r["task"] == "fairness" and r["source"] == "bbq" and r["split"] == "eval" for r in records)
+    assert [r["id"] for r in bbq_records(BBQ, 4, seed=3)] == [r["id"] for r in records]
+    assert [r["id"] for r in bbq_records(BBQ, 4, seed=4)] != [r["id"] for r in records]
+
+
+def test_bbq_records_render_as_fairness_prompts(tiny_tokenizer):
+    records = bbq_records(BBQ, 2, seed=0)
+    prompts = render_records(tiny_tokenizer, records, {})
+    text = tiny_tokenizer.decode(prompts[0])
+    assert records[0]["context"][:20] in text and all(choice in text for choice in records[0]["choices"])
+
+
+@pytest.mark.slow
+def test_bias_scores_every_model_of_the_run_on_bbq(tmp_path, capsys):
+    params = write_params(tmp_path, tiny_params(tmp_path))
+    run_stages(params, "prepare", "validate", "base", "sft")
+    assert grpo_main(["bias", "--params", str(params), "--bbq", str(BBQ), "--per-category", "4"]) == 0
+    cfg = load_config(params)
+    summary = json.loads((Path(cfg.paths.metrics_dir) / "bias.json").read_text())
+    assert summary["items"] == 4 * len(list(BBQ.glob("*.jsonl")))
+    assert set(summary["models"]) == {"base", "sft"} and summary["intervals"] == {}  # no GRPO model yet
+    for figures in summary["models"].values():
+        overall = figures["overall"]
+        assert 0.0 <= overall["accuracy_ambig"] <= 1.0 and -1.0 <= overall["s_amb"] <= 1.0
+        assert set(figures["by_category"]) == {f.stem for f in BBQ.glob("*.jsonl")}
+    report = (Path(cfg.paths.reports_dir) / "bias.md").read_text()
+    assert "| s_amb |" in report and "## s_AMB per category" in report and "| Age |" in report
+    assert "bias.json" in capsys.readouterr().out
+
+
+def test_bias_names_a_missing_folder(tmp_path, capsys):
+    params = write_params(tmp_path, tiny_params(tmp_path))
+    assert grpo_main(["bias", "--params", str(params), "--bbq", str(tmp_path / "nowhere")]) == 1
+    assert "nowhere" in capsys.readouterr().err
