@@ -28,7 +28,7 @@ def test_commands_in_the_docs_exist(doc):
         assert importlib.util.find_spec(module) is not None, f"{doc}: `python -m {module}`: no such module"
     targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(encoding="utf-8"), re.M))
     inline = " ".join(re.findall(r"`([^`\n]+)`", (ROOT / doc).read_text(encoding="utf-8")))
-    for target in re.findall(r"(?:^|\s)make ([a-z][a-z-]*)", code + "\n" + inline):
+    for target in re.findall(r"(?:^|\s)make ([a-z][a-z0-9-]*)", code + "\n" + inline):
         assert target in targets, f"{doc}: `make {target}` is not a Makefile target"
     assert not re.search(r"deployment run full-retrain(?!/)", code), f"{doc}: Prefect needs flow/deployment"
 
