@@ -42,7 +42,7 @@ run: setup $(PROFILE_SETUP)
 pipeline: setup
 	grpo pipeline
 
-test: setup
+test: setup setup-smollm2
 	python -m pytest -q
 
 # GPU benchmark (CUDA only; `python benchmarks/gpu.py --smoke` runs on CPU): see docs/scaling.md "GPU benchmark".

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from grpo.config import Config, ConfigError, config_from_dict, config_to_dict, load_config
+from grpo.sources import NAMED_SOURCES, SourceError, named_source_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,4 +118,13 @@ def test_the_shipped_profiles_load(tmp_path):
         tree = yaml.safe_load(profile.read_text(encoding="utf-8"))
         named = (tree.get("model") or {}).get("name_or_path") or ""
         overrides = [f"model.name_or_path={tmp_path}"] if named.startswith("/models/") else []
+        if named in NAMED_SOURCES:
+            try:
+                named_source_file(named)
+            except SourceError:  # the registry package is not installed: the profile says how to get it
+                with pytest.raises(ConfigError, match=re.escape(NAMED_SOURCES[named].setup)):
+                    load_config(profile)
+                stand_in = tmp_path / "stand-in.gguf"
+                stand_in.touch()
+                overrides = [f"model.name_or_path={stand_in}"]
         assert load_config(profile, overrides).model_dump() != Config().model_dump(), profile
