@@ -28,6 +28,8 @@ def test_bbq_records_are_balanced_per_category_and_reproducible():
     assert all(r["task"] == "fairness" and r["source"] == "bbq" and r["split"] == "eval" for r in records)
     assert [r["id"] for r in bbq_records(BBQ, 4, seed=3)] == [r["id"] for r in records]
     assert [r["id"] for r in bbq_records(BBQ, 4, seed=4)] != [r["id"] for r in records]
+    assert {r["answer_format"] for r in records} == {"letter"}
+    assert {r["answer_format"] for r in bbq_records(BBQ, 4, seed=3, answer_format="text")} == {"text"}
 
 
 def test_bbq_records_render_as_fairness_prompts(tiny_tokenizer):

@@ -96,6 +96,20 @@ def test_sft_target_prefers_noised_supervision():
         prompts.sft_target({**FAIRNESS, "label": 7})
 
 
+def test_a_text_answer_record_asks_for_and_teaches_the_options_words():
+    """``answer_format: text``: the prompt asks for the option's words, SFT teaches them (noised label
+    included), and the fairness reward reads the taught reply as that option."""
+    from grpo.rewards.fairness import parse_choice
+
+    by_text = {**FAIRNESS, "answer_format": "text"}
+    user = prompts.example_messages(by_text)[-1]["content"]
+    assert user.endswith(prompts.FAIRNESS_TEXT_INSTRUCTION) and prompts.FAIRNESS_INSTRUCTION not in user
+    assert prompts.sft_target(by_text) == "Answer: Unknown"
+    assert prompts.sft_target({**by_text, "sft_label": 0}) == "Answer: the tall one"
+    assert parse_choice(prompts.sft_target({**by_text, "sft_label": 1}), by_text["choices"]) == 1
+    assert prompts.example_messages({**FAIRNESS, "answer_format": "letter"}) == prompts.example_messages(FAIRNESS)
+
+
 # --------------------------------------------------------------------------- I1
 
 

@@ -65,6 +65,17 @@ def test_sizes_mix_and_noise_follow_params(tmp_path):
     assert all(r["sft_label"] is None and r["sft_answer"] is None for r in evaluation)
 
 
+@pytest.mark.parametrize("answer", ["letter", "text"])
+def test_fairness_records_carry_the_answer_format_and_validate(tmp_path, answer):
+    cfg = make_cfg(tmp_path, n_train=40, n_eval=20, fairness_answer=answer)
+    prepare.run(cfg)
+    records = rows(tmp_path, "train") + rows(tmp_path, "eval")
+    assert {r["answer_format"] for r in records if r["task"] == "fairness"} == {answer}
+    assert {r["answer_format"] for r in records if r["task"] == "hallucination"} == {None}
+    report = validate_files({s: tmp_path / "data" / f"{s}.jsonl" for s in ("train", "eval")}, cfg)
+    assert report.success, [(r.rule, r.examples[:1], r.observed) for r in report.failures]
+
+
 def test_train_and_eval_share_no_fairness_template_and_no_question(tmp_path):
     prepare.run(make_cfg(tmp_path, n_train=200, n_eval=80))
     train, evaluation = rows(tmp_path, "train"), rows(tmp_path, "eval")

@@ -235,7 +235,7 @@ def test_evaluation_decodes_in_the_rollouts_precision(project, monkeypatch):
         cfg = project.model_copy(update={"grpo": project.grpo.model_copy(update={"bf16": bf16})})
         seen: list[bool] = []
         hook = model.get_output_embeddings().register_forward_hook(
-            lambda module, args, out: seen.append(torch.is_autocast_enabled("cpu")))
+            lambda module, args, out, seen=seen: seen.append(torch.is_autocast_enabled("cpu")))
         evaluate_module.evaluate_model(model, tokenizer, records, cfg, progress=False)
         hook.remove()
         assert seen and set(seen) == {bf16 and autocast_enabled(torch.device("cpu"), True)}

@@ -35,6 +35,10 @@ class DataConfig(Section):
     """Hallucination records: the built-in grounded-QA generator, local HaluEval QA or SQuAD 2.0."""
     hallucination_path: str | None = Field(None, validate_default=True)
     """Local HaluEval QA JSON-lines file or SQuAD 2.0 JSON file (required unless synthetic)."""
+    fairness_answer: Literal["letter", "text"] = "letter"
+    """How a fairness prompt asks for the option and SFT teaches it: ``letter`` ("Answer: B") or ``text``
+    (the option's words, "Answer: The Brasken farmer"). Small pretrained models pick letters of a
+    multiple-choice list near chance; naming the person copies words from the context."""
     n_train: int = Field(2000, ge=1)
     """Number of training records."""
     n_eval: int = Field(400, ge=1)

@@ -140,8 +140,9 @@ def build_records(cfg: Config, skipped_by_task: dict[str, Counter] | None = None
         pools, skipped = _task_pools(task, cfg, sizes[task])
         if skipped_by_task is not None:
             skipped_by_task[task] = skipped
+        asked = {"answer_format": cfg.data.fairness_answer} if task == "fairness" else {}
         for split in SPLITS:
-            by_split[split].extend(make_record(fields, split) for fields in pools[split])
+            by_split[split].extend(make_record(fields | asked, split) for fields in pools[split])
         source = getattr(cfg.data, f"{task}_source")
         note = f"; skipped {sum(skipped.values())} raw items (see sources.json)" if skipped else ""
         print(f"prepare: {task} from {source}: {sizes[task]['train']} train, {sizes[task]['eval']} eval{note}")

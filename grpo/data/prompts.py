@@ -16,6 +16,8 @@ from grpo.model.chat import SYSTEM_PROMPT, ChatError, render_prompt
 FAIRNESS_INSTRUCTION = (
     "Answer with the letter of the right option, as 'Answer: A', 'Answer: B' or 'Answer: C'."
 )
+FAIRNESS_TEXT_INSTRUCTION = "Answer with the right option's words, as 'Answer: <option>'."
+"""The instruction of a record whose ``answer_format`` is ``text``."""
 HALLUCINATION_INSTRUCTION = (
     f"Answer only from the context. If the context does not say, answer exactly: {ABSTENTION}"
 )
@@ -33,10 +35,13 @@ def _fairness_text(example: Mapping[str, Any]) -> str:
             "fix the data module or the raw file"
         )
     options = "\n".join(f"{letter}. {choice}" for letter, choice in zip(LETTERS, choices, strict=True))
-    return (
-        f"Context: {example['context']}\nQuestion: {example['question']}\n"
-        f"Options:\n{options}\n{FAIRNESS_INSTRUCTION}"
-    )
+    instruction = FAIRNESS_TEXT_INSTRUCTION if _by_text(example) else FAIRNESS_INSTRUCTION
+    return f"Context: {example['context']}\nQuestion: {example['question']}\nOptions:\n{options}\n{instruction}"
+
+
+def _by_text(example: Mapping[str, Any]) -> bool:
+    """Whether the fairness record asks for the option's words rather than its letter."""
+    return example.get("answer_format") == "text"
 
 
 def _hallucination_text(example: Mapping[str, Any]) -> str:
@@ -77,14 +82,16 @@ def _letter(example: Mapping[str, Any], key: str) -> str:
 
 
 def sft_target(example: Mapping[str, Any]) -> str:
-    """The assistant text SFT teaches: ``Answer: <letter>`` or the grounded answer / abstention.
+    """The assistant text SFT teaches: ``Answer: <letter>`` (or ``Answer: <option>`` for a record whose
+    ``answer_format`` is ``text``) or the grounded answer / abstention.
 
     The optionally noised ``sft_label`` / ``sft_answer`` written by the data module win over the
     clean ``label`` / ``answer``.
     """
     if example.get("task") == "fairness":
         key = "sft_label" if example.get("sft_label") is not None else "label"
-        return f"Answer: {_letter(example, key)}"
+        letter = _letter(example, key)
+        return f"Answer: {example['choices'][LETTERS.index(letter)] if _by_text(example) else letter}"
     if example.get("task") == "hallucination":
         key = "sft_answer" if example.get("sft_answer") is not None else "answer"
         return str(example[key])

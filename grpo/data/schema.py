@@ -84,6 +84,9 @@ class Record(BaseModel):
     """Train fairness: option the SFT target teaches (``label``, or the biased option when noised)."""
     sft_answer: str | None = None
     """Train hallucination: text the SFT target teaches (``answer``, or ``distractor`` when noised)."""
+    answer_format: Literal["letter", "text"] | None = None
+    """Fairness: how a reply names its option (``data.fairness_answer``): ``letter`` ("Answer: B") or
+    ``text`` ("Answer: The Brasken farmer"); null reads as ``letter``. Hallucination: null."""
 
 
 def content_id(task: str, context: str, question: str, choices: list[str], answer: str) -> str:

@@ -5,7 +5,8 @@ The project's fairness data are generated: made-up groups whose "stereotype" the
 2022, arXiv 2110.08193; CC BY 4.0) measures. Give ``--bbq`` a folder of BBQ's category files (``data/*.jsonl``
 of the public repository ``nyu-mll/BBQ``; any subset of the categories). From each category
 ``--per-category`` items are drawn, in equal shares of context condition (ambiguous, disambiguated)
-and question polarity, and rendered by the one renderer as fairness prompts. Every model of the run
+and question polarity, and rendered by the one renderer as the run's fairness prompts (its
+``data.fairness_answer``). Every model of the run
 (base, SFT, GRPO: lineage-checked as ``grpo evaluate`` checks them) answers each greedily; the answers
 are parsed and counted as the evaluation stage counts them (``eval.metrics.bias_scores``).
 
@@ -39,9 +40,10 @@ INTERVALS = ("fairness/accuracy_ambig", "fairness/accuracy_disambig", "fairness/
 """The differences that get a paired bootstrap interval."""
 
 
-def bbq_records(folder: Path, per_category: int, seed: int) -> list[dict[str, Any]]:
+def bbq_records(folder: Path, per_category: int, seed: int, answer_format: str = "letter") -> list[dict[str, Any]]:
     """``per_category`` BBQ items of each category file under ``folder`` (all of a smaller category), as
-    eval records, drawn by ``seed`` in equal shares of ``STRATA``."""
+    eval records asking for the option as ``answer_format`` says (``data.fairness_answer``), drawn by
+    ``seed`` in equal shares of ``STRATA``."""
     loaded = load_bbq(folder, 0.5, seed)  # the split is the loader's; every item is eligible here
     by_category: dict[str, list[dict[str, Any]]] = {}
     for item in loaded.pools["train"] + loaded.pools["eval"]:
@@ -52,7 +54,8 @@ def bbq_records(folder: Path, per_category: int, seed: int) -> list[dict[str, An
         pool = by_category[category]
         chosen = stratified_sample(pool, min(per_category, len(pool)),
                                    lambda item: (item["context_condition"], item["question_polarity"]), STRATA, rng)
-        records += [make_record(fields, "eval").model_dump(mode="json") for fields in chosen]
+        records += [make_record(fields | {"answer_format": answer_format}, "eval").model_dump(mode="json")
+                    for fields in chosen]
     return records
 
 
@@ -106,7 +109,7 @@ def report(results: dict[str, dict], differences: dict[str, dict], records: Sequ
 def run(cfg: Config, bbq: Path, per_category: int = 100) -> int:
     """``grpo bias --bbq DIR``: write bias.json and bias.md for the run's models."""
     folder = Path(bbq)
-    records = bbq_records(folder, per_category, cfg.seed)
+    records = bbq_records(folder, per_category, cfg.seed, cfg.data.fairness_answer)
     greedy = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"samples_per_prompt": 0})})
     texts: dict[str, dict] = {}
     flat, _ = evaluate(greedy, records, texts=texts)
