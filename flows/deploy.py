@@ -43,19 +43,23 @@ def deploy(project_dir: str | Path = ".", work_pool: str = WORK_POOL) -> str:
     cron = nightly_cron(schedule, params)  # a bad cron fails here, before the server is touched
     ensure_work_pool(work_pool)
     flow = full_retrain.from_source(source=str(project), entrypoint=ENTRYPOINT)
-    return str(flow.deploy(
-        name=schedule.deployment,
-        work_pool_name=work_pool,
-        schedules=[cron],
-        parameters={"force": schedule.force, "params_path": "params.yaml", "project_dir": str(project)},
-        concurrency_limit=1,
-        build=False,
-        push=False,
-        print_next_steps=False,
-    ))
+    return str(
+        flow.deploy(
+            name=schedule.deployment,
+            work_pool_name=work_pool,
+            schedules=[cron],
+            parameters={"force": schedule.force, "params_path": "params.yaml", "project_dir": str(project)},
+            concurrency_limit=1,
+            build=False,
+            push=False,
+            print_next_steps=False,
+        )
+    )
 
 
 if __name__ == "__main__":
     deployment_id = deploy()
-    print(f"deployment full-retrain/full-retrain ({deployment_id}) on work pool {WORK_POOL}; "
-          f"start a worker: prefect worker start --pool {WORK_POOL}")
+    print(
+        f"deployment full-retrain/full-retrain ({deployment_id}) on work pool {WORK_POOL}; "
+        f"start a worker: prefect worker start --pool {WORK_POOL}"
+    )

@@ -25,12 +25,21 @@ from tasks.sft import sft
 from tasks.train import train
 from tasks.validate import validate
 
-STAGES = {"prepare": prepare, "validate": validate, "base": base, "sft": sft, "preflight": preflight,
-          "grpo": train, "evaluate": evaluate}
+STAGES = {
+    "prepare": prepare,
+    "validate": validate,
+    "base": base,
+    "sft": sft,
+    "preflight": preflight,
+    "grpo": train,
+    "evaluate": evaluate,
+}
 
 
 @flow(name="full-retrain", on_failure=[notify_failure], on_completion=[clear_failure])
-def full_retrain(force: bool = False, params_path: str = "params.yaml", project_dir: str = ".") -> dict[str, bool]:
+def full_retrain(
+    force: bool = False, params_path: str = "params.yaml", project_dir: str = "."
+) -> dict[str, bool]:
     """params -> fingerprint -> prepare -> ... -> evaluate, each after the last; returns which stages ran."""
     chosen = use_params(project_dir, params_path, return_state=True)
     # A fresh string: the graph's edges are the stage order (wait_for), not every stage reading `params`.

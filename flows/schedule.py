@@ -21,5 +21,7 @@ def nightly_cron(schedule: ScheduleConfig, params: Path) -> Cron:
     try:
         return Cron(schedule.cron, timezone=schedule.timezone)
     except (ValueError, ValidationError) as exc:
-        raise ConfigError(f"{params}: schedule.cron {schedule.cron!r} is refused by Prefect ({exc}); give five "
-                          "fields, minute hour day month weekday, e.g. '0 2 * * *'") from None
+        raise ConfigError(
+            f"{params}: schedule.cron {schedule.cron!r} is refused by Prefect ({exc}); give five "
+            "fields, minute hour day month weekday, e.g. '0 2 * * *'"
+        ) from None

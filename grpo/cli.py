@@ -35,9 +35,13 @@ def _no_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _plot_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--entropy-files", nargs="*", type=Path, default=None, help="entropy_history_*.json files")
+    parser.add_argument(
+        "--entropy-files", nargs="*", type=Path, default=None, help="entropy_history_*.json files"
+    )
     parser.add_argument("--labels", nargs="*", default=None, help="one label per entropy file")
-    parser.add_argument("--search-dir", type=Path, default=None, help="plot every entropy_history_*.json under it")
+    parser.add_argument(
+        "--search-dir", type=Path, default=None, help="plot every entropy_history_*.json under it"
+    )
     parser.add_argument("--metrics-file", type=Path, default=None, help="per-step JSONL for reward curves")
     parser.add_argument("--with-stats", action="store_true", help="add a panel of mean/min/max/final")
     parser.add_argument("--out", type=Path, default=None, help="output PNG path")
@@ -50,7 +54,9 @@ def _check_plot_args(options: dict) -> None:
     if files is None and labels:
         raise UsageError("--labels names --entropy-files; with --search-dir labels come from file names")
     if files is not None and not files:
-        raise UsageError("--entropy-files was given without any file; list at least one entropy_history_*.json")
+        raise UsageError(
+            "--entropy-files was given without any file; list at least one entropy_history_*.json"
+        )
     if files and labels and len(labels) != len(files):
         raise UsageError(
             f"--labels has {len(labels)} label(s) for {len(files)} --entropy-files: give one label per file "
@@ -64,14 +70,21 @@ def _diagnose_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _seeds_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="seeds to run (default: 1 2 3)")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[1, 2, 3], help="seeds to run (default: 1 2 3)"
+    )
 
 
 def _bias_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bbq", type=Path, required=True,
-                        help="folder of BBQ category files (data/*.jsonl of github.com/nyu-mll/BBQ)")
-    parser.add_argument("--per-category", type=_item_count, default=100,
-                        help="items drawn from each category (default: 100)")
+    parser.add_argument(
+        "--bbq",
+        type=Path,
+        required=True,
+        help="folder of BBQ category files (data/*.jsonl of github.com/nyu-mll/BBQ)",
+    )
+    parser.add_argument(
+        "--per-category", type=_item_count, default=100, help="items drawn from each category (default: 100)"
+    )
 
 
 def _item_count(text: str) -> int:
@@ -84,14 +97,19 @@ def _item_count(text: str) -> int:
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a step count: give 1 or more, or leave the option out "
-                                         "to train all grpo.steps")
+        raise argparse.ArgumentTypeError(
+            f"{value} is not a step count: give 1 or more, or leave the option out to train all grpo.steps"
+        )
     return value
 
 
 def _train_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-steps", type=_positive_int, default=None,
-                        help="stop after this many steps (at least 1; default: all grpo.steps)")
+    parser.add_argument(
+        "--max-steps",
+        type=_positive_int,
+        default=None,
+        help="stop after this many steps (at least 1; default: all grpo.steps)",
+    )
 
 
 AddArgs = Callable[[argparse.ArgumentParser], None]
@@ -111,20 +129,35 @@ class Command(NamedTuple):
 STAGE_ARGS: dict[str, AddArgs] = {"train": _train_args}
 
 COMMANDS: dict[str, Command] = {
-    **{spec.command: Command(spec.entry, spec.help, STAGE_ARGS.get(spec.command, _no_args))
-       for spec in stages.STAGES.values()},
-    "plot-entropy": Command("grpo.eval.plots:run", "plot entropy and reward curves of one or many runs",
-                            _plot_args, _check_plot_args),
-    "diagnose": Command("grpo.checks.diagnose:run", "deep entropy diagnosis of a model or checkpoint",
-                        _diagnose_args),
-    "fingerprint": Command("grpo.provenance.fingerprint:run", "write the semantic code fingerprint of every stage"),
-    "status": Command("grpo.provenance.status:run",
-                      "what is stale and why (refreshes fingerprints, then dvc status)"),
-    "pipeline": Command("grpo.pipeline:run", "run every stage in order in one process, without DVC (`make run` runs them by `dvc repro`)"),
-    "bias": Command("grpo.eval.bias:run", "the run's models on published BBQ items: accuracy and bias scores",
-                    _bias_args),
-    "seeds": Command("grpo.seed_sweep:run", "run the pipeline once per seed and print GRPO − SFT across seeds",
-                     _seeds_args),
+    **{
+        spec.command: Command(spec.entry, spec.help, STAGE_ARGS.get(spec.command, _no_args))
+        for spec in stages.STAGES.values()
+    },
+    "plot-entropy": Command(
+        "grpo.eval.plots:run",
+        "plot entropy and reward curves of one or many runs",
+        _plot_args,
+        _check_plot_args,
+    ),
+    "diagnose": Command(
+        "grpo.checks.diagnose:run", "deep entropy diagnosis of a model or checkpoint", _diagnose_args
+    ),
+    "fingerprint": Command(
+        "grpo.provenance.fingerprint:run", "write the semantic code fingerprint of every stage"
+    ),
+    "status": Command(
+        "grpo.provenance.status:run", "what is stale and why (refreshes fingerprints, then dvc status)"
+    ),
+    "pipeline": Command(
+        "grpo.pipeline:run",
+        "run every stage in order in one process, without DVC (`make run` runs them by `dvc repro`)",
+    ),
+    "bias": Command(
+        "grpo.eval.bias:run", "the run's models on published BBQ items: accuracy and bias scores", _bias_args
+    ),
+    "seeds": Command(
+        "grpo.seed_sweep:run", "run the pipeline once per seed and print GRPO − SFT across seeds", _seeds_args
+    ),
 }
 
 
@@ -169,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = resolve(command.entry)(cfg, **options)
         if not code:
-            write_key_metrics(cfg, next((s.name for s in stages.STAGES.values() if s.command == args.command), ""))
+            write_key_metrics(
+                cfg, next((s.name for s in stages.STAGES.values() if s.command == args.command), "")
+            )
     except (GrpoError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -60,8 +60,10 @@ def _one_lock(folder: Path) -> Iterator[None]:
             ) from None
         handle.seek(0)
         handle.truncate()
-        handle.write(f"PID {os.getpid()} (`{' '.join(sys.argv)}`, in {os.getcwd()}, since "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+        handle.write(
+            f"PID {os.getpid()} (`{' '.join(sys.argv)}`, in {os.getcwd()}, since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n"
+        )
         handle.flush()
         _HELD.add(folder)
         try:

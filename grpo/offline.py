@@ -56,6 +56,6 @@ def model_source_problem(name_or_path: str, allow_download: bool) -> str | None:
     return (
         f"model folder {name_or_path!r} does not exist (looked at {path.resolve()}) and it is not a hub id "
         "in the local cache; give an existing local folder with config.json and tokenizer files, a .gguf "
-        "file, a named source (smollm2-135m-instruct), or null for the embedded tiny model" + ("" if allow_download else
-                                         " (nothing is downloaded: model.allow_download is false)")
+        "file, a named source (smollm2-135m-instruct), or null for the embedded tiny model"
+        + ("" if allow_download else " (nothing is downloaded: model.allow_download is false)")
     )

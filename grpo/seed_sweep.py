@@ -36,10 +36,12 @@ COLUMNS: dict[str, int] = {
 def seed_config(cfg: Config, seed: int) -> Config:
     """``cfg`` with ``seed`` and every output folder under ``<runs_dir>/seeds/seed-<seed>``."""
     root = Path(cfg.paths.runs_dir) / "seeds" / f"seed-{seed}"
-    paths = cfg.paths.model_copy(update={
-        name: str(root / Path(getattr(cfg.paths, name)).name)
-        for name in ("data_dir", "models_dir", "metrics_dir", "reports_dir", "runs_dir")
-    })
+    paths = cfg.paths.model_copy(
+        update={
+            name: str(root / Path(getattr(cfg.paths, name)).name)
+            for name in ("data_dir", "models_dir", "metrics_dir", "reports_dir", "runs_dir")
+        }
+    )
     return cfg.model_copy(update={"seed": seed, "paths": paths})
 
 
@@ -49,8 +51,11 @@ def seed_row(cfg: Config, mode: str = "greedy") -> dict[str, Any] | None:
     metrics = Path(cfg.paths.metrics_dir)
     results = json.loads((metrics / "eval.json").read_text())
     compare = json.loads((metrics / "eval_compare.json").read_text())
-    diffs, sft, grpo = (compare["grpo_minus_sft"].get(mode), results["sft"].get(mode),
-                        results["grpo"].get(mode))
+    diffs, sft, grpo = (
+        compare["grpo_minus_sft"].get(mode),
+        results["sft"].get(mode),
+        results["grpo"].get(mode),
+    )
     if not diffs or not sft or not grpo:
         return None
     return {
@@ -79,15 +84,29 @@ def improved(row: dict[str, float | None], sign: int) -> bool:
 
 def seeds_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: one row per seed (one decoding), then the count of seeds improved beyond noise."""
-    head = ["seed", "SFT reward", "GRPO reward", "abstain-all reward", "GRPO over-abstention",
-            *(f"Δ {key}" for key in COLUMNS)]
+    head = [
+        "seed",
+        "SFT reward",
+        "GRPO reward",
+        "abstain-all reward",
+        "GRPO over-abstention",
+        *(f"Δ {key}" for key in COLUMNS),
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + " ---: |" * len(head)]
     for row in rows:
-        cells = [str(row["seed"]), *(f"{row[k]:.3f}" if row[k] is not None else "—" for k in
-                                     ("sft_reward", "grpo_reward", "abstain_reward", "over_abstention_grpo"))]
+        cells = [
+            str(row["seed"]),
+            *(
+                f"{row[k]:.3f}" if row[k] is not None else "—"
+                for k in ("sft_reward", "grpo_reward", "abstain_reward", "over_abstention_grpo")
+            ),
+        ]
         cells += [_cell(row["diffs"][key]) for key in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
-    counts = [f"{sum(improved(row['diffs'][key], sign) for row in rows)}/{len(rows)}" for key, sign in COLUMNS.items()]
+    counts = [
+        f"{sum(improved(row['diffs'][key], sign) for row in rows)}/{len(rows)}"
+        for key, sign in COLUMNS.items()
+    ]
     lines.append("| improved beyond noise | | | | | " + " | ".join(counts) + " |")
     return "\n".join(lines) + "\n"
 
@@ -112,8 +131,10 @@ def run(cfg: Config, seeds: Sequence[int] = (1, 2, 3)) -> int:
 
 def seeds_report(rows: list[dict[str, dict[str, Any] | None]], cfg: Config) -> str:
     """seeds.md: the greedy table, then the sampled one where every seed has sampled figures."""
-    sampled = (f"Sampled replies ({cfg.eval.samples_per_prompt} per prompt at temperature "
-               f"{cfg.grpo.sampling.temperature}, the policy GRPO trains)")
+    sampled = (
+        f"Sampled replies ({cfg.eval.samples_per_prompt} per prompt at temperature "
+        f"{cfg.grpo.sampling.temperature}, the policy GRPO trains)"
+    )
     parts = ["# GRPO − SFT across seeds (95 % paired-bootstrap intervals)\n"]
     for mode, title in (("greedy", "Greedy replies"), ("sampled", sampled)):
         if rows and all(row[mode] is not None for row in rows):

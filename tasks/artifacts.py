@@ -82,8 +82,9 @@ def publish_markdown(path: Path, key: str, description: str) -> None:
     """A markdown file as a markdown artifact (wide tables as lists, so nothing is cut off in the UI)."""
     text = _read(path)
     if text is not None:
-        create_markdown_artifact(markdown=readable_tables(text)[:MAX_MARKDOWN_CHARS], key=key,
-                                 description=description)
+        create_markdown_artifact(
+            markdown=readable_tables(text)[:MAX_MARKDOWN_CHARS], key=key, description=description
+        )
 
 
 def publish_metrics(path: Path, key: str, description: str) -> None:

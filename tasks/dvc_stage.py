@@ -109,8 +109,10 @@ def command_line(project: Path, cmd: list[str]) -> str:
     """The stage's command as a line a user can paste into any shell: folder, code path and tools included."""
     env = stage_env(project)
     tools = shlex.quote(str(Path(sys.executable).parent))
-    return (f"cd {shlex.quote(str(project))} && PATH={tools}:\"$PATH\" PYTHONPATH={shlex.quote(env['PYTHONPATH'])} "
-            f"{shlex.join(cmd)}")
+    return (
+        f'cd {shlex.quote(str(project))} && PATH={tools}:"$PATH" PYTHONPATH={shlex.quote(env["PYTHONPATH"])} '
+        f"{shlex.join(cmd)}"
+    )
 
 
 def _run_dvc(
@@ -124,10 +126,18 @@ def _run_dvc(
     lock.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(lock):
         logger.info("$ %s", command_line(project, cmd))
-        proc = subprocess.Popen(cmd, cwd=project, env=stage_env(project), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        readers = [threading.Thread(target=_pump, args=(proc.stdout, out, logger.info), daemon=True),
-                   threading.Thread(target=_pump, args=(proc.stderr, err, logger.info), daemon=True)]
+        proc = subprocess.Popen(
+            cmd,
+            cwd=project,
+            env=stage_env(project),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        readers = [
+            threading.Thread(target=_pump, args=(proc.stdout, out, logger.info), daemon=True),
+            threading.Thread(target=_pump, args=(proc.stderr, err, logger.info), daemon=True),
+        ]
         for reader in readers:
             reader.start()
         try:
@@ -155,23 +165,32 @@ def run_stage(
     kill_once = _fail_once(stage)
     project = Path(project_dir).resolve()
     if not (project / "dvc.yaml").is_file():
-        raise StageFailed(f"{project}/dvc.yaml does not exist: project_dir must be the grpo-dual project root",
-                          stage)
+        raise StageFailed(
+            f"{project}/dvc.yaml does not exist: project_dir must be the grpo-dual project root", stage
+        )
     cmd = [sys.executable, "-m", "dvc", "repro", "--single-item", stage] + (["--force"] if force else [])
     returncode, out, err = _run_dvc(cmd, project, poll, kill_once)
     if kill_once and returncode == 0:
-        logger.error("stage %s: %s=%s, but DVC found it up to date: failing attempt 1 anyway", stage,
-                     FAIL_ONCE_ENV, stage)
+        logger.error(
+            "stage %s: %s=%s, but DVC found it up to date: failing attempt 1 anyway",
+            stage,
+            FAIL_ONCE_ENV,
+            stage,
+        )
         raise InjectedFailure(f"{FAIL_ONCE_ENV}={stage}: failing attempt 1 of stage {stage!r} on purpose")
     if returncode != 0:
         cause = exit_cause(returncode, err or out)
         retry = "transient: Prefect retries it" if cause.transient else "deterministic: not retried"
-        logger.error("stage %s failed on attempt %d: %s (%s)", stage, task_run.run_count, cause.describe(), retry)
+        logger.error(
+            "stage %s failed on attempt %d: %s (%s)", stage, task_run.run_count, cause.describe(), retry
+        )
         tail = "\n".join(err) or "\n".join(out[-TAIL_LINES:])
         raise StageFailed(
             f"DVC stage {stage!r} failed: {cause.describe()} (`{command_line(project, cmd)}`); last lines of "
             f"its stderr:\n{tail}\nFix the cause, then rerun the flow or `dvc repro {stage}`.",
-            stage, cause.code, cause.transient,
+            stage,
+            cause.code,
+            cause.transient,
         )
     ran = any(line.startswith(f"Running stage '{stage}'") for line in out)
     logger.info("stage %s %s", stage, "ran" if ran else "was up to date (DVC skipped it)")
@@ -186,7 +205,9 @@ def stage_state(stage: str, ran: bool) -> State:
     All are Completed states whose result is ``ran``.
     """
     if not ran:
-        return Completed(name="Skipped", message=f"DVC: stage {stage} was up to date; nothing ran", data=False)
+        return Completed(
+            name="Skipped", message=f"DVC: stage {stage} was up to date; nothing ran", data=False
+        )
     attempt = task_run.run_count
     name = "Ran" if attempt <= 1 else f"Ran on attempt {attempt}"
     return Completed(name=name, message=f"stage {stage} ran (attempt {attempt})", data=True)

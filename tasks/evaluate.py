@@ -21,7 +21,12 @@ def evaluate(project_dir: str, force: bool = False) -> State:
     root = Path(project_dir)
     publish_markdown(root / paths.report_file(cfg, "eval.md"), "eval-report", "Evaluation report")
     publish_metrics(root / paths.metrics_file(cfg, "eval"), "eval-metrics", "Evaluation metrics")
-    publish_figures({"Entropy, reward and reward_std per GRPO step": root / paths.report_file(cfg, "entropy.png"),
-                     "Base, SFT and GRPO side by side": root / paths.report_file(cfg, "eval.png")},
-                    "training-curves", "Training curves and evaluation (reports/entropy.png, reports/eval.png)")
+    publish_figures(
+        {
+            "Entropy, reward and reward_std per GRPO step": root / paths.report_file(cfg, "entropy.png"),
+            "Base, SFT and GRPO side by side": root / paths.report_file(cfg, "eval.png"),
+        },
+        "training-curves",
+        "Training curves and evaluation (reports/entropy.png, reports/eval.png)",
+    )
     return stage_state("evaluate", ran)

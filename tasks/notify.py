@@ -34,13 +34,24 @@ def failure_file(flow_run: FlowRun) -> Path:
 
 
 def failure_report(flow_run: FlowRun, state: State) -> str:
-    return "\n".join([
-        f"# full-retrain failed: flow run `{flow_run.name}`", "",
-        f"- flow run id: `{flow_run.id}`",
-        f"- parameters: `{flow_run.parameters}`",
-        f"- state: {state.name} at {state.timestamp:%Y-%m-%d %H:%M:%S %Z}", "",
-        "## Reason", "", "```", (state.message or "(no message)").strip(), "```", "",
-        f"Logs: `prefect flow-run logs {flow_run.id}`; fix the cause, then rerun the flow or `dvc repro`.", ""])
+    return "\n".join(
+        [
+            f"# full-retrain failed: flow run `{flow_run.name}`",
+            "",
+            f"- flow run id: `{flow_run.id}`",
+            f"- parameters: `{flow_run.parameters}`",
+            f"- state: {state.name} at {state.timestamp:%Y-%m-%d %H:%M:%S %Z}",
+            "",
+            "## Reason",
+            "",
+            "```",
+            (state.message or "(no message)").strip(),
+            "```",
+            "",
+            f"Logs: `prefect flow-run logs {flow_run.id}`; fix the cause, then rerun the flow or `dvc repro`.",
+            "",
+        ]
+    )
 
 
 def notify_failure(flow: Flow, flow_run: FlowRun, state: State) -> None:

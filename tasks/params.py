@@ -26,5 +26,8 @@ def use_params(project_dir: str, params_path: str = "params.yaml") -> str:
         return str(project)
     get_run_logger().warning(
         "params: %s is not the project's params.yaml, so this run works in %s (its own params.yaml, dvc.lock "
-        "and outputs; the project's are untouched)", source, workspace)
+        "and outputs; the project's are untouched)",
+        source,
+        workspace,
+    )
     return str(workspace)

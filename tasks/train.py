@@ -26,7 +26,9 @@ class Progress:
 
     def poll(self) -> bool:
         """Publish the percentage of steps done if it moved; True when an update was sent."""
-        done = max((record["step"] for record in read_metrics(paths.step_metrics_file(self.run_dir))), default=0)
+        done = max(
+            (record["step"] for record in read_metrics(paths.step_metrics_file(self.run_dir))), default=0
+        )
         return self.set(100.0 * min(done, self.steps) / self.steps)
 
     def set(self, percent: float) -> bool:
@@ -40,8 +42,9 @@ class Progress:
 def start_over(run_dir: Path) -> None:
     """A forced run trains from scratch: the run state it would resume from goes first (attempt 1 only)."""
     if run_dir.is_dir() and task_run.run_count <= 1:
-        get_run_logger().warning("force: removing %s (checkpoints, metrics, W&B files) to train from scratch",
-                                 run_dir)
+        get_run_logger().warning(
+            "force: removing %s (checkpoints, metrics, W&B files) to train from scratch", run_dir
+        )
         shutil.rmtree(run_dir)
 
 
@@ -55,6 +58,12 @@ def train(project_dir: str, force: bool = False) -> State:
     progress = Progress(run_dir, cfg.grpo.steps)
     ran = run_stage("grpo", project_dir, force, poll=progress.poll)
     progress.set(100.0)
-    publish_metrics(Path(project_dir) / paths.metrics_file(cfg, "grpo"), "grpo-metrics", "GRPO summary (metrics/grpo.json)")
-    publish_rows(paths.entropy_history_file(run_dir, cfg.experiment), None, "entropy-curve", "Entropy per GRPO step")
+    publish_metrics(
+        Path(project_dir) / paths.metrics_file(cfg, "grpo"),
+        "grpo-metrics",
+        "GRPO summary (metrics/grpo.json)",
+    )
+    publish_rows(
+        paths.entropy_history_file(run_dir, cfg.experiment), None, "entropy-curve", "Entropy per GRPO step"
+    )
     return stage_state("grpo", ran)

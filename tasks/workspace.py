@@ -34,16 +34,24 @@ class WorkspaceError(RuntimeError):
 
 def code_files(project: Path) -> list[str]:
     """Files git would commit in ``project`` (tracked and untracked, not ignored), except the run's own."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=project, capture_output=True, text=True)
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+    )
     if listed.returncode != 0:
         raise WorkspaceError(
             f"{project}: `git ls-files` failed ({listed.stderr.strip()}): a run with params_path other than "
             "params.yaml copies the project's committed files into a workspace, so the project must be a git "
-            "checkout; or run with params_path=params.yaml")
+            "checkout; or run with params_path=params.yaml"
+        )
     names = {name for name in listed.stdout.split("\0") if name}
-    return sorted(n for n in names if n not in NOT_COPIED and not n.startswith(WORKSPACES_DIR + "/")
-                  and (project / n).is_file())
+    return sorted(
+        n
+        for n in names
+        if n not in NOT_COPIED and not n.startswith(WORKSPACES_DIR + "/") and (project / n).is_file()
+    )
 
 
 def workspace_name(params: Path) -> str:
@@ -57,11 +65,13 @@ def make_workspace(project: Path, params: Path) -> Path:
         target = workspace / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(project / name, target)
-    (workspace / "params.yaml").write_text(yaml.safe_dump(read_params(params), sort_keys=False), encoding="utf-8")
+    (workspace / "params.yaml").write_text(
+        yaml.safe_dump(read_params(params), sort_keys=False), encoding="utf-8"
+    )
     (workspace / ".dvc").mkdir(exist_ok=True)
     (workspace / ".dvc" / "config.local").write_text(
-        "[core]\n    no_scm = true\n[cache]\n"
-        f"    dir = {project / '.dvc' / 'cache'}\n", encoding="utf-8")
+        f"[core]\n    no_scm = true\n[cache]\n    dir = {project / '.dvc' / 'cache'}\n", encoding="utf-8"
+    )
     return workspace
 
 
@@ -71,5 +81,7 @@ def run_folder(project: Path, params: Path) -> Path:
     return project if params == project / "params.yaml" else make_workspace(project, params)
 
 
-if __name__ == "__main__":  # `python -m tasks.workspace PARAMS`: print the folder `dvc repro` runs in (Makefile)
+if (
+    __name__ == "__main__"
+):  # `python -m tasks.workspace PARAMS`: print the folder `dvc repro` runs in (Makefile)
     print(run_folder(Path.cwd(), Path(sys.argv[1])))

@@ -183,8 +183,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "entropy_sign_flipped_in_the_summed_backward", "I7", "grpo/train/update.py",
-        "            totals_here = {task: total_loss(terms, loss_cfg.beta, loss_cfg.entropy_coef)\n",
-        "            totals_here = {task: total_loss(terms, loss_cfg.beta, -loss_cfg.entropy_coef)\n",
+        "                task: total_loss(terms, loss_cfg.beta, loss_cfg.entropy_coef)\n",
+        "                task: total_loss(terms, loss_cfg.beta, -loss_cfg.entropy_coef)\n",
         ("tests/test_update.py::test_i7_entropy_step_raises_entropy_in_every_mode",),
         "step_agreement",
     ),
@@ -199,10 +199,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "the_steps_reference_is_the_base", "I9", "grpo/train/step.py",
-        "                eos_ids=eos_ids, accelerator=accelerator, engine=engine, reference=policy.reference,\n",
-        "                eos_ids=eos_ids, accelerator=accelerator, engine=engine,\n"
-        "                reference=__import__('grpo.model.stage_models', fromlist=['load_base']).load_base(cfg)[0]\n"
-        "                .to(accelerator.device).eval(),\n",
+        "        reference=policy.reference,\n",
+        "        reference=__import__('grpo.model.stage_models', fromlist=['load_base']).load_base(cfg)[0]\n"
+        "        .to(accelerator.device).eval(),\n",
         ("tests/test_trainer.py::test_i9_the_trainers_first_step_has_ratio_1_and_kl_0",),
         "first_step",
     ),
@@ -217,17 +216,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "update_scores_at_temperature_one", "I10", "grpo/train/update.py",
-        "        return score_inputs(step.model, batch.inputs.rows(rows), shared_prefix=step.shares_prefix,\n",
-        "        rows_at_one = __import__('dataclasses').replace(batch.inputs.rows(rows), temperature=1.0)\n"
-        "        return score_inputs(step.model, rows_at_one, shared_prefix=step.shares_prefix,\n",
+        "            batch.inputs.rows(rows),\n",
+        "            __import__('dataclasses').replace(batch.inputs.rows(rows), temperature=1.0),\n",
         ("tests/test_update.py::test_i10_the_update_scores_at_the_rollouts_temperature",),
         "step_agreement",
     ),
     Mutation(
         "reference_scored_at_temperature_one", "I10", "grpo/train/update.py",
-        "                scored = score_reference(step.model, inputs.rows(idx), step.reference,\n",
-        "                scored = score_reference(step.model, __import__('dataclasses').replace(\n"
-        "                    inputs.rows(idx), temperature=1.0), step.reference,\n",
+        "                    inputs.rows(idx),\n                    step.reference,\n",
+        "                    __import__('dataclasses').replace(inputs.rows(idx), temperature=1.0),\n"
+        "                    step.reference,\n",
         ("tests/test_step.py::test_i10_the_reference_is_scored_at_the_rollouts_temperature",),
         "step_agreement",
     ),

@@ -60,19 +60,28 @@ def check_sft_supervises_stop(s: Gated) -> Check:
     handle = s.sft.get_output_embeddings().register_forward_hook(keep)
     try:
         with torch.enable_grad():
-            loss, _ = batch_loss(s.sft, examples, s.tokenizer.pad_token_id, next(s.sft.parameters()).device,
-                                 s.cfg.sft.bf16)
+            loss, _ = batch_loss(
+                s.sft, examples, s.tokenizer.pad_token_id, next(s.sft.parameters()).device, s.cfg.sft.bf16
+            )
             loss.backward()
     finally:
         handle.remove()
         s.sft.zero_grad(set_to_none=True)
     # Left padding puts every conversation's last token (its stop token) in the last column: the logits
     # of the column before predict it.
-    reach = seen[0].grad[:, -2].abs().sum(-1) if seen and seen[0].grad is not None else torch.zeros(len(examples))
+    reach = (
+        seen[0].grad[:, -2].abs().sum(-1) if seen and seen[0].grad is not None else torch.zeros(len(examples))
+    )
     unsupervised = int((reach == 0).sum())
-    return bounded("sft_supervises_stop", "I2", unsupervised, 0,
-                   f"{len(examples)} probe conversations through causal_lm.batch_loss: {unsupervised} whose stop "
-                   "token carries no loss", "the SFT loss mask must keep the end-of-turn token (chat.render_sft)")
+    return bounded(
+        "sft_supervises_stop",
+        "I2",
+        unsupervised,
+        0,
+        f"{len(examples)} probe conversations through causal_lm.batch_loss: {unsupervised} whose stop "
+        "token carries no loss",
+        "the SFT loss mask must keep the end-of-turn token (chat.render_sft)",
+    )
 
 
 def check_sft_ends_answers(s: Gated) -> Check:
@@ -80,15 +89,27 @@ def check_sft_ends_answers(s: Gated) -> Check:
     cfg = s.cfg
     prompts = render_records(s.tokenizer, s.questions, cfg.model.chat_template_kwargs)
     with torch.no_grad(), s.ctx.autocast():
-        rollout = generate_rollout(s.sft, s.tokenizer, prompts, 1, cfg.grpo.sampling, s.eos_ids, cfg.seed, greedy=True)
+        rollout = generate_rollout(
+            s.sft, s.tokenizer, prompts, 1, cfg.grpo.sampling, s.eos_ids, cfg.seed, greedy=True
+        )
     ended = 1.0 - float(rollout.truncated.float().mean())
-    detail = (f"{len(prompts)} prompts, greedy: {ended:.0%} of the SFT model's answers end with a stop token "
-              f"within grpo.sampling.max_new_tokens={cfg.grpo.sampling.max_new_tokens}")
+    detail = (
+        f"{len(prompts)} prompts, greedy: {ended:.0%} of the SFT model's answers end with a stop token "
+        f"within grpo.sampling.max_new_tokens={cfg.grpo.sampling.max_new_tokens}"
+    )
     share = cfg.preflight.min_ended_share
-    check = bounded("sft_ends_answers", "I2", 1.0 - ended, 1.0 - share, detail,
-                    "the SFT model does not stop: check that SFT supervises the end-of-turn token (I2) and that "
-                    "it trained enough, or raise grpo.sampling.max_new_tokens")
-    return Check(check.name, check.status, ended, detail, check.hint, "I2", f">= {share} (preflight.min_ended_share)")
+    check = bounded(
+        "sft_ends_answers",
+        "I2",
+        1.0 - ended,
+        1.0 - share,
+        detail,
+        "the SFT model does not stop: check that SFT supervises the end-of-turn token (I2) and that "
+        "it trained enough, or raise grpo.sampling.max_new_tokens",
+    )
+    return Check(
+        check.name, check.status, ended, detail, check.hint, "I2", f">= {share} (preflight.min_ended_share)"
+    )
 
 
 def _plain_last_token(s: Gated) -> int:
@@ -104,8 +125,16 @@ def check_processors_see_completion(s: Gated) -> Check:
     towards the stop tokens (EOS suppression for ``min_new_tokens`` = 2). Counting completion tokens only,
     every row starts with X and does not repeat it, and every row stops exactly after two tokens."""
     x, problems = _plain_last_token(s), []
-    base = s.cfg.grpo.sampling.model_copy(update={"top_k": 0, "top_p": 1.0, "max_new_tokens": 3, "min_new_tokens": 0,
-                                                  "presence_penalty": 0.0, "frequency_penalty": 0.0})
+    base = s.cfg.grpo.sampling.model_copy(
+        update={
+            "top_k": 0,
+            "top_p": 1.0,
+            "max_new_tokens": 3,
+            "min_new_tokens": 0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+        }
+    )
     rows = len(s.prompts)
     with torch.no_grad(), s.ctx.autocast():
         for penalty in ("presence_penalty", "frequency_penalty"):
@@ -114,20 +143,35 @@ def check_processors_see_completion(s: Gated) -> Check:
                 out = s.ctx.engine.generate(s.prompts, 1, sampling, s.eos_ids, s.cfg.seed).rollout
             first = out.completion_ids[:, 0].tolist()
             if first != [x] * rows:
-                problems.append(f"with a {penalty} the first tokens are {first}, not the favoured {x} in every row: "
-                                "the penalty counted prompt tokens")
-            elif any(n > 1 and int(out.completion_ids[i, 1]) == x for i, n in enumerate(out.lengths.tolist())):
-                problems.append(f"with a {penalty} the favoured token {x} came twice: the penalty missed the completion")
+                problems.append(
+                    f"with a {penalty} the first tokens are {first}, not the favoured {x} in every row: "
+                    "the penalty counted prompt tokens"
+                )
+            elif any(
+                n > 1 and int(out.completion_ids[i, 1]) == x for i, n in enumerate(out.lengths.tolist())
+            ):
+                problems.append(
+                    f"with a {penalty} the favoured token {x} came twice: the penalty missed the completion"
+                )
         sampling = base.model_copy(update={"min_new_tokens": 2})
         with biased(s.policy, list(s.eos_ids)):
             out = s.ctx.engine.generate(s.prompts, 1, sampling, s.eos_ids, s.cfg.seed).rollout
         if out.lengths.tolist() != [3] * rows:
-            problems.append(f"with min_new_tokens=2 and the stop tokens favoured, the rows stopped after "
-                            f"{[n - 1 for n in out.lengths.tolist()]} tokens, not 2: EOS suppression counted prompt tokens")
+            problems.append(
+                f"with min_new_tokens=2 and the stop tokens favoured, the rows stopped after "
+                f"{[n - 1 for n in out.lengths.tolist()]} tokens, not 2: EOS suppression counted prompt tokens"
+            )
     detail = f"{rows} prompts of widths {[len(p) for p in s.prompts]} (shortest first); " + (
-        "; ".join(problems) or "penalties and EOS suppression acted on completion tokens only")
-    return bounded("processors_see_completion", "I6", len(problems), 0, detail,
-                   "build the rollout's processors with the padded prompt width (sampling.build_logits_processors)")
+        "; ".join(problems) or "penalties and EOS suppression acted on completion tokens only"
+    )
+    return bounded(
+        "processors_see_completion",
+        "I6",
+        len(problems),
+        0,
+        detail,
+        "build the rollout's processors with the padded prompt width (sampling.build_logits_processors)",
+    )
 
 
 def check_first_step(s: Gated) -> Check:
@@ -135,11 +179,20 @@ def check_first_step(s: Gated) -> Check:
     SFT weights against their frozen copy), with its context, reference and optimizer, has ratio 1 and
     KL 0 on every token. The weights and the optimizer are restored afterwards."""
     with restored(s.ctx):
-        metrics = grpo_step(s.variant(loss={"beta": max(s.cfg.grpo.loss.beta, 0.04)}), s.records, 1,
-                            lambda attempt: s.records).metrics
+        metrics = grpo_step(
+            s.variant(loss={"beta": max(s.cfg.grpo.loss.beta, 0.04)}), s.records, 1, lambda attempt: s.records
+        ).metrics
     ratio, kl, clipped = metrics["ratio/mean"], metrics["kl"], metrics["clip_ratio/region_mean"]
     worst = max(abs(ratio - 1.0), kl, clipped)
-    detail = f"the trainer's first step: ratio/mean {ratio:.9f}, kl {kl:.3g}, clip_ratio/region_mean {clipped}"
-    return bounded("first_step", "I8, I9", worst, 1e-6, detail,
-                   "at the start the policy is its reference: check the reference the trainer's step context "
-                   "gets (I9) and that old, new and reference log-probs are scored alike (I8, I10)")
+    detail = (
+        f"the trainer's first step: ratio/mean {ratio:.9f}, kl {kl:.3g}, clip_ratio/region_mean {clipped}"
+    )
+    return bounded(
+        "first_step",
+        "I8, I9",
+        worst,
+        1e-6,
+        detail,
+        "at the start the policy is its reference: check the reference the trainer's step context "
+        "gets (I9) and that old, new and reference log-probs are scored alike (I8, I10)",
+    )

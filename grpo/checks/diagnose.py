@@ -78,8 +78,9 @@ def make_probe(cfg: Config, target: Target) -> Probe:
     tok = target.tokenizer
     prompts = render_records(tok, records, cfg.model.chat_template_kwargs)
     eos_ids = stop_ids(target.model, tok, cfg.model.extra_stop_tokens)  # the trainer's stop ids
-    rollout = generate_rollout(target.model, tok, prompts, cfg.grpo.group_size, cfg.grpo.sampling, eos_ids,
-                               seed=cfg.seed)
+    rollout = generate_rollout(
+        target.model, tok, prompts, cfg.grpo.group_size, cfg.grpo.sampling, eos_ids, seed=cfg.seed
+    )
     return Probe(records, rollout, rollout_inputs(rollout, next(target.model.parameters()).device))
 
 
@@ -105,10 +106,17 @@ def _grad_norm(params: list[torch.nn.Parameter]) -> float:
 def check_target_lineage(target: Target) -> Check:
     """Whether the target (and the SFT weights under an adapter) match the current code and params."""
     if target.kind == "model" and not target.stale and not (target.path / "lineage.json").is_file():
-        return Check("lineage", "skip", None, f"{target.path} carries no lineage (no stage of the pipeline built it)")
+        return Check(
+            "lineage", "skip", None, f"{target.path} carries no lineage (no stage of the pipeline built it)"
+        )
     if target.stale:
-        return Check("lineage", "warn", len(target.stale), "; ".join(target.stale),
-                     "the numbers describe older code or params: rebuild with `dvc repro` before trusting them")
+        return Check(
+            "lineage",
+            "warn",
+            len(target.stale),
+            "; ".join(target.stale),
+            "the numbers describe older code or params: rebuild with `dvc repro` before trusting them",
+        )
     return Check("lineage", "pass", 0, "built by the current code, params and inputs")
 
 
@@ -116,10 +124,13 @@ def check_collapse(cfg: Config, policy: float, reference: float, temperature: fl
     """Policy entropy against an absolute floor and against the reference's (I9)."""
     d = cfg.eval.diagnose
     ratio = policy / reference if reference > 0 else 1.0
-    detail = (f"policy {policy:.4f} nats/token vs reference {reference:.4f}, ratio {ratio:.3f}, "
-              f"at T={temperature}")
-    hint = ("entropy collapse: raise grpo.loss.entropy_coef (> 0) or grpo.loss.beta, lower grpo.lr, or go back "
-            "to an earlier checkpoint (`grpo plot-entropy` shows when it fell)")
+    detail = (
+        f"policy {policy:.4f} nats/token vs reference {reference:.4f}, ratio {ratio:.3f}, at T={temperature}"
+    )
+    hint = (
+        "entropy collapse: raise grpo.loss.entropy_coef (> 0) or grpo.loss.beta, lower grpo.lr, or go back "
+        "to an earlier checkpoint (`grpo plot-entropy` shows when it fell)"
+    )
     if policy < d.entropy_floor or ratio < d.entropy_ratio_fail:
         return Check("entropy_collapse", "fail", policy, detail, hint)
     if ratio < d.entropy_ratio_warn:
@@ -130,10 +141,14 @@ def check_collapse(cfg: Config, policy: float, reference: float, temperature: fl
 def check_reward_degeneracy(cfg: Config, stats: dict[str, float], n_groups: int) -> Check:
     """Share of groups whose G rewards are all equal: they give advantage 0, no learning signal (I12)."""
     d, share = cfg.eval.diagnose, stats["frac_reward_zero_std"]
-    detail = (f"{round(share * n_groups)} of {n_groups} groups have zero reward std "
-              f"(G={cfg.grpo.group_size}, mean reward {stats['reward']:.3f})")
-    hint = ("no learning signal: check the answers parse (all rewards -1 = unparseable), raise grpo.group_size or "
-            "the temperature, or set grpo.dynamic_sampling: filter | resample")
+    detail = (
+        f"{round(share * n_groups)} of {n_groups} groups have zero reward std "
+        f"(G={cfg.grpo.group_size}, mean reward {stats['reward']:.3f})"
+    )
+    hint = (
+        "no learning signal: check the answers parse (all rewards -1 = unparseable), raise grpo.group_size or "
+        "the temperature, or set grpo.dynamic_sampling: filter | resample"
+    )
     status: Status = "fail" if share >= d.zero_std_fail else "warn" if share >= d.zero_std_warn else "pass"
     return Check("reward_degeneracy", status, share, detail, hint if status != "pass" else "")
 
@@ -141,12 +156,22 @@ def check_reward_degeneracy(cfg: Config, stats: dict[str, float], n_groups: int)
 def check_advantages(advantages: torch.Tensor) -> Check:
     """Advantages are finite and not all zero. advantages: [N]."""
     if not torch.isfinite(advantages).all():
-        return Check("advantages", "fail", None, "advantages hold NaN/Inf",
-                     "a reward returned NaN/Inf, or the std division lost its epsilon: check grpo/core/advantages.py")
+        return Check(
+            "advantages",
+            "fail",
+            None,
+            "advantages hold NaN/Inf",
+            "a reward returned NaN/Inf, or the std division lost its epsilon: check grpo/core/advantages.py",
+        )
     abs_mean = float(advantages.abs().mean())
     if abs_mean == 0.0:
-        return Check("advantages", "fail", 0.0, "every advantage is exactly 0: the policy term has no gradient",
-                     "see reward_degeneracy: every group's rewards are equal")
+        return Check(
+            "advantages",
+            "fail",
+            0.0,
+            "every advantage is exactly 0: the policy term has no gradient",
+            "see reward_degeneracy: every group's rewards are equal",
+        )
     return Check("advantages", "pass", abs_mean, f"finite, mean |A| {abs_mean:.3f}")
 
 
@@ -157,9 +182,15 @@ def check_gradients(cfg: Config, target: Target, probe: Probe, advantages: torch
     name, what = ("lora_gradients", "LoRA") if target.lora else ("gradients", "trainable")
     params = [p for n, p in model.named_parameters() if p.requires_grad and ("lora_" in n or not target.lora)]
     if not params:
-        return Check(name, "fail", 0.0, f"no {what} parameter",
-                     "load the adapter trainable (is_trainable=True) and check model.lora.target_modules"
-                     if target.lora else "the policy's weights must require grad under model.lora.enabled: false")
+        return Check(
+            name,
+            "fail",
+            0.0,
+            f"no {what} parameter",
+            "load the adapter trainable (is_trainable=True) and check model.lora.target_modules"
+            if target.lora
+            else "the policy's weights must require grad under model.lora.enabled: false",
+        )
     probing = not bool(advantages.any())
     # All-zero real advantages would zero the policy gradient: probe the wiring with +-1 instead.
     adv = (torch.arange(len(advantages)) % 2 * -2.0 + 1.0) if probing else advantages
@@ -167,22 +198,38 @@ def check_gradients(cfg: Config, target: Target, probe: Probe, advantages: torch
         ref = score_reference(model, probe.inputs, target.reference).logprobs if loss_cfg.beta > 0 else None
     scored = score_inputs(model, probe.inputs)
     terms, _ = policy_loss_terms(
-        scored.logprobs, scored.logprobs.detach(), ref, adv.to(scored.logprobs.device), probe.completion_mask,
-        scored.entropy, epsilon_low=loss_cfg.epsilon_low, epsilon_high=loss_cfg.epsilon_high,
-        loss_type=loss_cfg.loss_type, max_completion_length=cfg.grpo.sampling.max_new_tokens)
+        scored.logprobs,
+        scored.logprobs.detach(),
+        ref,
+        adv.to(scored.logprobs.device),
+        probe.completion_mask,
+        scored.entropy,
+        epsilon_low=loss_cfg.epsilon_low,
+        epsilon_high=loss_cfg.epsilon_high,
+        loss_type=loss_cfg.loss_type,
+        max_completion_length=cfg.grpo.sampling.max_new_tokens,
+    )
     model.zero_grad(set_to_none=True)
     total_loss(terms, loss_cfg.beta, loss_cfg.entropy_coef).backward()
     norm = _grad_norm(params)
     nonzero = sum(p.grad is not None and bool(p.grad.any()) for p in params)
     model.zero_grad(set_to_none=True)
-    detail = (f"grad norm {norm:.3g} over {len(params)} {what} tensors ({nonzero} non-zero)"
-              + (" with +-1 probe advantages (real ones are all 0)" if probing else ""))
+    detail = f"grad norm {norm:.3g} over {len(params)} {what} tensors ({nonzero} non-zero)" + (
+        " with +-1 probe advantages (real ones are all 0)" if probing else ""
+    )
     if not math.isfinite(norm) or norm == 0.0:
-        return Check(name, "fail", norm, detail,
-                     "the loss does not reach the trained weights: check requires_grad, the completion mask and "
-                     "the loss")
+        return Check(
+            name,
+            "fail",
+            norm,
+            detail,
+            "the loss does not reach the trained weights: check requires_grad, the completion mask and "
+            "the loss",
+        )
     if norm < cfg.eval.diagnose.grad_norm_warn:
-        return Check(name, "warn", norm, detail, "vanishing gradient: the softmax is saturated (see entropy_collapse)")
+        return Check(
+            name, "warn", norm, detail, "vanishing gradient: the softmax is saturated (see entropy_collapse)"
+        )
     return Check(name, "pass", norm, detail)
 
 
@@ -193,11 +240,21 @@ def check_temperature(cfg: Config, target: Target, probe: Probe) -> Check:
     detail = ", ".join(f"T={t}: {v:.4f}" for t, v in zip(temps, values, strict=True))
     steps = [b - a for a, b in zip(values, values[1:], strict=False)]
     if any(step < -ENTROPY_TOL for step in steps):
-        return Check("temperature_entropy", "fail", values, detail,
-                     "entropy falls as T rises: scoring does not divide the logits by the temperature (I10)")
+        return Check(
+            "temperature_entropy",
+            "fail",
+            values,
+            detail,
+            "entropy falls as T rises: scoring does not divide the logits by the temperature (I10)",
+        )
     if not any(step > ENTROPY_TOL for step in steps):
-        return Check("temperature_entropy", "warn", values, detail,
-                     "entropy is flat in T: the distribution is saturated (one-hot logits)")
+        return Check(
+            "temperature_entropy",
+            "warn",
+            values,
+            detail,
+            "entropy is flat in T: the distribution is saturated (one-hot logits)",
+        )
     return Check("temperature_entropy", "pass", values, detail)
 
 
@@ -211,16 +268,28 @@ def check_kl_init(cfg: Config, target: Target, probe: Probe) -> Check:
     start = "a fresh adapter" if target.lora else "the weights GRPO starts from"
     if target.fresh:
         if kl > d.kl_init_tol:
-            return Check("kl_init", "fail", kl, f"{detail} for {start}",
-                         "GRPO's starting policy must equal its reference (LoRA: B = 0; full fine-tuning: a frozen "
-                         "copy of the same weights): check the adapter init, the reference and I8/I9")
+            return Check(
+                "kl_init",
+                "fail",
+                kl,
+                f"{detail} for {start}",
+                "GRPO's starting policy must equal its reference (LoRA: B = 0; full fine-tuning: a frozen "
+                "copy of the same weights): check the adapter init, the reference and I8/I9",
+            )
         return Check("kl_init", "pass", kl, f"{detail} for {start}")
     trained = "adapter" if target.lora else "weights"
     if kl <= d.kl_init_tol:
-        return Check("kl_init", "warn", kl, f"{detail}: the trained {trained} change nothing",
-                     f"the {trained} never moved: look for zero gradients or a zero learning rate in training")
+        return Check(
+            "kl_init",
+            "warn",
+            kl,
+            f"{detail}: the trained {trained} change nothing",
+            f"the {trained} never moved: look for zero gradients or a zero learning rate in training",
+        )
     if kl > d.kl_warn:
-        return Check("kl_init", "warn", kl, detail, "the policy drifted far: raise grpo.loss.beta or lower grpo.lr")
+        return Check(
+            "kl_init", "warn", kl, detail, "the policy drifted far: raise grpo.loss.beta or lower grpo.lr"
+        )
     return Check("kl_init", "pass", kl, detail)
 
 
@@ -232,21 +301,42 @@ def check_entropy_step(cfg: Config, target: Target, probe: Probe) -> Check:
     whatever the gradient's scale.
     """
     d = cfg.eval.diagnose
-    before, after, norm = entropy_step(target.model, probe.inputs, probe.rows(), cfg.grpo.multitask,
-                                       d.entropy_step_coef, d.entropy_step_size)
+    before, after, norm = entropy_step(
+        target.model, probe.inputs, probe.rows(), cfg.grpo.multitask, d.entropy_step_coef, d.entropy_step_size
+    )
     if not math.isfinite(norm) or norm == 0.0:
-        return Check("entropy_step", "warn", norm, f"entropy gradient norm {norm}: nothing to step on",
-                     "the distribution is saturated (one-hot logits): see entropy_collapse")
+        return Check(
+            "entropy_step",
+            "warn",
+            norm,
+            f"entropy gradient norm {norm}: nothing to step on",
+            "the distribution is saturated (one-hot logits): see entropy_collapse",
+        )
     detail = f"entropy {before:.5f} -> {after:.5f} after one step with entropy_coef={d.entropy_step_coef}"
     if abs(after - before) <= ENTROPY_TOL:
-        return Check("entropy_step", "warn", after - before, detail,
-                     "entropy did not move: the distribution is saturated (one-hot logits): see entropy_collapse")
+        return Check(
+            "entropy_step",
+            "warn",
+            after - before,
+            detail,
+            "entropy did not move: the distribution is saturated (one-hot logits): see entropy_collapse",
+        )
     if after < before:
-        return Check("entropy_step", "fail", after - before, detail,
-                     "minimising the entropy term lowers entropy: its sign in total_loss is flipped (I7)")
+        return Check(
+            "entropy_step",
+            "fail",
+            after - before,
+            detail,
+            "minimising the entropy term lowers entropy: its sign in total_loss is flipped (I7)",
+        )
     if cfg.grpo.loss.entropy_coef < 0:
-        return Check("entropy_step", "warn", after - before, detail,
-                     f"grpo.loss.entropy_coef={cfg.grpo.loss.entropy_coef} < 0 pushes entropy DOWN in training")
+        return Check(
+            "entropy_step",
+            "warn",
+            after - before,
+            detail,
+            f"grpo.loss.entropy_coef={cfg.grpo.loss.entropy_coef} < 0 pushes entropy DOWN in training",
+        )
     return Check("entropy_step", "pass", after - before, detail)
 
 
@@ -261,9 +351,12 @@ def diagnose(cfg: Config, path: str | Path, progress: bool = True) -> tuple[Targ
     advantages, stats = group_advantages(rewards, cfg.grpo.group_size, cfg.grpo.loss.scale_rewards)
     steps: list[Callable[[], Check]] = [
         lambda: check_target_lineage(target),
-        lambda: check_collapse(cfg, mean_entropy(target.model, probe.inputs),
-                               reference_entropy(target.model, probe.inputs, target.reference),
-                               probe.inputs.temperature),
+        lambda: check_collapse(
+            cfg,
+            mean_entropy(target.model, probe.inputs),
+            reference_entropy(target.model, probe.inputs, target.reference),
+            probe.inputs.temperature,
+        ),
         lambda: check_reward_degeneracy(cfg, stats, len(probe.records)),
         lambda: check_advantages(advantages),
         lambda: check_gradients(cfg, target, probe, advantages),
@@ -285,11 +378,15 @@ def _value(value: Any) -> str:
 
 def format_table(checks: list[Check]) -> str:
     """A plain-text table: check, status, value, detail; a ``try:`` line under each non-pass check."""
-    rows = [("check", "status", "value", "detail")] + [(c.name, c.status, _value(c.value), c.detail) for c in checks]
+    rows = [("check", "status", "value", "detail")] + [
+        (c.name, c.status, _value(c.value), c.detail) for c in checks
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = []
     for row, check in zip(rows, [None, *checks], strict=True):
-        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3])
+        lines.append(
+            "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3]
+        )
         if check is not None and check.hint:
             lines.append(" " * (sum(widths) + 6) + f"try: {check.hint}")
     return "\n".join(lines)
@@ -301,8 +398,16 @@ def run(cfg: Config, target: str, out: str | None = None) -> int:
     failed = [c.name for c in checks if c.status == "fail"]
     print(f"diagnose {target.path} ({target.kind})\n{format_table(checks)}")
     if out:
-        report = {"target": str(target.path), "kind": target.kind, "failed": failed,
-                  "checks": [asdict(check) for check in checks]}
+        report = {
+            "target": str(target.path),
+            "kind": target.kind,
+            "failed": failed,
+            "checks": [asdict(check) for check in checks],
+        }
         write_json(Path(out), report)
-    print(f"diagnose: {len(failed)} check(s) failed: {', '.join(failed)}" if failed else "diagnose: no check failed")
+    print(
+        f"diagnose: {len(failed)} check(s) failed: {', '.join(failed)}"
+        if failed
+        else "diagnose: no check failed"
+    )
     return 1 if failed else 0

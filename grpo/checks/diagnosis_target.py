@@ -85,7 +85,9 @@ def _stale(path: Path, stage: str, cfg: Config, inputs: dict[str, Path]) -> list
     reason = is_stale(path, stage, cfg, inputs)
     if not reason:
         return []
-    lines = [line.strip().removeprefix("- ") for line in reason.splitlines() if not line.startswith("Rebuild it")]
+    lines = [
+        line.strip().removeprefix("- ") for line in reason.splitlines() if not line.startswith("Rebuild it")
+    ]
     return [lines[0].removesuffix(":") + (": " + "; ".join(lines[1:]) if len(lines) > 1 else "")]
 
 
@@ -111,7 +113,9 @@ def _model_target(cfg: Config, path: Path) -> Target:
     if not cfg.model.lora.enabled and (read_lineage(path) or {}).get("stage") == "grpo":
         stale = _sft_stale(cfg) + _stale(path, "grpo", cfg, paths.stage_inputs(cfg, "grpo"))
         return Target(model, tokenizer, "model", path, fresh=False, stale=stale, reference=_frozen_sft(cfg))
-    stage = next((name for name in ("base", "sft") if path.resolve() == paths.model_dir(cfg, name).resolve()), None)
+    stage = next(
+        (name for name in ("base", "sft") if path.resolve() == paths.model_dir(cfg, name).resolve()), None
+    )
     stale = {"base": _base_stale, "sft": _sft_stale}[stage](cfg) if stage else []
     if cfg.model.lora.enabled:
         return Target(_fresh_lora(model, cfg), tokenizer, "model", path, fresh=True, stale=stale)
@@ -132,14 +136,18 @@ def _trained_target(cfg: Config, path: Path, kind: Kind) -> Target:
     model = sft if full else _fresh_lora(sft, cfg)
     ckpt.load_checkpoint(path, model=model, optimizer=None, scheduler=None)
     tokenizer = load_tokenizer(paths.model_dir(cfg, "sft"), cfg.model)
-    return Target(model, tokenizer, kind, path, fresh=False, stale=stale, reference=_frozen_sft(cfg) if full else None)
+    return Target(
+        model, tokenizer, kind, path, fresh=False, stale=stale, reference=_frozen_sft(cfg) if full else None
+    )
 
 
 def load_target(cfg: Config, path: str | Path) -> Target:
     """Load the policy to diagnose and its reference, on GPU when there is one, in eval mode (no dropout)."""
     path = Path(path)
     if not path.is_dir():
-        raise DiagnoseError(f"grpo diagnose {path}: no such folder; pass a model, adapter or checkpoint folder")
+        raise DiagnoseError(
+            f"grpo diagnose {path}: no such folder; pass a model, adapter or checkpoint folder"
+        )
     kind = target_kind(path)
     target = _model_target(cfg, path) if kind == "model" else _trained_target(cfg, path, kind)
     device = make_accelerator().device

@@ -82,7 +82,10 @@ def restored(step: Step) -> Iterator[None]:
     """Run the step's real optimizer inside; its trainable weights, optimizer and scheduler state are put
     back exactly as they were on exit (the gate trains nothing)."""
     weights = [p.detach().clone() for p in step.params]
-    optimizer, scheduler = copy.deepcopy(step.optimizer.state_dict()), copy.deepcopy(step.scheduler.state_dict())
+    optimizer, scheduler = (
+        copy.deepcopy(step.optimizer.state_dict()),
+        copy.deepcopy(step.scheduler.state_dict()),
+    )
     try:
         yield
     finally:
@@ -112,8 +115,9 @@ def with_grpo(ctx: Step, **grpo: Any) -> Step:
     """``ctx`` built again with some ``grpo`` params replaced (``sampling`` as a dict of its fields)."""
     sampling = ctx.cfg.grpo.sampling.model_copy(update=grpo.pop("sampling", {}))
     loss = ctx.cfg.grpo.loss.model_copy(update=grpo.pop("loss", {}))
-    cfg = ctx.cfg.model_copy(update={"grpo": ctx.cfg.grpo.model_copy(update={**grpo, "sampling": sampling,
-                                                                              "loss": loss})})
+    cfg = ctx.cfg.model_copy(
+        update={"grpo": ctx.cfg.grpo.model_copy(update={**grpo, "sampling": sampling, "loss": loss})}
+    )
     return build_step(cfg, ctx.policy, ctx.accelerator)
 
 
@@ -163,27 +167,39 @@ def _records(cfg: Config, tokenizer, records: list[dict]) -> list[dict]:
     kwargs = cfg.model.chat_template_kwargs
 
     def rendered(task: str) -> list[tuple[int, dict]]:
-        return [(len(render_prompt(tokenizer, example_messages(r), **kwargs)), r)
-                for r in [r for r in records if r["task"] == task][:5]]
+        return [
+            (len(render_prompt(tokenizer, example_messages(r), **kwargs)), r)
+            for r in [r for r in records if r["task"] == task][:5]
+        ]
 
     pools = [pool for pool in (rendered("fairness"), rendered("hallucination")) if pool]
     if len(pools) == 2:
-        chosen = list(max(((a, b) for a in pools[0] for b in pools[1]), key=lambda pair: abs(pair[0][0] - pair[1][0])))
+        chosen = list(
+            max(((a, b) for a in pools[0] for b in pools[1]), key=lambda pair: abs(pair[0][0] - pair[1][0]))
+        )
     else:
         chosen = sorted(pools[0], key=lambda item: item[0])[:: max(1, len(pools[0]) - 1)][:2]
     chosen.sort(key=lambda item: item[0])
     return [r for _, r in chosen]
 
 
-def gated(cfg: Config, step: Step, records: list[dict], sft: torch.nn.Module, base: torch.nn.Module | None,
-          questions: list[dict] | None = None) -> Gated:
+def gated(
+    cfg: Config,
+    step: Step,
+    records: list[dict],
+    sft: torch.nn.Module,
+    base: torch.nn.Module | None,
+    questions: list[dict] | None = None,
+) -> Gated:
     """The gate's view of ``step`` (``build_step``'s: LoRA on the SFT model with the adapter disabled as its
     reference, or the whole SFT model and a frozen copy of it), on probe records drawn from ``records``;
     ``sft`` is a separately loaded copy of its weights, ``base`` the pre-SFT model, ``questions`` the eval
     records the SFT model answers (default: the probe records)."""
     if step.reference is None and not hasattr(step.model, "disable_adapter"):
         # Full fine-tuning with beta == 0 keeps no reference; the I8/I9 checks raise beta and need one.
-        step = build_step(cfg, dataclasses.replace(step.policy, reference=frozen_copy(step.model)), step.accelerator)
+        step = build_step(
+            cfg, dataclasses.replace(step.policy, reference=frozen_copy(step.model)), step.accelerator
+        )
     probes = _records(cfg, step.tokenizer, records)
     return Gated(step, probes, sft, base, probes if questions is None else questions)
 

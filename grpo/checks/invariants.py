@@ -48,9 +48,14 @@ def check_render_parity(s: Gated) -> Check:
             problems.append(f"{record['id']}: the supervised ids do not end with a stop token (I2)")
         if any(example.loss_mask[: len(prompt)]):
             problems.append(f"{record['id']}: prompt tokens carry loss")
-    return bounded("render_parity", "I1, I2", len(problems), 0,
-                   f"{len(s.records)} records through sft.build_examples; " + "; ".join(problems),
-                   "the SFT example builder must render through chat.render_sft (the one renderer)")
+    return bounded(
+        "render_parity",
+        "I1, I2",
+        len(problems),
+        0,
+        f"{len(s.records)} records through sft.build_examples; " + "; ".join(problems),
+        "the SFT example builder must render through chat.render_sft (the one renderer)",
+    )
 
 
 def check_special_tokens(s: Gated) -> Check:
@@ -59,13 +64,15 @@ def check_special_tokens(s: Gated) -> Check:
     prompt does not begin with a special token twice, and the tokenizer's eos is the model's own
     (``tokenizer_boundary.boundary_problems``: what a mis-converted GGUF tokenizer gets wrong)."""
     names = s.tokenizer.convert_ids_to_tokens(s.eos_ids)
-    problems = boundary_problems(s.tokenizer, s.policy, s.cfg.model.extra_stop_tokens,
-                                 s.cfg.model.chat_template_kwargs)
+    problems = boundary_problems(
+        s.tokenizer, s.policy, s.cfg.model.extra_stop_tokens, s.cfg.model.chat_template_kwargs
+    )
     if not s.eos_ids or s.tokenizer.eos_token_id not in s.eos_ids:
         problems.append("rollout.stop_ids must include the tokenizer's eos")
     detail = f"stop ids {s.eos_ids} = {names}, pad id {s.tokenizer.pad_token_id}"
-    return bounded("special_tokens", "I2, I5", len(problems), 0, "; ".join([detail, *problems]),
-                   "; ".join(problems))
+    return bounded(
+        "special_tokens", "I2, I5", len(problems), 0, "; ".join([detail, *problems]), "; ".join(problems)
+    )
 
 
 def _plain_token(s: Gated) -> int:
@@ -96,8 +103,9 @@ def _hand_rollout(s: Gated, tokenizer: Any = None) -> HandRollout:
     prompt = left_pad(prompts, pad)
     sequences = torch.cat([prompt.input_ids, torch.tensor(rows)], dim=1)
     width = prompt.input_ids.shape[1]
-    rollout = rollout_from_sequences(tokenizer, prompt, sequences, s.eos_ids, EosSuppressor(width, s.eos_ids, 0),
-                                     1, s.cfg.grpo.sampling)
+    rollout = rollout_from_sequences(
+        tokenizer, prompt, sequences, s.eos_ids, EosSuppressor(width, s.eos_ids, 0), 1, s.cfg.grpo.sampling
+    )
     return HandRollout(rollout, rows, want, prompts)
 
 
@@ -113,15 +121,29 @@ def check_rollout_cut_and_mask(s: Gated) -> Check:
         hand = _hand_rollout(s, tokenizer)
         label = "pad == a stop id" if tokenizer.pad_token_id in s.eos_ids else "pad != a stop id"
         cases.append(f"{len(hand.rows)} rows with {label}")
-        wrong_ids += [f"{label} row {i}" for i, row in enumerate(hand.rows)
-                      if hand.rollout.completion_ids[i].tolist() != row]
-        wrong_mask += [f"{label} row {i}" for i in range(len(hand.rows))
-                       if hand.rollout.completion_mask[i].int().tolist() != hand.want[i]]
-    detail = (f"{'; '.join(cases)}, prompt widths {[len(p) for p in s.prompts]}; rows cut wrong: {wrong_ids}; "
-              f"rows masked wrong: {wrong_mask}")
-    return bounded("rollout_cut_and_mask", "I4, I5", len(wrong_ids) + len(wrong_mask), 0, detail,
-                   "cut completions at the padded prompt width (not a per-row count) and mask up to the first "
-                   "stop token by position (never `ids != pad`)")
+        wrong_ids += [
+            f"{label} row {i}"
+            for i, row in enumerate(hand.rows)
+            if hand.rollout.completion_ids[i].tolist() != row
+        ]
+        wrong_mask += [
+            f"{label} row {i}"
+            for i in range(len(hand.rows))
+            if hand.rollout.completion_mask[i].int().tolist() != hand.want[i]
+        ]
+    detail = (
+        f"{'; '.join(cases)}, prompt widths {[len(p) for p in s.prompts]}; rows cut wrong: {wrong_ids}; "
+        f"rows masked wrong: {wrong_mask}"
+    )
+    return bounded(
+        "rollout_cut_and_mask",
+        "I4, I5",
+        len(wrong_ids) + len(wrong_mask),
+        0,
+        detail,
+        "cut completions at the padded prompt width (not a per-row count) and mask up to the first "
+        "stop token by position (never `ids != pad`)",
+    )
 
 
 def _batch_ids_problem(s: Gated) -> list[str]:
@@ -172,17 +194,31 @@ def check_left_padded_extraction(s: Gated) -> Check:
         completion = rollout.completion_ids[row, :n]
         alone = torch.tensor([prompt + completion.tolist()], device=device)
         with torch.no_grad():
-            scored = score_completions(s.policy, alone, torch.ones_like(alone), n, rollout.temperature).logprobs
+            scored = score_completions(
+                s.policy, alone, torch.ones_like(alone), n, rollout.temperature
+            ).logprobs
         worst = max(worst, float((scored[0].cpu() - batched[row, :n]).abs().max()))
         if headers & set(completion.tolist()):
             problems.append(f"row {row}: a chat-header token in the completion")
     detail = f"max |logp alone - logp batched| over prompt widths {[len(p) for p in s.prompts]}"
-    check = bounded("left_padded_extraction", "I3, I4, I11", worst, s.tolerance(), detail,
-                    "score with position ids from the attention mask and the generated ids (I3, I11)")
+    check = bounded(
+        "left_padded_extraction",
+        "I3, I4, I11",
+        worst,
+        s.tolerance(),
+        detail,
+        "score with position ids from the attention mask and the generated ids (I3, I11)",
+    )
     if problems:
-        return Check(check.name, "fail", worst, detail + "; " + "; ".join(problems),
-                     "join the generated ids to the prompt ids; cut at the padded prompt width", check.invariant,
-                     check.bound)
+        return Check(
+            check.name,
+            "fail",
+            worst,
+            detail + "; " + "; ".join(problems),
+            "join the generated ids to the prompt ids; cut at the padded prompt width",
+            check.invariant,
+            check.bound,
+        )
     return check
 
 
@@ -190,8 +226,13 @@ def check_penalty_scope(s: Gated) -> Check:
     """I6: the rollout's processors (``build_logits_processors``, penalties and EOS suppression on)
     leave every non-stop logit alone at step 0, whatever the prompt repeats."""
     prompt = s.prompts[-1]
-    sampling = s.cfg.grpo.sampling.model_copy(update={"presence_penalty": 1.0, "frequency_penalty": 1.0,
-                                                      "min_new_tokens": max(1, s.cfg.grpo.sampling.min_new_tokens)})
+    sampling = s.cfg.grpo.sampling.model_copy(
+        update={
+            "presence_penalty": 1.0,
+            "frequency_penalty": 1.0,
+            "min_new_tokens": max(1, s.cfg.grpo.sampling.min_new_tokens),
+        }
+    )
     processors, _ = build_logits_processors(len(prompt), s.eos_ids, sampling)
     scores = torch.zeros(1, len(s.tokenizer))
     out = processors(torch.tensor([prompt]), scores.clone())
@@ -199,12 +240,24 @@ def check_penalty_scope(s: Gated) -> Check:
     others[s.eos_ids] = False
     change = float((out[0, others] - scores[0, others]).abs().max())
     suppressed = bool(torch.isinf(out[0, s.eos_ids]).all())
-    check = bounded("penalty_scope", "I6", change, 0.0,
-                    f"max change of a non-stop logit after a {len(prompt)}-token prompt, no completion yet",
-                    "penalties and EOS suppression must count completion tokens only (slice off the prompt)")
+    check = bounded(
+        "penalty_scope",
+        "I6",
+        change,
+        0.0,
+        f"max change of a non-stop logit after a {len(prompt)}-token prompt, no completion yet",
+        "penalties and EOS suppression must count completion tokens only (slice off the prompt)",
+    )
     if not suppressed:
-        return Check(check.name, "fail", change, check.detail + "; EOS was not suppressed at step 0",
-                     "EosSuppressor must count completion tokens only", check.invariant, check.bound)
+        return Check(
+            check.name,
+            "fail",
+            change,
+            check.detail + "; EOS was not suppressed at step 0",
+            "EosSuppressor must count completion tokens only",
+            check.invariant,
+            check.bound,
+        )
     return check
 
 
@@ -238,29 +291,52 @@ def check_ratio_kl_reference(s: Gated) -> Check:
     forward caches the prompt, so two scorings may differ in the last bits) and differ from the base's,
     the policy's KL to them is > 0, and the ratio and KL are per token."""
     with perturbed_policy(s.policy, s.cfg.seed):
-        batch, _ = step_batch(s, s.cfg.seed + 1, num_iterations=2, loss={"beta": max(s.cfg.grpo.loss.beta, 0.04)})
+        batch, _ = step_batch(
+            s, s.cfg.seed + 1, num_iterations=2, loss={"beta": max(s.cfg.grpo.loss.beta, 0.04)}
+        )
         kl = reference_kl(s.policy, batch.inputs, s.reference)
     sft_gap = _fresh_gap(s, s.sft, batch)
     base_gap = _fresh_gap(s, s.base, batch) if s.base is not None else None
     leak, own = _per_token_leak(batch.old_logprobs)
     same = s.tolerance() / 10  # 1e-5 in fp32; SFT and base log-probs differ by far more
-    numbers = {"ref_vs_fresh_sft": sft_gap, "ref_vs_base": base_gap, "kl_perturbed": kl,
-               "other_tokens_ratio_kl_change": leak, "own_ratio_error": own}
-    failures = [name for name, bad in (
-        ("the reference is not the SFT weights (I9)", sft_gap > same),
-        ("the reference equals the pre-SFT base (I9)", base_gap is not None and base_gap <= same),
-        ("KL to the reference is 0 with a perturbed policy (I9)", not kl > 0.0),
-        ("a one-token change moved other tokens' ratio or KL (I8)", leak > 1e-6),
-        ("the changed token's ratio is not exp(0.1) (I8)", own > 1e-5),
-    ) if bad]
+    numbers = {
+        "ref_vs_fresh_sft": sft_gap,
+        "ref_vs_base": base_gap,
+        "kl_perturbed": kl,
+        "other_tokens_ratio_kl_change": leak,
+        "own_ratio_error": own,
+    }
+    failures = [
+        name
+        for name, bad in (
+            ("the reference is not the SFT weights (I9)", sft_gap > same),
+            ("the reference equals the pre-SFT base (I9)", base_gap is not None and base_gap <= same),
+            ("KL to the reference is 0 with a perturbed policy (I9)", not kl > 0.0),
+            ("a one-token change moved other tokens' ratio or KL (I8)", leak > 1e-6),
+            ("the changed token's ratio is not exp(0.1) (I8)", own > 1e-5),
+        )
+        if bad
+    ]
     detail = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in numbers.items())
-    bound = {"ref_vs_fresh_sft": same, "ref_vs_base": f"> {same:g}", "kl_perturbed": "> 0",
-             "other_tokens_ratio_kl_change": 1e-6, "own_ratio_error": 1e-5}
-    return Check("ratio_kl_reference", "fail" if failures else "pass", numbers,
-                 detail + ("; " + "; ".join(failures) if failures else ""),
-                 "the reference is the SFT policy (LoRA: the adapter disabled; full fine-tuning: a frozen copy of "
-                 "the SFT model); ratio and KL per token" if failures else "",
-                 "I8, I9", bound)
+    bound = {
+        "ref_vs_fresh_sft": same,
+        "ref_vs_base": f"> {same:g}",
+        "kl_perturbed": "> 0",
+        "other_tokens_ratio_kl_change": 1e-6,
+        "own_ratio_error": 1e-5,
+    }
+    return Check(
+        "ratio_kl_reference",
+        "fail" if failures else "pass",
+        numbers,
+        detail + ("; " + "; ".join(failures) if failures else ""),
+        "the reference is the SFT policy (LoRA: the adapter disabled; full fine-tuning: a frozen copy of "
+        "the SFT model); ratio and KL per token"
+        if failures
+        else "",
+        "I8, I9",
+        bound,
+    )
 
 
 def _formula(step: Step, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -282,13 +358,22 @@ def _formula(step: Step, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor
         rows = inputs.rows(idx)
         with torch.no_grad(), step.autocast():
             scored = score_inputs(step.model, rows, shared_prefix=step.shares_prefix, segments=segments)
-            raw = completion_logits(step.model, rows.input_ids, rows.attention_mask, width,
-                                    shared_prefix=step.shares_prefix, segments=segments)  # [n, C, V]
+            raw = completion_logits(
+                step.model,
+                rows.input_ids,
+                rows.attention_mask,
+                width,
+                shared_prefix=step.shares_prefix,
+                segments=segments,
+            )  # [n, C, V]
         written = torch.log_softmax(raw.double() / inputs.temperature, dim=-1)
         ids = rows.input_ids[:, -width:].unsqueeze(-1)
         logp[idx.cpu()] = written.gather(-1, ids).squeeze(-1).cpu()
         entropy[idx.cpu()] = -(written.exp() * written).sum(-1).cpu()
-        scored_logp[idx.cpu()], scored_entropy[idx.cpu()] = scored.logprobs.float().cpu(), scored.entropy.float().cpu()
+        scored_logp[idx.cpu()], scored_entropy[idx.cpu()] = (
+            scored.logprobs.float().cpu(),
+            scored.entropy.float().cpu(),
+        )
     return logp, entropy, torch.stack([scored_logp, scored_entropy])
 
 
@@ -296,27 +381,47 @@ def check_temperature(s: Gated) -> Check:
     """I10 at the configured temperature and at one != 1 (a missing division shows): the rollout
     records the temperature it sampled at, and the step's stored log-probs and the scorer's entropy
     are those of ``softmax(z / T)`` (perturbed policy, so it is not the SFT model)."""
-    temperatures = sorted({s.cfg.grpo.sampling.temperature, 0.5 if s.cfg.grpo.sampling.temperature == 1 else 1.0})
+    temperatures = sorted(
+        {s.cfg.grpo.sampling.temperature, 0.5 if s.cfg.grpo.sampling.temperature == 1 else 1.0}
+    )
     gaps, wrong_record = {}, []
     with perturbed_policy(s.policy, s.cfg.seed):
         for t in temperatures:
             batch, sampled = step_batch(s, s.cfg.seed + 2, num_iterations=2, sampling={"temperature": t})
             if sampled.rollout.temperature != t or batch.inputs.temperature != t:
                 wrong_record.append(t)
-            logp, manual_entropy, (scored_logp, entropy) = _formula(with_grpo(s.ctx, num_iterations=2,
-                                                                              sampling={"temperature": t}), batch)
+            logp, manual_entropy, (scored_logp, entropy) = _formula(
+                with_grpo(s.ctx, num_iterations=2, sampling={"temperature": t}), batch
+            )
             mask = batch.completion_mask.cpu()
-            gaps[f"T={t}"] = max(float((batch.old_logprobs.cpu().double() - logp).abs()[mask].max()),
-                                 float((scored_logp.double() - logp).abs()[mask].max()),
-                                 float((entropy.double() - manual_entropy).abs()[mask].max()))
+            gaps[f"T={t}"] = max(
+                float((batch.old_logprobs.cpu().double() - logp).abs()[mask].max()),
+                float((scored_logp.double() - logp).abs()[mask].max()),
+                float((entropy.double() - manual_entropy).abs()[mask].max()),
+            )
     worst = max(gaps.values())
-    detail = (f"max |scored - written out| of the stored and fresh log-probs and the entropy, on the raw logits of "
-              f"the step's own forwards: {gaps}")
-    check = bounded("temperature", "I10", worst, s.tolerance(), detail,
-                    "divide the logits by the rollout's temperature before log-softmax AND entropy")
+    detail = (
+        f"max |scored - written out| of the stored and fresh log-probs and the entropy, on the raw logits of "
+        f"the step's own forwards: {gaps}"
+    )
+    check = bounded(
+        "temperature",
+        "I10",
+        worst,
+        s.tolerance(),
+        detail,
+        "divide the logits by the rollout's temperature before log-softmax AND entropy",
+    )
     if wrong_record:
-        return Check(check.name, "fail", worst, detail + f"; the rollout did not record T={wrong_record}",
-                     "the rollout must record the temperature it sampled at", check.invariant, check.bound)
+        return Check(
+            check.name,
+            "fail",
+            worst,
+            detail + f"; the rollout did not record T={wrong_record}",
+            "the rollout must record the temperature it sampled at",
+            check.invariant,
+            check.bound,
+        )
     return check
 
 
@@ -338,15 +443,25 @@ def check_entropy_sign(s: Gated) -> Check:
                 p -= 0.05 / max(norm, 1e-12) * direction[offset : offset + p.numel()].view_as(p).to(p.dtype)
                 offset += p.numel()
             with step.autocast():
-                after = float(masked_mean(score_inputs(step.model, batch.inputs).entropy, batch.completion_mask))
+                after = float(
+                    masked_mean(score_inputs(step.model, batch.inputs).entropy, batch.completion_mask)
+                )
     mt = s.cfg.grpo.multitask
-    detail = (f"entropy {before:.6f} -> {after:.6f} after one step along the trainer's update in mode {mt.mode} "
-              f"(reward_only={mt.reward_only}, low_memory={mt.low_memory}, task_stats={mt.task_stats}), "
-              f"gradient norm {norm:.3g}")
+    detail = (
+        f"entropy {before:.6f} -> {after:.6f} after one step along the trainer's update in mode {mt.mode} "
+        f"(reward_only={mt.reward_only}, low_memory={mt.low_memory}, task_stats={mt.task_stats}), "
+        f"gradient norm {norm:.3g}"
+    )
     status = "pass" if after - before > ENTROPY_TOL else "fail"
-    return Check("entropy_sign", status, after - before, detail,
-                 "" if status == "pass" else "a positive entropy_coef must raise entropy: its sign is flipped (I7)",
-                 "I7", f"> {ENTROPY_TOL}")
+    return Check(
+        "entropy_sign",
+        status,
+        after - before,
+        detail,
+        "" if status == "pass" else "a positive entropy_coef must raise entropy: its sign is flipped (I7)",
+        "I7",
+        f"> {ENTROPY_TOL}",
+    )
 
 
 def _inexact_value(group: int) -> float | None:
@@ -374,11 +489,24 @@ def check_zero_variance_groups(s: Gated) -> Check:
         counted &= stats["frac_reward_zero_std"] == 0.5
         mixed &= bool(advantages[g:].abs().max() > 0) and bool(torch.isfinite(advantages).all())
     detail = f"max |advantage| of equal-reward groups (group size: reward {used}, scale {s.cfg.grpo.loss.scale_rewards})"
-    check = bounded("zero_variance_groups", "I12", worst, 0.0, detail,
-                    "mask equal-reward groups to advantage exactly 0; never divide float noise by a tiny epsilon")
+    check = bounded(
+        "zero_variance_groups",
+        "I12",
+        worst,
+        0.0,
+        detail,
+        "mask equal-reward groups to advantage exactly 0; never divide float noise by a tiny epsilon",
+    )
     if not (counted and mixed):
-        return Check(check.name, "fail", worst, detail + "; frac_reward_zero_std or the mixed group is wrong",
-                     check.hint or "count equal-reward groups in frac_reward_zero_std", check.invariant, check.bound)
+        return Check(
+            check.name,
+            "fail",
+            worst,
+            detail + "; frac_reward_zero_std or the mixed group is wrong",
+            check.hint or "count equal-reward groups in frac_reward_zero_std",
+            check.invariant,
+            check.bound,
+        )
     return check
 
 
@@ -386,17 +514,37 @@ def check_sampling_processors(s: Gated) -> Check:
     """I10 in part: what else shapes sampling but not the scored distribution (a warning, not a stop)."""
     active = sampling_processors(s.cfg.grpo.sampling)
     if not active:
-        return Check("sampling_processors", "pass", [], "sampling is plain softmax(z / T): what is scored", "",
-                     "I10", [])
-    return Check("sampling_processors", "warn", list(active),
-                 f"{', '.join(active)} change the sampling distribution but not the scored one: the ratio and KL "
-                 "describe softmax(z / T) while the tokens came from the processed distribution",
-                 "set top_p: 1.0, top_k: 0, min_new_tokens: 0 and the penalties to 0 for exact I10", "I10", [])
+        return Check(
+            "sampling_processors",
+            "pass",
+            [],
+            "sampling is plain softmax(z / T): what is scored",
+            "",
+            "I10",
+            [],
+        )
+    return Check(
+        "sampling_processors",
+        "warn",
+        list(active),
+        f"{', '.join(active)} change the sampling distribution but not the scored one: the ratio and KL "
+        "describe softmax(z / T) while the tokens came from the processed distribution",
+        "set top_p: 1.0, top_k: 0, min_new_tokens: 0 and the penalties to 0 for exact I10",
+        "I10",
+        [],
+    )
 
 
 FUNCTION_CHECKS: tuple[Callable[[Gated], Check], ...] = (
-    check_render_parity, check_special_tokens, check_rollout_cut_and_mask, check_left_padded_extraction,
-    check_penalty_scope, check_ratio_kl_reference, check_temperature, check_entropy_sign,
-    check_zero_variance_groups, check_sampling_processors,
+    check_render_parity,
+    check_special_tokens,
+    check_rollout_cut_and_mask,
+    check_left_padded_extraction,
+    check_penalty_scope,
+    check_ratio_kl_reference,
+    check_temperature,
+    check_entropy_sign,
+    check_zero_variance_groups,
+    check_sampling_processors,
 )
 """The checks that drive one stage function each with a probe built for its bug class."""

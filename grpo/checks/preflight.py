@@ -32,8 +32,12 @@ from grpo.files import write_atomically
 from grpo.provenance.gate import REPORT_NAME, PreflightError, preflight_lineage
 
 CHECKS: tuple[Callable[[Gated], Check], ...] = (
-    *FUNCTION_CHECKS, check_sft_supervises_stop, check_sft_ends_answers, check_processors_see_completion,
-    check_first_step, check_step_agreement,
+    *FUNCTION_CHECKS,
+    check_sft_supervises_stop,
+    check_sft_ends_answers,
+    check_processors_see_completion,
+    check_first_step,
+    check_step_agreement,
 )
 """Every check of the gate: one per stage function (``invariants.py``), then the behaviour of the stage
 code whichever way it is written (``behaviour.py``, ``step_agreement.py``)."""
@@ -51,10 +55,19 @@ def run_checks_on(subject: Gated) -> list[Check]:
         try:
             checks.append(check(subject))
         except GrpoError as exc:
-            checks.append(Check(check.__name__.removeprefix("check_"), "fail", None, str(exc), "see the error"))
+            checks.append(
+                Check(check.__name__.removeprefix("check_"), "fail", None, str(exc), "see the error")
+            )
         except Exception as exc:  # noqa: BLE001 - a check that crashes on the stage code is a failed check
-            checks.append(Check(check.__name__.removeprefix("check_"), "fail", None,
-                                f"the check raised {type(exc).__name__}: {exc}", "the stage code it drives broke"))
+            checks.append(
+                Check(
+                    check.__name__.removeprefix("check_"),
+                    "fail",
+                    None,
+                    f"the check raised {type(exc).__name__}: {exc}",
+                    "the stage code it drives broke",
+                )
+            )
     return checks
 
 
@@ -62,8 +75,11 @@ def run_checks(cfg: Config) -> dict[str, Any]:
     """The checks on the step exactly as the trainer builds it (``gated.gate_step``: ``build_policy``, then
     ``build_step``), with a fresh load of the SFT weights and the base to compare the reference with."""
     checks = run_checks_on(gate_step(cfg))
-    return {"passed": all(c.passed for c in checks), "checks": [c.as_dict() for c in checks],
-            "lineage": preflight_lineage(cfg)}
+    return {
+        "passed": all(c.passed for c in checks),
+        "checks": [c.as_dict() for c in checks],
+        "lineage": preflight_lineage(cfg),
+    }
 
 
 def _cell(value: Any) -> str:
@@ -74,19 +90,31 @@ def _cell(value: Any) -> str:
 
 def write_report(cfg: Config, report: dict[str, Any]) -> None:
     path = report_path(cfg)
-    rows = ["| check | invariant | status | value | bound | detail |", "| --- | --- | --- | --- | --- | --- |"]
-    rows += [f"| {c['name']} | {c['invariant']} | {c['status']} | {_cell(c['value'])} | {_cell(c['bound'])} | "
-             f"{c['detail']} |" for c in report["checks"]]
-    write_atomically({path: json.dumps(report, indent=2, default=str) + "\n",
-                      path.with_suffix(".md"): "# Pre-flight\n\n" + "\n".join(rows) + "\n"})
+    rows = [
+        "| check | invariant | status | value | bound | detail |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    rows += [
+        f"| {c['name']} | {c['invariant']} | {c['status']} | {_cell(c['value'])} | {_cell(c['bound'])} | "
+        f"{c['detail']} |"
+        for c in report["checks"]
+    ]
+    write_atomically(
+        {
+            path: json.dumps(report, indent=2, default=str) + "\n",
+            path.with_suffix(".md"): "# Pre-flight\n\n" + "\n".join(rows) + "\n",
+        }
+    )
 
 
 def run(cfg: Config) -> int:
     report = run_checks(cfg)
     write_report(cfg, report)
     for c in report["checks"]:
-        print(f"preflight: {c['status']:<4}  {c['name']:<24} {c['invariant']:<12} value {_cell(c['value'])} "
-              f"(bound {_cell(c['bound'])}) {c['detail']}")
+        print(
+            f"preflight: {c['status']:<4}  {c['name']:<24} {c['invariant']:<12} value {_cell(c['value'])} "
+            f"(bound {_cell(c['bound'])}) {c['detail']}"
+        )
     if not report["passed"]:
         raise PreflightError(f"pre-flight failed; see {report_path(cfg)} for the numbers")
     return 0

@@ -59,7 +59,9 @@ def bounded(name: str, invariant: str, value: float, bound: float, detail: str, 
 
 
 @torch.no_grad()
-def reference_kl(model: torch.nn.Module, inputs: RolloutInputs, reference: torch.nn.Module | None = None) -> float:
+def reference_kl(
+    model: torch.nn.Module, inputs: RolloutInputs, reference: torch.nn.Module | None = None
+) -> float:
     """Token-mean k3 KL between the policy and its reference (``score_reference``: the frozen SFT copy
     when given, else the adapter disabled, I9)."""
     policy = score_inputs(model, inputs).logprobs
@@ -75,13 +77,21 @@ def mean_entropy(model: torch.nn.Module, inputs: RolloutInputs) -> float:
 
 
 @torch.no_grad()
-def reference_entropy(model: torch.nn.Module, inputs: RolloutInputs, reference: torch.nn.Module | None = None) -> float:
+def reference_entropy(
+    model: torch.nn.Module, inputs: RolloutInputs, reference: torch.nn.Module | None = None
+) -> float:
     """Token-mean entropy (nats) of the reference's distribution (``score_reference``, I9)."""
     return float(masked_mean(score_reference(model, inputs, reference).entropy, inputs.completion_mask))
 
 
-def entropy_step(model: torch.nn.Module, inputs: RolloutInputs, rows: dict[str, torch.Tensor],
-                 multitask: MultitaskConfig, entropy_coef: float, step_size: float) -> tuple[float, float, float]:
+def entropy_step(
+    model: torch.nn.Module,
+    inputs: RolloutInputs,
+    rows: dict[str, torch.Tensor],
+    multitask: MultitaskConfig,
+    entropy_coef: float,
+    step_size: float,
+) -> tuple[float, float, float]:
     """One gradient step of norm ``step_size`` on ``-entropy_coef * entropy`` alone, each task's gradient
     from its rows combined in the configured mode (``core.multitask``, as the step combines them) ->
     ``(before, after, gradient norm)``.
@@ -97,14 +107,32 @@ def entropy_step(model: torch.nn.Module, inputs: RolloutInputs, rows: dict[str, 
         for task, index in rows.items():
             part = inputs.rows(index)
             scored = score_inputs(model, part)
-            zeros = torch.zeros(len(index), device=scored.logprobs.device)  # only the entropy term has a gradient
+            zeros = torch.zeros(
+                len(index), device=scored.logprobs.device
+            )  # only the entropy term has a gradient
             terms, _ = policy_loss_terms(
-                scored.logprobs, scored.logprobs.detach(), None, zeros, part.completion_mask, scored.entropy,
-                epsilon_low=0.2, epsilon_high=0.2, loss_type="grpo", max_completion_length=part.completion_mask.shape[1])
+                scored.logprobs,
+                scored.logprobs.detach(),
+                None,
+                zeros,
+                part.completion_mask,
+                scored.entropy,
+                epsilon_low=0.2,
+                epsilon_high=0.2,
+                loss_type="grpo",
+                max_completion_length=part.completion_mask.shape[1],
+            )
             grads[task] = task_gradient(params, terms, 0.0, entropy_coef, multitask.reward_only, retain=False)
         zero = torch.cat([torch.zeros(p.numel(), device=p.device) for p in params])
-        direction, _ = combine_task_gradients(grads, tuple(rows), zero, mode=multitask.mode, c=multitask.cagrad_c,
-                                              rescale=multitask.cagrad_rescale, reward_only=multitask.reward_only)
+        direction, _ = combine_task_gradients(
+            grads,
+            tuple(rows),
+            zero,
+            mode=multitask.mode,
+            c=multitask.cagrad_c,
+            rescale=multitask.cagrad_rescale,
+            reward_only=multitask.reward_only,
+        )
         norm = float(direction.norm())
         if not math.isfinite(norm) or norm == 0.0:
             return before, before, norm

@@ -79,12 +79,19 @@ def stop_tokens(tokenizer, model: torch.nn.Module, extra: Sequence[str], templat
     stops |= {int(declared)} if isinstance(declared, int) else {int(i) for i in declared or []}
     stops |= {int(tokenizer.convert_tokens_to_ids(token)) for token in extra}
     asked = [{"role": "user", "content": "Hello."}]
-    prompt = tokenizer.apply_chat_template(asked, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                           **template_kwargs)
-    reply = tokenizer.apply_chat_template([*asked, {"role": "assistant", "content": "Fine."}], tokenize=True,
-                                          return_dict=False, **template_kwargs)
-    specials = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    stops |= {next(int(i) for i in reply[len(prompt):] if int(i) in specials)}
+    prompt = tokenizer.apply_chat_template(
+        asked, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
+    )
+    reply = tokenizer.apply_chat_template(
+        [*asked, {"role": "assistant", "content": "Fine."}],
+        tokenize=True,
+        return_dict=False,
+        **template_kwargs,
+    )
+    specials = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+    }
+    stops |= {next(int(i) for i in reply[len(prompt) :] if int(i) in specials)}
     return stops
 
 
@@ -99,14 +106,18 @@ def _advantages(rewards: list[float], group: int, scale: str) -> list[float]:
             out += [0.0] * group
             continue
         mean = statistics.fmean(values)
-        divisor = {"group": statistics.stdev(values) + ADVANTAGE_EPS, "batch": batch_std + ADVANTAGE_EPS,
-                   "none": 1.0}[scale]
+        divisor = {
+            "group": statistics.stdev(values) + ADVANTAGE_EPS,
+            "batch": batch_std + ADVANTAGE_EPS,
+            "none": 1.0,
+        }[scale]
         out += [(value - mean) / divisor for value in values]
     return out
 
 
-def _score(model: torch.nn.Module, prompt: list[int], completion: list[int],
-           temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _score(
+    model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies [len] of ``completion`` after ``prompt``, one row alone, fp32 forward."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt + completion], device=device)
@@ -169,14 +180,24 @@ def _cagrad(grads: list[torch.Tensor], c: float, rescale: int) -> torch.Tensor:
     return (d / (1.0, 1.0 + c * c, 1.0 + c)[rescale]).float()
 
 
-def reference_step(cfg: Config, policy: torch.nn.Module, sft: torch.nn.Module, tokenizer, records: list[dict],
-                   sequences: torch.Tensor) -> ReferenceStep:
+def reference_step(
+    cfg: Config,
+    policy: torch.nn.Module,
+    sft: torch.nn.Module,
+    tokenizer,
+    records: list[dict],
+    sequences: torch.Tensor,
+) -> ReferenceStep:
     """The step of ``cfg`` on ``records`` whose ``group_size`` completions each the decode loop returned
     as ``sequences`` [N, W] (prompts left-padded to the widest, then the generated tokens); the policy is
     scored at its current weights, the reference is ``sft`` (a fresh load of the SFT weights)."""
     grpo, kwargs, group = cfg.grpo, dict(cfg.model.chat_template_kwargs), cfg.grpo.group_size
-    rendered = [tokenizer.apply_chat_template(example_messages(r), add_generation_prompt=True, tokenize=True,
-                                              return_dict=False, **kwargs) for r in records]
+    rendered = [
+        tokenizer.apply_chat_template(
+            example_messages(r), add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+        )
+        for r in records
+    ]
     prompts = [list(map(int, rendered[i // group])) for i in range(len(records) * group)]
     width = max(len(p) for p in prompts)
     stops = stop_tokens(tokenizer, policy, cfg.model.extra_stop_tokens, kwargs)
@@ -186,7 +207,9 @@ def reference_step(cfg: Config, policy: torch.nn.Module, sft: torch.nn.Module, t
         completions.append(row[: end + 1])
     texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
     rows = [records[i // group] for i in range(len(prompts))]
-    rewards = [weighted_reward(r["task"], t, r, cfg.rewards.weights) for t, r in zip(texts, rows, strict=True)]
+    rewards = [
+        weighted_reward(r["task"], t, r, cfg.rewards.weights) for t, r in zip(texts, rows, strict=True)
+    ]
     advantages = _advantages(rewards, group, grpo.loss.scale_rewards)
 
     temperature = grpo.sampling.temperature
@@ -210,17 +233,34 @@ def reference_step(cfg: Config, policy: torch.nn.Module, sft: torch.nn.Module, t
             entropies.append(entropy)
         n_max = grpo.sampling.max_new_tokens
         policy_loss = _aggregate(policy_terms, loss.loss_type, n_max)
-        regulariser = (loss.beta * _aggregate(kls, loss.loss_type, n_max)
-                       - loss.entropy_coef * _aggregate(entropies, loss.loss_type, n_max))
+        regulariser = loss.beta * _aggregate(kls, loss.loss_type, n_max) - loss.entropy_coef * _aggregate(
+            entropies, loss.loss_type, n_max
+        )
         task_losses[task] = float((policy_loss + regulariser).detach())
-        policy_grads[task], regulariser_grads[task] = (_flat_grad(term, params) for term in (policy_loss, regulariser))
+        policy_grads[task], regulariser_grads[task] = (
+            _flat_grad(term, params) for term in (policy_loss, regulariser)
+        )
     tokens = sum(len(c) for c in completions)
     with torch.no_grad():
-        kl = sum(float((torch.exp(r - s[0]) - (r - s[0]) - 1).sum()) for r, s in zip(ref, scored, strict=True))
+        kl = sum(
+            float((torch.exp(r - s[0]) - (r - s[0]) - 1).sum()) for r, s in zip(ref, scored, strict=True)
+        )
         entropy = sum(float(s[1].sum()) for s in scored)
-    return ReferenceStep(prompts, completions, texts, rewards, advantages, [s[0].detach() for s in scored], ref,
-                         [s[1].detach() for s in scored], task_losses, kl / tokens, entropy / tokens, policy_grads,
-                         regulariser_grads)
+    return ReferenceStep(
+        prompts,
+        completions,
+        texts,
+        rewards,
+        advantages,
+        [s[0].detach() for s in scored],
+        ref,
+        [s[1].detach() for s in scored],
+        task_losses,
+        kl / tokens,
+        entropy / tokens,
+        policy_grads,
+        regulariser_grads,
+    )
 
 
 def _flat_grad(term: torch.Tensor, params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -228,5 +268,9 @@ def _flat_grad(term: torch.Tensor, params: list[torch.nn.Parameter]) -> torch.Te
     if not term.requires_grad:
         return torch.cat([torch.zeros(p.numel(), device=p.device) for p in params])
     pieces = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True)
-    return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float()
-                      for g, p in zip(pieces, params, strict=True)])
+    return torch.cat(
+        [
+            (torch.zeros_like(p) if g is None else g).reshape(-1).float()
+            for g, p in zip(pieces, params, strict=True)
+        ]
+    )

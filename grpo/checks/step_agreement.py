@@ -51,9 +51,15 @@ NO_GRADIENT = (NEAR_GREEDY,)
 """Variants whose gradient is not compared: at T = 0.05 nearly every token's probability is 1, its policy
 gradient the difference of nearly equal numbers, whose float noise is not the step's doing (the variant
 is there for its equal-reward groups, I12)."""
-MODES = ({"mode": "sum"}, {"mode": "sum", "task_stats": True}, {"mode": "pcgrad"},
-         {"mode": "cagrad", "low_memory": False}, {"mode": "cagrad", "low_memory": True},
-         {"mode": "pcgrad", "reward_only": True}, {"mode": "cagrad", "reward_only": True})
+MODES = (
+    {"mode": "sum"},
+    {"mode": "sum", "task_stats": True},
+    {"mode": "pcgrad"},
+    {"mode": "cagrad", "low_memory": False},
+    {"mode": "cagrad", "low_memory": True},
+    {"mode": "pcgrad", "reward_only": True},
+    {"mode": "cagrad", "reward_only": True},
+)
 
 
 @dataclasses.dataclass
@@ -85,7 +91,10 @@ def run_step(step: Step, records: list[dict], seed_index: int) -> tuple[StepTrac
         if seen.after is None:
             seen.after = _flat(step.params)
 
-    handles = [step.optimizer.register_step_pre_hook(before_step), step.optimizer.register_step_post_hook(after_step)]
+    handles = [
+        step.optimizer.register_step_pre_hook(before_step),
+        step.optimizer.register_step_post_hook(after_step),
+    ]
     try:
         result = grpo_step(step, records, seed_index, lambda attempt: records)
     finally:
@@ -109,7 +118,9 @@ def _cosine_gap(a: torch.Tensor, b: torch.Tensor) -> float:
     return 1.0 - float(a @ b) / (na * nb)
 
 
-def compare(trace: StepTrace, metrics: dict[str, Any] | None, ref: ReferenceStep) -> dict[str, tuple[float, float]]:
+def compare(
+    trace: StepTrace, metrics: dict[str, Any] | None, ref: ReferenceStep
+) -> dict[str, tuple[float, float]]:
     """``{quantity: (value, bound)}`` of the step against the reference; ids, masks and texts count rows.
     ``metrics``: the step's, when they describe its first update (one update per step), else None."""
     rollout, batch, n = trace.draw.rollout, trace.batch, len(ref.prompts)
@@ -117,14 +128,22 @@ def compare(trace: StepTrace, metrics: dict[str, Any] | None, ref: ReferenceStep
     width = rollout.prompt_ids.shape[1]
     ids = batch.inputs.input_ids.cpu()
     out = {
-        "prompt_ids": sum(rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist() != ref.prompts[i]
-                          for i in range(n)),
-        "completion_ids": sum(rollout.completion_ids[i, : lengths[i]].tolist() != ref.completions[i]
-                              for i in range(n)),
-        "completion_mask": sum(rollout.completion_mask[i].int().tolist() != [1] * lengths[i] + [0] * (
-            rollout.completion_mask.shape[1] - lengths[i]) for i in range(n)),
-        "joined_ids": sum(ids[i, width - len(ref.prompts[i]) : width].tolist() != ref.prompts[i]
-                          or ids[i, width : width + lengths[i]].tolist() != ref.completions[i] for i in range(n)),
+        "prompt_ids": sum(
+            rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist() != ref.prompts[i] for i in range(n)
+        ),
+        "completion_ids": sum(
+            rollout.completion_ids[i, : lengths[i]].tolist() != ref.completions[i] for i in range(n)
+        ),
+        "completion_mask": sum(
+            rollout.completion_mask[i].int().tolist()
+            != [1] * lengths[i] + [0] * (rollout.completion_mask.shape[1] - lengths[i])
+            for i in range(n)
+        ),
+        "joined_ids": sum(
+            ids[i, width - len(ref.prompts[i]) : width].tolist() != ref.prompts[i]
+            or ids[i, width : width + lengths[i]].tolist() != ref.completions[i]
+            for i in range(n)
+        ),
         "reward_texts": sum(a != b for a, b in zip(rollout.texts, ref.texts, strict=True)),
     }
     out = {key: (float(value), 0.0) for key, value in out.items()}
@@ -134,7 +153,11 @@ def compare(trace: StepTrace, metrics: dict[str, Any] | None, ref: ReferenceStep
     out["advantages"] = (_gap(trace.draw.advantages, torch.tensor(ref.advantages)), 1e-5)
 
     def per_token(tensor: torch.Tensor | None, rows: list[torch.Tensor]) -> float:
-        return max(_gap(tensor[i, : lengths[i]].cpu(), rows[i].cpu()) for i in range(n)) if tensor is not None else 0.0
+        return (
+            max(_gap(tensor[i, : lengths[i]].cpu(), rows[i].cpu()) for i in range(n))
+            if tensor is not None
+            else 0.0
+        )
 
     bound = LOGPROB_BOUND / min(1.0, batch.inputs.temperature)
     out["ref_logprobs"] = (per_token(batch.ref_logprobs, ref.ref_logprobs), bound)
@@ -150,8 +173,9 @@ def compare(trace: StepTrace, metrics: dict[str, Any] | None, ref: ReferenceStep
     return out
 
 
-def compare_update(step: Step, metrics: dict[str, Any], seen: Optimised,
-                   ref: ReferenceStep) -> dict[str, tuple[float, float]]:
+def compare_update(
+    step: Step, metrics: dict[str, Any], seen: Optimised, ref: ReferenceStep
+) -> dict[str, tuple[float, float]]:
     """The gradient the optimizer first stepped on, its norm, and the weights' change, against the reference
     (``grad_norm`` is the last update's: compared only with one update per step)."""
     direction = ref.direction(step.cfg.grpo.multitask).to(step.accelerator.device)
@@ -201,11 +225,13 @@ def variants(s: Gated) -> dict[str, Step]:
         f"T={other_t}": s.variant(**on, sampling=length | {"temperature": other_t}),
         "two updates": s.variant(**on, sampling=length, num_iterations=2),
     }
-    weights = s.cfg.rewards.model_copy(update={"weights": s.cfg.rewards.weights.model_copy(
-        update=_inexact_weights(grpo.group_size))})
+    weights = s.cfg.rewards.model_copy(
+        update={"weights": s.cfg.rewards.weights.model_copy(update=_inexact_weights(grpo.group_size))}
+    )
     near_greedy = s.variant(**on, sampling=length | {"temperature": 0.05})
-    out[NEAR_GREEDY] = dataclasses.replace(near_greedy, cfg=near_greedy.cfg.model_copy(
-        update={"rewards": weights}))
+    out[NEAR_GREEDY] = dataclasses.replace(
+        near_greedy, cfg=near_greedy.cfg.model_copy(update={"rewards": weights})
+    )
     pad = _pad_not_stop(out["configured"])
     if pad is not None:
         out["pad != stop"] = pad
@@ -221,8 +247,12 @@ def check_step_agreement(s: Gated) -> Check:
         for name, step in probed.items():
             with restored(step):  # the step trains the weights: they come back before the reference scores
                 trace, metrics, seen = run_step(step, s.records, 1)
-            ref = reference_step(step.cfg, step.model, s.sft, step.tokenizer, s.records, trace.draw.rollout.sequences)
-            first = metrics if step.cfg.grpo.num_iterations == 1 else None  # else the metrics are the last update's
+            ref = reference_step(
+                step.cfg, step.model, s.sft, step.tokenizer, s.records, trace.draw.rollout.sequences
+            )
+            first = (
+                metrics if step.cfg.grpo.num_iterations == 1 else None
+            )  # else the metrics are the last update's
             found = compare(trace, first, ref)
             if name not in NO_GRADIENT:
                 found |= compare_update(step, metrics, seen, ref)
@@ -234,27 +264,45 @@ def check_step_agreement(s: Gated) -> Check:
                 worst[key] = max(worst.get(key, 0.0), value)
                 if not value <= bound:  # a NaN fails
                     failures.append(f"{name}: {key} {value:.3g} > {bound:.3g}")
-    detail = (f"{compared} comparisons over {len(probed)} variants ({', '.join(probed)}) and {len(MODES)} modes; worst: "
-              + ", ".join(f"{k} {v:.2g}" for k, v in worst.items()))
-    return Check("step_agreement", "fail" if failures else "pass", len(failures),
-                 detail + ("; " + "; ".join(failures[:12]) if failures else ""),
-                 "the trainer's step differs from the reference step in what the failures name: see "
-                 "grpo/checks/reference_step.py for what each quantity must be" if failures else "",
-                 "I3-I12", 0)
+    detail = (
+        f"{compared} comparisons over {len(probed)} variants ({', '.join(probed)}) and {len(MODES)} modes; worst: "
+        + ", ".join(f"{k} {v:.2g}" for k, v in worst.items())
+    )
+    return Check(
+        "step_agreement",
+        "fail" if failures else "pass",
+        len(failures),
+        detail + ("; " + "; ".join(failures[:12]) if failures else ""),
+        "the trainer's step differs from the reference step in what the failures name: see "
+        "grpo/checks/reference_step.py for what each quantity must be"
+        if failures
+        else "",
+        "I3-I12",
+        0,
+    )
 
 
 def _modes(configured: Step, trace: StepTrace, ref: ReferenceStep) -> dict[str, tuple[float, float]]:
     """The update's gradient (before clipping) in every multitask mode on the configured variant's batch."""
     out = {}
-    batch = dataclasses.replace(trace.batch, prefills=())  # the kept prefill is of the weights before the step
+    batch = dataclasses.replace(
+        trace.batch, prefills=()
+    )  # the kept prefill is of the weights before the step
     for mode in MODES:
         multitask = configured.cfg.grpo.multitask.model_copy(update=mode)
-        step = build_step(configured.cfg.model_copy(update={"grpo": configured.cfg.grpo.model_copy(
-            update={"multitask": multitask})}), configured.policy, configured.accelerator)
+        step = build_step(
+            configured.cfg.model_copy(
+                update={"grpo": configured.cfg.grpo.model_copy(update={"multitask": multitask})}
+            ),
+            configured.policy,
+            configured.accelerator,
+        )
         direction = gradient(step, batch, global_totals(step, batch)).direction
         want = ref.direction(multitask).to(direction.device)
         label = "+".join(f"{k}={v}" for k, v in mode.items())
         out[f"gradient[{label}]"] = (_cosine_gap(direction, want), COSINE_BOUND)
-        out[f"grad_norm[{label}]"] = (abs(float(direction.norm()) - float(want.norm())) / max(float(want.norm()), 1e-12),
-                                     NORM_BOUND)
+        out[f"grad_norm[{label}]"] = (
+            abs(float(direction.norm()) - float(want.norm())) / max(float(want.norm()), 1e-12),
+            NORM_BOUND,
+        )
     return out

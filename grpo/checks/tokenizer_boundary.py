@@ -24,9 +24,11 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.model.chat import SYSTEM_PROMPT, render_prompt, special_ids, template_end_of_turn_id
 
-FIX = ("fix the tokenizer's special tokens in its tokenizer_config.json (eos_token: the end-of-turn token), or "
-       "for a GGUF file give the .gguf itself as model.name_or_path: `grpo base` converts it and repairs the "
-       "tokenizer from the file's metadata")
+FIX = (
+    "fix the tokenizer's special tokens in its tokenizer_config.json (eos_token: the end-of-turn token), or "
+    "for a GGUF file give the .gguf itself as model.name_or_path: `grpo base` converts it and repairs the "
+    "tokenizer from the file's metadata"
+)
 
 
 def _name(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
@@ -47,8 +49,12 @@ def generation_eos_ids(model: Any) -> list[int]:
     return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos or []]
 
 
-def boundary_problems(tokenizer: PreTrainedTokenizerBase, model: Any, extra_stop_tokens: Sequence[str],
-                      template_kwargs: Mapping[str, Any]) -> list[str]:
+def boundary_problems(
+    tokenizer: PreTrainedTokenizerBase,
+    model: Any,
+    extra_stop_tokens: Sequence[str],
+    template_kwargs: Mapping[str, Any],
+) -> list[str]:
     """Every problem of the tokenizer's special tokens (see the module docstring); empty when none."""
     starts = turn_start_tokens(tokenizer, template_kwargs)
     eot = template_end_of_turn_id(tokenizer)
@@ -60,17 +66,29 @@ def boundary_problems(tokenizer: PreTrainedTokenizerBase, model: Any, extra_stop
             problems.append(
                 f"the tokenizer's {role} {_name(tokenizer, token_id)} is a turn-start token of the chat template "
                 f"(its end-of-turn token is {_name(tokenizer, eot)}): generation would stop where a turn begins; "
-                + ("set model.extra_stop_tokens without it" if role.startswith("extra") else
-                   "set model.pad_token to a token that is not a turn or header token" if role == "pad token" else
-                   FIX))
-    prompt = render_prompt(tokenizer, [{"role": "system", "content": SYSTEM_PROMPT},
-                                       {"role": "user", "content": "Hello."}], **template_kwargs)
+                + (
+                    "set model.extra_stop_tokens without it"
+                    if role.startswith("extra")
+                    else "set model.pad_token to a token that is not a turn or header token"
+                    if role == "pad token"
+                    else FIX
+                )
+            )
+    prompt = render_prompt(
+        tokenizer,
+        [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "Hello."}],
+        **template_kwargs,
+    )
     if len(prompt) >= 2 and prompt[0] == prompt[1] and prompt[0] in special_ids(tokenizer):
-        problems.append(f"the rendered prompt ids begin with {_name(tokenizer, prompt[0])} twice: the tokenizer "
-                        f"prepends it and the chat template writes it too; {FIX}")
+        problems.append(
+            f"the rendered prompt ids begin with {_name(tokenizer, prompt[0])} twice: the tokenizer "
+            f"prepends it and the chat template writes it too; {FIX}"
+        )
     declared = generation_eos_ids(model)
     if declared and tokenizer.eos_token_id is not None and int(tokenizer.eos_token_id) not in declared:
-        problems.append(f"the tokenizer's eos token {_name(tokenizer, tokenizer.eos_token_id)} is not among the "
-                        f"model's generation_config eos ids {[_name(tokenizer, i) for i in declared]}: the two "
-                        f"disagree on where a reply ends; {FIX}")
+        problems.append(
+            f"the tokenizer's eos token {_name(tokenizer, tokenizer.eos_token_id)} is not among the "
+            f"model's generation_config eos ids {[_name(tokenizer, i) for i in declared]}: the two "
+            f"disagree on where a reply ends; {FIX}"
+        )
     return problems

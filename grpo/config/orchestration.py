@@ -23,6 +23,7 @@ class ScheduleConfig(Section):
         except (zoneinfo.ZoneInfoNotFoundError, ValueError):
             raise ValueError("is not an IANA time zone: give one such as UTC or Europe/Paris") from None
         return value
+
     deployment: str = "full-retrain"
     """Deployment name: ``prefect deployment run full-retrain/<deployment>`` triggers a run."""
     force: bool = False

@@ -81,8 +81,7 @@ class SamplingConfig(Section):
     def _positive_temperature(cls, value: Any) -> Any:
         if isinstance(value, int | float) and value <= 0:
             raise ValueError(
-                "must be > 0: it divides the logits; use a small value such as 0.1 for "
-                "near-greedy sampling"
+                "must be > 0: it divides the logits; use a small value such as 0.1 for near-greedy sampling"
             )
         return value
 

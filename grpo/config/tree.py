@@ -118,7 +118,9 @@ def overlay(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     """``top``'s keys over ``base``'s: sections merge key by key, any other value replaces."""
     out = dict(base)
     for key, value in top.items():
-        out[key] = overlay(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = (
+            overlay(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
     return out
 
 
@@ -128,7 +130,9 @@ def read_params(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
     if not path.is_file():
         raise ConfigError(f"{path}: no such params file; run from the project root or pass --params PATH")
     if path.resolve() in _seen:
-        raise ConfigError(f"{path}: `extends` comes back to a file it started from ({_seen[0]}); break the cycle")
+        raise ConfigError(
+            f"{path}: `extends` comes back to a file it started from ({_seen[0]}); break the cycle"
+        )
     try:
         tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
@@ -139,8 +143,10 @@ def read_params(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
     if parent is None:
         return tree
     if not isinstance(parent, str):
-        raise ConfigError(f"{path}: {EXTENDS} must be the path of a params file (got {parent!r}), e.g. "
-                          f"`{EXTENDS}: ../params.yaml`")
+        raise ConfigError(
+            f"{path}: {EXTENDS} must be the path of a params file (got {parent!r}), e.g. "
+            f"`{EXTENDS}: ../params.yaml`"
+        )
     return overlay(read_params(path.parent / parent, (*_seen, path.resolve())), tree)
 
 

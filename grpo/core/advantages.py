@@ -33,9 +33,7 @@ def _check(n_rewards: int, group_size: int, scale_rewards: str) -> None:
             f"{group_size}; pass rewards of n_prompts * grpo.group_size completions, grouped contiguously"
         )
     if scale_rewards not in SCALE_MODES:
-        raise AdvantageError(
-            f"grpo.loss.scale_rewards must be one of {SCALE_MODES} (got {scale_rewards!r})"
-        )
+        raise AdvantageError(f"grpo.loss.scale_rewards must be one of {SCALE_MODES} (got {scale_rewards!r})")
 
 
 def _std(values: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,9 @@ def causal_padding_mask(attention_mask: torch.Tensor, query_length: int) -> torc
     return real & causal.tril(keys - query_length)  # [B, 1, Q, K]
 
 
-def model_attention_mask(model: torch.nn.Module, attention_mask: torch.Tensor, query_length: int) -> torch.Tensor:
+def model_attention_mask(
+    model: torch.nn.Module, attention_mask: torch.Tensor, query_length: int
+) -> torch.Tensor:
     """The mask to pass as ``attention_mask=``: 4D and prepared where ``takes_prepared_mask``, else the
     2D mask unchanged. sdpa reads a boolean mask; eager adds it to the scores, so it gets 0 where
     visible and the dtype's minimum elsewhere, as the model's own eager mask."""
@@ -53,4 +55,6 @@ def model_attention_mask(model: torch.nn.Module, attention_mask: torch.Tensor, q
     if model.config._attn_implementation in SDPA_IMPLEMENTATIONS:
         return mask
     dtype = next(model.parameters()).dtype
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, torch.finfo(dtype).min
+    )

@@ -39,15 +39,19 @@ class GradSpace:
         if not loss.requires_grad:
             return self.zeros(params)
         grads = torch.autograd.grad(loss, params, retain_graph=retain, allow_unused=True)
-        return torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1).float()
-                          for g, p in zip(grads, params, strict=True)])
+        return torch.cat(
+            [
+                (torch.zeros_like(p) if g is None else g).reshape(-1).float()
+                for g, p in zip(grads, params, strict=True)
+            ]
+        )
 
     def write(self, params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
         """Add slices of ``flat`` [P] to each parameter's ``.grad`` (created when absent)."""
         offset = 0
         for p in params:
             shape = self.local(p).shape
-            piece = flat[offset: offset + shape.numel()].view(shape).to(p.dtype)
+            piece = flat[offset : offset + shape.numel()].view(shape).to(p.dtype)
             offset += shape.numel()
             if p.grad is None:
                 p.grad = self._as_grad(p, piece.clone())
@@ -99,8 +103,16 @@ class ShardedGradSpace(GradSpace):
         if not loss.requires_grad:
             return self.zeros(params)
         loss.backward(retain_graph=retain)
-        flat = torch.cat([(torch.zeros(self.local(p).numel(), device=p.device) if p.grad is None
-                           else self.local(p.grad).reshape(-1).float()) for p in params])
+        flat = torch.cat(
+            [
+                (
+                    torch.zeros(self.local(p).numel(), device=p.device)
+                    if p.grad is None
+                    else self.local(p.grad).reshape(-1).float()
+                )
+                for p in params
+            ]
+        )
         for p in params:
             p.grad = None
         return flat
@@ -120,5 +132,11 @@ class ShardedGradSpace(GradSpace):
     def _as_grad(self, param: torch.nn.Parameter, piece: torch.Tensor) -> torch.Tensor:
         if not isinstance(param, DTensor):
             return piece
-        return DTensor.from_local(piece, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+        return DTensor.from_local(
+            piece,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )

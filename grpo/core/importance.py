@@ -27,9 +27,13 @@ def rollout_mismatch(
     KL(sampler || trainer) (the tokens were drawn from the sampler), and the ratio's range."""
     delta = _masked(trainer_logprobs.float() - sampler_logprobs.float(), completion_mask)  # [T]
     if delta.numel() == 0:
-        return {"sampling/sampling_logp_difference/mean": 0.0, "sampling/sampling_logp_difference/max": 0.0,
-                "sampling/kl": 0.0, "sampling/importance_sampling_ratio/min": 1.0,
-                "sampling/importance_sampling_ratio/max": 1.0}
+        return {
+            "sampling/sampling_logp_difference/mean": 0.0,
+            "sampling/sampling_logp_difference/max": 0.0,
+            "sampling/kl": 0.0,
+            "sampling/importance_sampling_ratio/min": 1.0,
+            "sampling/importance_sampling_ratio/max": 1.0,
+        }
     ratio = delta.exp()
     return {
         "sampling/sampling_logp_difference/mean": float(delta.abs().mean()),
@@ -50,7 +54,9 @@ def truncated_is_weights(
     """Per-token weights ``min(exp(log p_trainer - log p_sampler), cap)`` -> [N, C], detached, 0 off
     the mask; all ones when the mean |Δ log p| is at most ``threshold`` (small mismatch: no correction)."""
     if cap < 1.0:
-        raise ValueError(f"truncated_is_weights: cap must be >= 1 (got {cap}); it bounds the weight from above")
+        raise ValueError(
+            f"truncated_is_weights: cap must be >= 1 (got {cap}); it bounds the weight from above"
+        )
     mask = completion_mask.bool()
     delta = (trainer_logprobs.detach().float() - sampler_logprobs.float()).masked_fill(~mask, 0.0)
     if mask.any() and float(delta[mask].abs().mean()) <= threshold:

@@ -86,7 +86,9 @@ def logits_stats(logits: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
     keep = mask.reshape(-1).bool()  # [N]
     if flat.shape[0] != keep.shape[0]:
-        raise ScoringError(f"logits_stats: mask has {keep.shape[0]} positions but logits have {flat.shape[0]}")
+        raise ScoringError(
+            f"logits_stats: mask has {keep.shape[0]} positions but logits have {flat.shape[0]}"
+        )
     names = ("logits/max", "logits/top1_gap", "logits/top5_mass", "logits/max_prob")
     if not keep.any():
         return dict.fromkeys(names, 0.0)
@@ -152,7 +154,9 @@ def score_completions(
         raise ScoringError(
             f"score_completions: temperature must be > 0 (got {temperature}); pass the sampling temperature"
         )
-    raw = completion_logits(model, input_ids, attention_mask, completion_width, shared_prefix, prefills, segments)
+    raw = completion_logits(
+        model, input_ids, attention_mask, completion_width, shared_prefix, prefills, segments
+    )
     logits = raw / temperature  # [B, C, V], the sampling distribution (I10)
     completion_ids = input_ids[:, -completion_width:]  # [B, C]
     logprobs = selective_log_softmax(logits, completion_ids)  # [B, C]

@@ -109,8 +109,9 @@ def _cagrad_weights(gram: torch.Tensor, c: float, iters: int = 300) -> torch.Ten
     return w
 
 
-def cagrad(grads: torch.Tensor, c: float, rescale: int,
-           inner: Inner = _matmul) -> tuple[torch.Tensor, torch.Tensor]:
+def cagrad(
+    grads: torch.Tensor, c: float, rescale: int, inner: Inner = _matmul
+) -> tuple[torch.Tensor, torch.Tensor]:
     """CAGrad (Liu et al., arXiv 2110.14048): grads [K, P] -> (d [P], weights [K]).
 
     ``d = g0 + sqrt(phi) / ||g_w|| * g_w`` with g0 the MEAN gradient, ``phi = c^2 ||g0||^2`` and
@@ -184,8 +185,13 @@ class TaskGradients(NamedTuple):
 
 
 def task_gradient(
-    params: list[torch.nn.Parameter], terms: LossTerms, beta: float, entropy_coef: float,
-    reward_only: bool, retain: bool, space: GradSpace = REPLICATED,
+    params: list[torch.nn.Parameter],
+    terms: LossTerms,
+    beta: float,
+    entropy_coef: float,
+    reward_only: bool,
+    retain: bool,
+    space: GradSpace = REPLICATED,
 ) -> TaskGradients:
     """d total_loss / d params of one task's loss terms (I7: through ``total_loss``). ``reward_only``:
     the policy term's gradient apart from the KL/entropy part's (``total_loss`` with the policy term
@@ -252,7 +258,9 @@ def combine_task_gradients(
         if space.any(grad):
             names.append(task)
             rows.append(grad)
-    direction, stats = combine(torch.stack(rows), mode, c, rescale, names, space.inner) if rows else (zeros, {})
+    direction, stats = (
+        combine(torch.stack(rows), mode, c, rescale, names, space.inner) if rows else (zeros, {})
+    )
     if reward_only:
         regulariser = sum((g.regulariser for g in grads.values()), torch.zeros_like(zeros))
         regulariser = reduce_fn(regulariser) if reduce_fn is not None else regulariser

@@ -68,13 +68,17 @@ def shared_prefix_logits(
         prompt_width = input_ids.shape[1] - completion_width
         prompts, mask = input_ids[:, :prompt_width], attention_mask[:, :prompt_width]
         labels = list(segments) if segments is not None else [0] * input_ids.shape[0]
-        first = sorted(prefix_groups(prompts, mask).first.tolist())  # one row of each distinct prompt, in order
+        first = sorted(
+            prefix_groups(prompts, mask).first.tolist()
+        )  # one row of each distinct prompt, in order
         prefills = keep_prefills(model, prompts[first], mask[first], [labels[row] for row in first])
     return _prefilled_logits(model, input_ids, attention_mask, completion_width, prefills)
 
 
 @torch.no_grad()
-def prefilled_cache(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, repeats: int):
+def prefilled_cache(
+    model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, repeats: int
+):
     """The key/value cache of every prompt but its last column, computed once per prompt and repeated
     ``repeats`` times (row ``i`` of the result is prompt ``i // repeats``), for ``generate``: given
     it, ``generate`` runs only the last prompt column and the new tokens. prompt_ids, prompt_mask: [n, P]
@@ -112,7 +116,9 @@ class PromptPrefill:
     layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values) [n, heads, P, d]
     first_logits: torch.Tensor  # [n, 1, V] the last prompt column's: they score completion token 0
     weights: tuple[tuple[int, int], ...]  # (identity, version) of each trainable parameter when computed
-    cache_class: type  # the model's cache (a transformers ``DynamicCache``): built from (keys, values) per layer
+    cache_class: (
+        type  # the model's cache (a transformers ``DynamicCache``): built from (keys, values) per layer
+    )
 
 
 def trainable_weights(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
@@ -121,8 +127,9 @@ def trainable_weights(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
     return tuple((id(p), p._version) for p in model.parameters() if p.requires_grad)
 
 
-def keep_prefills(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                  segments: Sequence[Hashable]) -> tuple[PromptPrefill, ...]:
+def keep_prefills(
+    model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, segments: Sequence[Hashable]
+) -> tuple[PromptPrefill, ...]:
     """The prefill of the prompts, one forward per segment over its prompts in order (the update runs
     one graph per task in ``low_memory`` mode, so each task's backward must reach only its own prompts'
     graph), with the graph where grad is enabled (the rollout keeps it so).
@@ -152,36 +159,52 @@ def decode_cache(model: torch.nn.Module, prefills: Sequence[PromptPrefill], repe
     return prefills[0].cache_class(layers, config=model.config)
 
 
-def _prefilled_logits(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      completion_width: int, prefills: Sequence[PromptPrefill]) -> torch.Tensor:
+def _prefilled_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_width: int,
+    prefills: Sequence[PromptPrefill],
+) -> torch.Tensor:
     """``shared_prefix_logits`` on kept prefills: each row's prompt is found among them by content."""
     prompt_width = input_ids.shape[1] - completion_width
     if trainable_weights(model) != prefills[0].weights:
-        raise PrefillError("shared_prefix_logits: the kept prefill is of other weights (another model, or these "
-                           "moved since the rollout); it serves only its own model's update of its own step")
+        raise PrefillError(
+            "shared_prefix_logits: the kept prefill is of other weights (another model, or these "
+            "moved since the rollout); it serves only its own model's update of its own step"
+        )
     if prefills[0].prompt_ids.shape[1] != prompt_width:
-        raise PrefillError(f"shared_prefix_logits: kept prefills are of prompts {prefills[0].prompt_ids.shape[1]} "
-                           f"columns wide, these rows' prompts {prompt_width}: pass the rollout's own rows")
+        raise PrefillError(
+            f"shared_prefix_logits: kept prefills are of prompts {prefills[0].prompt_ids.shape[1]} "
+            f"columns wide, these rows' prompts {prompt_width}: pass the rollout's own rows"
+        )
     prompts, mask = input_ids[:, :prompt_width], attention_mask[:, :prompt_width]
     used, offset = [], 0
     found = torch.full((input_ids.shape[0],), -1, dtype=torch.long, device=input_ids.device)
     for prefill in prefills:
-        match = ((prompts[:, None] == prefill.prompt_ids[None]) & (mask[:, None] == prefill.prompt_mask[None])).all(-1)
+        match = (
+            (prompts[:, None] == prefill.prompt_ids[None]) & (mask[:, None] == prefill.prompt_mask[None])
+        ).all(-1)
         hit = match.any(dim=1) & (found < 0)  # [B]
         if hit.any():
             found[hit] = offset + match.int().argmax(dim=1)[hit]
             used.append(prefill)
             offset += prefill.prompt_ids.shape[0]
     if bool((found < 0).any()):
-        raise PrefillError(f"shared_prefix_logits: rows {(found < 0).nonzero().flatten().tolist()} have a prompt "
-                           "that no kept prefill has; pass the rollout's own rows or no prefills")
+        raise PrefillError(
+            f"shared_prefix_logits: rows {(found < 0).nonzero().flatten().tolist()} have a prompt "
+            "that no kept prefill has; pass the rollout's own rows or no prefills"
+        )
+
     def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
     first_logits = joined([p.first_logits for p in used])[found]  # [B, 1, V]
     if completion_width == 1:
         return first_logits
-    layers = [tuple(joined([p.layers[i][kv] for p in used]) for kv in (0, 1)) for i in range(len(used[0].layers))]
+    layers = [
+        tuple(joined([p.layers[i][kv] for p in used]) for kv in (0, 1)) for i in range(len(used[0].layers))
+    ]
     cache = used[0].cache_class(layers, config=model.config)
     cache.reorder_cache(found)  # index_select: every row gets its prompt's keys and values
     positions = position_ids_from_mask(attention_mask)

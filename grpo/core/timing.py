@@ -32,7 +32,10 @@ class PhaseTimer:
     def metrics(self, step_seconds: float) -> dict[str, float]:
         """``timing/<phase>`` seconds and ``timing/<phase>_share`` of the whole step's seconds."""
         out = {f"timing/{phase}": seconds for phase, seconds in self.seconds.items()}
-        out |= {f"timing/{phase}_share": seconds / max(step_seconds, 1e-9) for phase, seconds in self.seconds.items()}
+        out |= {
+            f"timing/{phase}_share": seconds / max(step_seconds, 1e-9)
+            for phase, seconds in self.seconds.items()
+        }
         return out
 
 

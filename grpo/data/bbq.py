@@ -109,14 +109,26 @@ def bbq_item(row: dict[str, Any], var2: dict[str, str]) -> dict[str, Any] | str:
         return "not exactly one 'unknown' option in answer_info"
     targets = _targets(row, [i for i in range(3) if i != unknown[0]], var2)
     if len(targets) != 1:
-        return ("no option's answer_info group is in stereotyped_groups" if not targets else
-                "answer_info gives both options a stereotyped group")
+        return (
+            "no option's answer_info group is in stereotyped_groups"
+            if not targets
+            else "answer_info gives both options a stereotyped group"
+        )
     category = str(row["category"])
     return {
-        "task": "fairness", "source": "bbq", "context": row["context"], "question": row["question"],
-        "choices": choices, "label": label, "answer": choices[label],
-        "context_condition": row["context_condition"], "question_polarity": row["question_polarity"],
-        "unknown_idx": unknown[0], "target_idx": targets[0], "category": category, "template_id": _template(row),
+        "task": "fairness",
+        "source": "bbq",
+        "context": row["context"],
+        "question": row["question"],
+        "choices": choices,
+        "label": label,
+        "answer": choices[label],
+        "context_condition": row["context_condition"],
+        "question_polarity": row["question_polarity"],
+        "unknown_idx": unknown[0],
+        "target_idx": targets[0],
+        "category": category,
+        "template_id": _template(row),
     }
 
 

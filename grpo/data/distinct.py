@@ -11,7 +11,9 @@ MAX_ATTEMPTS = 200
 """Draws per item before the generator gives up (its template space is exhausted)."""
 
 
-def draw_distinct(draw: Callable[[], dict[str, Any]], seen: set[tuple[str, str]], what: str, fix: str) -> dict:
+def draw_distinct(
+    draw: Callable[[], dict[str, Any]], seen: set[tuple[str, str]], what: str, fix: str
+) -> dict:
     """Call ``draw`` until its item's (context, question) is new; record it in ``seen``.
 
     Raises DataSourceError naming ``what`` and the ``fix`` when MAX_ATTEMPTS draws all repeat."""

@@ -101,4 +101,3 @@ def load_records(path: str | Path) -> list[Record]:
 def read_records(path: str | Path) -> list[dict[str, Any]]:
     """The records of a processed file as plain dicts (what rewards, renderer and trainer read)."""
     return [record.model_dump(mode="json") for record in load_records(path)]
-

@@ -56,22 +56,35 @@ def _require_items(path: Path, source: str, n_items: int, n_raw: int, skipped: C
 def _halueval_answerable(row: dict[str, Any]) -> dict[str, Any]:
     wrong = row["hallucinated_answer"]
     return {
-        "task": "hallucination", "source": "halueval", "context": row["knowledge"],
-        "question": row["question"], "answer": row["right_answer"], "answerable": True,
-        "category": "halueval", "template_id": "halueval.answerable",
+        "task": "hallucination",
+        "source": "halueval",
+        "context": row["knowledge"],
+        "question": row["question"],
+        "answer": row["right_answer"],
+        "answerable": True,
+        "category": "halueval",
+        "template_id": "halueval.answerable",
         "distractor": None if contains(row["knowledge"], wrong) else wrong,
     }
 
 
 def _halueval_swapped(row: dict[str, Any], borrowed: str) -> dict[str, Any]:
     return {
-        "task": "hallucination", "source": "halueval", "context": borrowed, "question": row["question"],
-        "answer": ABSTENTION, "answerable": False, "category": "halueval",
-        "distractor": row["hallucinated_answer"], "template_id": "halueval.swapped_knowledge",
+        "task": "hallucination",
+        "source": "halueval",
+        "context": borrowed,
+        "question": row["question"],
+        "answer": ABSTENTION,
+        "answerable": False,
+        "category": "halueval",
+        "distractor": row["hallucinated_answer"],
+        "template_id": "halueval.swapped_knowledge",
     }
 
 
-def _halueval_items(rows: list[dict[str, Any]], rng: random.Random, skip: Callable[[str], None]) -> list[dict[str, Any]]:
+def _halueval_items(
+    rows: list[dict[str, Any]], rng: random.Random, skip: Callable[[str], None]
+) -> list[dict[str, Any]]:
     items = []
     for row in rows:
         if contains(row["knowledge"], row["right_answer"]):
@@ -83,7 +96,11 @@ def _halueval_items(rows: list[dict[str, Any]], rng: random.Random, skip: Callab
     for position, index in enumerate(order):
         row, other = rows[index], rows[order[(position + 1) % len(order)]]
         borrowed = other["knowledge"]
-        if other is row or contains(borrowed, row["right_answer"]) or contains(borrowed, row["hallucinated_answer"]):
+        if (
+            other is row
+            or contains(borrowed, row["right_answer"])
+            or contains(borrowed, row["hallucinated_answer"])
+        ):
             skip("borrowed knowledge mentions the answer (unanswerable form dropped)")
             continue
         items.append(_halueval_swapped(row, borrowed))
@@ -113,8 +130,10 @@ def load_halueval(path: Path, eval_share: float, seed: int) -> Loaded:
         skipped[(str(path), "halueval", reason)] += 1
 
     rng = random.Random(f"halueval:{seed}")
-    pools = {split: _halueval_items(rows, rng, skip)
-             for split, rows in split_groups(groups, eval_share, seed, path, "questions").items()}
+    pools = {
+        split: _halueval_items(rows, rng, skip)
+        for split, rows in split_groups(groups, eval_share, seed, path, "questions").items()
+    }
     _require_items(path, "halueval", sum(map(len, pools.values())), sum(map(len, groups.values())), skipped)
     return Loaded(pools, skipped)
 
@@ -124,12 +143,21 @@ def load_halueval(path: Path, eval_share: float, seed: int) -> Loaded:
 
 def _squad_item(context: str, title: str, qa: dict[str, Any], fallback: str | None) -> dict[str, Any]:
     base = {
-        "task": "hallucination", "source": "squad2", "context": context, "question": qa["question"],
-        "category": title, "template_id": f"squad2.{title}",
+        "task": "hallucination",
+        "source": "squad2",
+        "context": context,
+        "question": qa["question"],
+        "category": title,
+        "template_id": f"squad2.{title}",
     }
     if qa.get("is_impossible"):
         plausible = [answer["text"] for answer in qa.get("plausible_answers") or []]
-        return {**base, "answer": ABSTENTION, "answerable": False, "distractor": plausible[0] if plausible else fallback}
+        return {
+            **base,
+            "answer": ABSTENTION,
+            "answerable": False,
+            "distractor": plausible[0] if plausible else fallback,
+        }
     texts = list(dict.fromkeys(answer["text"] for answer in qa["answers"]))
     gold = next(text for text in texts if contains(context, text))
     aliases = [text for text in texts if normalize_answer(text) != normalize_answer(gold)]
@@ -138,8 +166,12 @@ def _squad_item(context: str, title: str, qa: dict[str, Any], fallback: str | No
 
 def _article_answers(article: dict[str, Any]) -> list[str]:
     """Every answer text of the article's answerable questions (distractors for unanswerables without any)."""
-    return [qa["answers"][0]["text"] for paragraph in article["paragraphs"] for qa in paragraph["qas"]
-            if not qa.get("is_impossible") and qa.get("answers")]
+    return [
+        qa["answers"][0]["text"]
+        for paragraph in article["paragraphs"]
+        for qa in paragraph["qas"]
+        if not qa.get("is_impossible") and qa.get("answers")
+    ]
 
 
 def _squad_article(file: Path, article: dict[str, Any], skipped: Counter) -> list[dict[str, Any]]:
@@ -152,11 +184,18 @@ def _squad_article(file: Path, article: dict[str, Any], skipped: Counter) -> lis
             if not qa.get("is_impossible") and not qa.get("answers"):
                 skipped[(str(file), title, "answerable question without answers")] += 1
             elif not qa.get("is_impossible") and not any(
-                    contains(paragraph["context"], answer["text"]) for answer in qa["answers"]):
+                contains(paragraph["context"], answer["text"]) for answer in qa["answers"]
+            ):
                 skipped[(str(file), title, "no answer is a whole-word span of the context")] += 1
             elif qa.get("is_impossible") and not qa.get("plausible_answers") and fallback is None:
-                skipped[(str(file), title, "unanswerable question without plausible_answers, and no "
-                         "answer elsewhere in its article to use as distractor")] += 1
+                skipped[
+                    (
+                        str(file),
+                        title,
+                        "unanswerable question without plausible_answers, and no "
+                        "answer elsewhere in its article to use as distractor",
+                    )
+                ] += 1
             else:
                 items.append(_squad_item(paragraph["context"], title, qa, fallback))
     return items

@@ -52,10 +52,12 @@ def _too_long(item: dict[str, Any], checks: DataChecksConfig) -> str | None:
 
     ``sft_answer`` is filled later with the answer or the distractor, so bounding those bounds it too.
     """
-    texts = [("context", "max_context_chars", item["context"]),
-             ("question", "max_question_chars", item["question"]),
-             ("answer", "max_answer_chars", item["answer"]),
-             ("distractor", "max_answer_chars", item.get("distractor") or "")]
+    texts = [
+        ("context", "max_context_chars", item["context"]),
+        ("question", "max_question_chars", item["question"]),
+        ("answer", "max_answer_chars", item["answer"]),
+        ("distractor", "max_answer_chars", item.get("distractor") or ""),
+    ]
     texts += [("a choice", "max_answer_chars", choice) for choice in item.get("choices") or ()]
     for field, key, text in texts:
         limit = getattr(checks, key)
@@ -86,9 +88,11 @@ def _too_few(path: Path, source: str, task: str, split: str, have: int, want: in
     why = ("; raw items skipped: " + "; ".join(skip_lines(skipped))) if skipped else ""
     # data.fairness_fraction is the fairness share: lowering it asks for more hallucination records.
     share = "lower" if task == "fairness" else "raise"
-    return (f"{path}: {source} gives {have} usable {split} {task} records but params ask for {want} "
-            f"(data.n_{split} x the task's share){why}; lower data.n_{split} or {share} data.fairness_fraction"
-            + (", or fix the skipped rows" if skipped else ", or give a file with more items"))
+    return (
+        f"{path}: {source} gives {have} usable {split} {task} records but params ask for {want} "
+        f"(data.n_{split} x the task's share){why}; lower data.n_{split} or {share} data.fairness_fraction"
+        + (", or fix the skipped rows" if skipped else ", or give a file with more items")
+    )
 
 
 def _loaded(task: str, cfg: Config, sizes: dict[str, int]) -> tuple[Pools, Counter]:
@@ -101,7 +105,9 @@ def _loaded(task: str, cfg: Config, sizes: dict[str, int]) -> tuple[Pools, Count
     rng = random.Random(f"sample:{task}:{cfg.seed}")
     for split in SPLITS:
         if len(pools[split]) < sizes[split]:
-            raise DataSourceError(_too_few(path, source, task, split, len(pools[split]), sizes[split], skipped))
+            raise DataSourceError(
+                _too_few(path, source, task, split, len(pools[split]), sizes[split], skipped)
+            )
         pools[split] = stratified_sample(pools[split], sizes[split], stratum, shares, rng)
     return pools, skipped
 
@@ -110,10 +116,15 @@ def sources_summary(cfg: Config, skipped: dict[str, Counter]) -> str:
     """``sources.json``: per task its source, path and skipped raw items (file, category, reason, count)."""
     summary = {}
     for task in ("fairness", "hallucination"):
-        rows = [{"file": file, "category": category, "reason": reason, "count": n}
-                for (file, category, reason), n in sorted(skipped[task].items())]
-        summary[task] = {"source": getattr(cfg.data, f"{task}_source"),
-                         "path": getattr(cfg.data, f"{task}_path"), "skipped": rows}
+        rows = [
+            {"file": file, "category": category, "reason": reason, "count": n}
+            for (file, category, reason), n in sorted(skipped[task].items())
+        ]
+        summary[task] = {
+            "source": getattr(cfg.data, f"{task}_source"),
+            "path": getattr(cfg.data, f"{task}_path"),
+            "skipped": rows,
+        }
     return json.dumps(summary, indent=2, sort_keys=True) + "\n"
 
 
@@ -145,7 +156,9 @@ def build_records(cfg: Config, skipped_by_task: dict[str, Counter] | None = None
             by_split[split].extend(make_record(fields | asked, split) for fields in pools[split])
         source = getattr(cfg.data, f"{task}_source")
         note = f"; skipped {sum(skipped.values())} raw items (see sources.json)" if skipped else ""
-        print(f"prepare: {task} from {source}: {sizes[task]['train']} train, {sizes[task]['eval']} eval{note}")
+        print(
+            f"prepare: {task} from {source}: {sizes[task]['train']} train, {sizes[task]['eval']} eval{note}"
+        )
     rng = random.Random(f"order:{cfg.seed}")
     for split in SPLITS:
         rng.shuffle(by_split[split])
@@ -159,7 +172,11 @@ def run(cfg: Config) -> int:
     skipped: dict[str, Counter] = {}
     by_split = build_records(cfg, skipped)
     files = {split: paths.data_file(cfg, split) for split in SPLITS}
-    write_atomically({**{files[split]: records_text(by_split[split]) for split in SPLITS},
-                      Path(cfg.paths.data_dir) / SOURCES_FILE: sources_summary(cfg, skipped)})
+    write_atomically(
+        {
+            **{files[split]: records_text(by_split[split]) for split in SPLITS},
+            Path(cfg.paths.data_dir) / SOURCES_FILE: sources_summary(cfg, skipped),
+        }
+    )
     print(f"prepare: wrote {', '.join(str(file) for file in files.values())}")
     return 0

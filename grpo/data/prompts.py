@@ -36,7 +36,9 @@ def _fairness_text(example: Mapping[str, Any]) -> str:
         )
     options = "\n".join(f"{letter}. {choice}" for letter, choice in zip(LETTERS, choices, strict=True))
     instruction = FAIRNESS_TEXT_INSTRUCTION if _by_text(example) else FAIRNESS_INSTRUCTION
-    return f"Context: {example['context']}\nQuestion: {example['question']}\nOptions:\n{options}\n{instruction}"
+    return (
+        f"Context: {example['context']}\nQuestion: {example['question']}\nOptions:\n{options}\n{instruction}"
+    )
 
 
 def _by_text(example: Mapping[str, Any]) -> bool:
@@ -62,8 +64,9 @@ def example_messages(example: Mapping[str, Any]) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
 
-def render_records(tokenizer: Any, records: Sequence[Mapping[str, Any]],
-                   template_kwargs: Mapping[str, Any]) -> list[list[int]]:
+def render_records(
+    tokenizer: Any, records: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any]
+) -> list[list[int]]:
     """The prompt ids of every record, as every stage samples and scores them: its messages through the
     one renderer (``chat.render_prompt``, I1) with the configured template variables."""
     return [render_prompt(tokenizer, example_messages(record), **template_kwargs) for record in records]

@@ -27,7 +27,9 @@ class Loaded(NamedTuple):
 def skip_lines(skipped: Counter, limit: int = 12) -> list[str]:
     """``"N x file [category]: reason"`` lines, largest first (for the errors and the validation report)."""
     ordered = sorted(skipped.items(), key=lambda item: (-item[1], item[0]))
-    lines = [f"{n} x {Path(file).name} [{category}]: {reason}" for (file, category, reason), n in ordered[:limit]]
+    lines = [
+        f"{n} x {Path(file).name} [{category}]: {reason}" for (file, category, reason), n in ordered[:limit]
+    ]
     if len(ordered) > limit:
         lines.append(f"... and {len(ordered) - limit} more kinds (see reports/validation.md)")
     return lines
@@ -64,7 +66,9 @@ def json_file(path: Path) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise DataSourceError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        raise DataSourceError(
+            f"{path}:{exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})"
+        ) from None
 
 
 def files(path: Path, pattern: str) -> list[Path]:
@@ -72,15 +76,18 @@ def files(path: Path, pattern: str) -> list[Path]:
     if path.is_dir():
         found = sorted(path.glob(pattern))
         if not found:
-            raise DataSourceError(f"{path}: no {pattern} files in this folder; point the path at the dataset files")
+            raise DataSourceError(
+                f"{path}: no {pattern} files in this folder; point the path at the dataset files"
+            )
         return found
     if not path.is_file():
         raise DataSourceError(f"{path}: no such file or folder; download the dataset and give its local path")
     return [path]
 
 
-def split_groups(groups: dict[str, list[dict[str, Any]]], eval_share: float, seed: int,
-                 path: Path, kind: str) -> Pools:
+def split_groups(
+    groups: dict[str, list[dict[str, Any]]], eval_share: float, seed: int, path: Path, kind: str
+) -> Pools:
     """Whole groups (``kind``: templates, articles, questions) to train or eval; fewer than 2 cannot split."""
     if len(groups) < 2:
         raise DataSourceError(

@@ -74,8 +74,21 @@ def read_results(problems: Sequence[ReadProblem], max_examples: int) -> list[Rul
     return out
 
 
-SUMMARY_FIELDS = ("task", "question", "answer", "choices", "label", "unknown_idx", "target_idx",
-                  "context_condition", "question_polarity", "answerable", "distractor", "sft_label", "sft_answer")
+SUMMARY_FIELDS = (
+    "task",
+    "question",
+    "answer",
+    "choices",
+    "label",
+    "unknown_idx",
+    "target_idx",
+    "context_condition",
+    "question_polarity",
+    "answerable",
+    "distractor",
+    "sft_label",
+    "sft_answer",
+)
 """Fields shown with an offending row, so a derived ``False`` can be read without opening the file."""
 
 
@@ -94,10 +107,18 @@ def _examples(result: dict[str, Any], frame: pd.DataFrame, max_examples: int) ->
     examples = []
     for index, value in list(zip(indices, values, strict=False))[:max_examples]:
         row = frame.loc[index]
-        summary = {key: _short(row[key]) for key in SUMMARY_FIELDS
-                   if key in row and not _is_missing(row[key])}
-        examples.append({"file": row["_file"], "line": int(row["_line"]), "id": _plain(row.get("id")),
-                         "value": _short(value, 300), "row": summary})
+        summary = {
+            key: _short(row[key]) for key in SUMMARY_FIELDS if key in row and not _is_missing(row[key])
+        }
+        examples.append(
+            {
+                "file": row["_file"],
+                "line": int(row["_line"]),
+                "id": _plain(row.get("id")),
+                "value": _short(value, 300),
+                "row": summary,
+            }
+        )
     return examples
 
 
@@ -119,19 +140,34 @@ def gx_results(results: Sequence[Any], frame: pd.DataFrame, max_examples: int) -
         column = kwargs.get("column") or ",".join(kwargs.get("column_list", []))
         observed = result.get("observed_value")
         if observed is not None:
-            observed = {"value": _plain(observed), "min": kwargs.get("min_value"), "max": kwargs.get("max_value")}
-        out.append(RuleResult(
-            rule=config.meta["rule"], column=column, expectation=config.type, success=bool(item.success),
-            element_count=_plain(result.get("element_count")), unexpected_count=_plain(result.get("unexpected_count")),
-            observed=observed, examples=_examples(result, frame, max_examples), error=error,
-        ))
+            observed = {
+                "value": _plain(observed),
+                "min": kwargs.get("min_value"),
+                "max": kwargs.get("max_value"),
+            }
+        out.append(
+            RuleResult(
+                rule=config.meta["rule"],
+                column=column,
+                expectation=config.type,
+                success=bool(item.success),
+                element_count=_plain(result.get("element_count")),
+                unexpected_count=_plain(result.get("unexpected_count")),
+                observed=observed,
+                examples=_examples(result, frame, max_examples),
+                error=error,
+            )
+        )
     return out
 
 
 def to_json(report: ValidationReport) -> str:
     payload = {
-        "success": report.success, "files": report.files, "n_rows": report.n_rows,
-        "n_rules": len(report.rules), "n_failed": len(report.failures),
+        "success": report.success,
+        "files": report.files,
+        "n_rows": report.n_rows,
+        "n_rules": len(report.rules),
+        "n_failed": len(report.failures),
         "failed_rules": sorted({rule.rule for rule in report.failures}),
         "rules": [_plain(rule._asdict()) for rule in report.rules],
     }
@@ -158,22 +194,34 @@ def _example_text(example: dict[str, Any]) -> str:
 
 def sources_markdown(sources: dict[str, Any]) -> list[str]:
     """The ``## Raw sources`` section: each task's source, path and skipped raw items by file, category, reason."""
-    lines = ["## Raw sources", "", "| task | source | path | skipped raw items |", "| --- | --- | --- | --- |"]
+    lines = [
+        "## Raw sources",
+        "",
+        "| task | source | path | skipped raw items |",
+        "| --- | --- | --- | --- |",
+    ]
     for task, entry in sorted(sources.items()):
         total = sum(row["count"] for row in entry["skipped"])
         lines.append(f"| {task} | {entry['source']} | {entry['path'] or ''} | {total} |")
     rows = [(task, row) for task, entry in sorted(sources.items()) for row in entry["skipped"]]
     if rows:
         lines += ["", "| task | file | category | reason | count |", "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {task} | {row['file']} | {row['category']} | {row['reason']} | {row['count']} |"
-                  for task, row in rows]
+        lines += [
+            f"| {task} | {row['file']} | {row['category']} | {row['reason']} | {row['count']} |"
+            for task, row in rows
+        ]
     return lines + [""]
 
 
 def to_markdown(report: ValidationReport, sources: dict[str, Any] | None = None) -> str:
     """``validation.md``: verdict, failed rules with rows, every rule, and the raw sources' skip summary."""
     verdict = "PASSED" if report.success else f"FAILED ({len(report.failures)} of {len(report.rules)} rules)"
-    lines = [f"# Data validation: {verdict}", "", f"Files: {', '.join(report.files)}; {report.n_rows} records.", ""]
+    lines = [
+        f"# Data validation: {verdict}",
+        "",
+        f"Files: {', '.join(report.files)}; {report.n_rows} records.",
+        "",
+    ]
     if report.failures:
         lines += ["## Failed rules", ""]
         for rule in report.failures:
@@ -184,17 +232,23 @@ def to_markdown(report: ValidationReport, sources: dict[str, Any] | None = None)
         lines += sources_markdown(sources)
     lines += ["## All rules", "", "| rule | column | result | detail |", "| --- | --- | --- | --- |"]
     for rule in report.rules:
-        lines.append(f"| {rule.rule} | {rule.column or ''} | {'pass' if rule.success else 'FAIL'} | {_describe(rule)} |")
+        lines.append(
+            f"| {rule.rule} | {rule.column or ''} | {'pass' if rule.success else 'FAIL'} | {_describe(rule)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def failure_message(report: ValidationReport, details: str) -> str:
     """The error text: each failed rule, its column, and its first example rows."""
-    parts = [f"data validation failed: {len(report.failures)} of {len(report.rules)} rules broken "
-             f"(every rule and row: {details})"]
+    parts = [
+        f"data validation failed: {len(report.failures)} of {len(report.rules)} rules broken "
+        f"(every rule and row: {details})"
+    ]
     for rule in report.failures:
         examples = "; ".join(_example_text(example) for example in rule.examples[:2])
-        parts.append(f"- {rule.rule} [{rule.column or rule.expectation}]: {_describe(rule)}"
-                     + (f", e.g. {examples}" if examples else ""))
+        parts.append(
+            f"- {rule.rule} [{rule.column or rule.expectation}]: {_describe(rule)}"
+            + (f", e.g. {examples}" if examples else "")
+        )
     parts.append("fix the data source or generator and rerun `grpo prepare`, then `grpo validate`")
     return "\n".join(parts)

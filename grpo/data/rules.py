@@ -20,14 +20,44 @@ from grpo.data.schema import ABSTENTION, SPLITS, TASKS, Record, biased_option, c
 from grpo.data.text import contains, is_unknown_phrase, normalize_answer, text_key
 
 FIELDS = tuple(Record.model_fields)
-TEXT_FIELDS = ("id", "task", "source", "split", "context", "question", "answer", "category", "template_id",
-               "context_condition", "question_polarity", "distractor", "sft_answer")
+TEXT_FIELDS = (
+    "id",
+    "task",
+    "source",
+    "split",
+    "context",
+    "question",
+    "answer",
+    "category",
+    "template_id",
+    "context_condition",
+    "question_polarity",
+    "distractor",
+    "sft_answer",
+)
 INT_FIELDS = ("label", "unknown_idx", "target_idx", "sft_label")
 LIST_FIELDS = ("choices", "aliases")
 SCANNED_TEXT = ("context", "question", "answer", "distractor", "sft_answer", "category", "template_id")
-ALWAYS = ("split_matches_file", "schema_unknown_fields", "schema_types", "all_text", "choice_len_max", "utf8_ok",
-          "id_matches_content", "text_hash", "is_train", "is_eval")
-FAIRNESS_REQUIRED = ("choices", "label", "context_condition", "question_polarity", "unknown_idx", "target_idx")
+ALWAYS = (
+    "split_matches_file",
+    "schema_unknown_fields",
+    "schema_types",
+    "all_text",
+    "choice_len_max",
+    "utf8_ok",
+    "id_matches_content",
+    "text_hash",
+    "is_train",
+    "is_eval",
+)
+FAIRNESS_REQUIRED = (
+    "choices",
+    "label",
+    "context_condition",
+    "question_polarity",
+    "unknown_idx",
+    "target_idx",
+)
 
 
 def _is_int(value: Any) -> bool:
@@ -39,12 +69,21 @@ def _index_ok(value: Any) -> bool:
 
 
 def _type_problems(data: dict[str, Any]) -> str:
-    problems = [f"{key} is {type(data[key]).__name__}" for key in TEXT_FIELDS
-                if data.get(key) is not None and not isinstance(data[key], str)]
-    problems += [f"{key} is {type(data[key]).__name__}" for key in INT_FIELDS
-                 if data.get(key) is not None and not _is_int(data[key])]
-    problems += [f"{key} is not a list of strings" for key in LIST_FIELDS if key in data
-                 and not (isinstance(data[key], list) and all(isinstance(v, str) for v in data[key]))]
+    problems = [
+        f"{key} is {type(data[key]).__name__}"
+        for key in TEXT_FIELDS
+        if data.get(key) is not None and not isinstance(data[key], str)
+    ]
+    problems += [
+        f"{key} is {type(data[key]).__name__}"
+        for key in INT_FIELDS
+        if data.get(key) is not None and not _is_int(data[key])
+    ]
+    problems += [
+        f"{key} is not a list of strings"
+        for key in LIST_FIELDS
+        if key in data and not (isinstance(data[key], list) and all(isinstance(v, str) for v in data[key]))
+    ]
     if data.get("answerable") is not None and not isinstance(data["answerable"], bool):
         problems.append(f"answerable is {type(data['answerable']).__name__}")
     return ", ".join(problems)
@@ -75,8 +114,9 @@ def _utf8_ok(data: dict[str, Any]) -> bool:
 
 def _id_matches(data: dict[str, Any]) -> bool:
     try:
-        return data["id"] == content_id(data["task"], data["context"], data["question"],
-                                        data.get("choices", []), data["answer"])
+        return data["id"] == content_id(
+            data["task"], data["context"], data["question"], data.get("choices", []), data["answer"]
+        )
     except (KeyError, TypeError):
         return False
 
@@ -113,20 +153,31 @@ def _hallucination(d: dict[str, Any]) -> dict[str, Any]:
     return {
         "hall_missing": ", ".join(missing),
         "hall_no_choices": not d.get("choices") and all(d.get(k) is None for k in INT_FIELDS[:3]),
-        "hall_answer_in_context": (isinstance(answer, str) and answer != ABSTENTION and contains(context, answer))
-        if answerable is True else None,
+        "hall_answer_in_context": (
+            isinstance(answer, str) and answer != ABSTENTION and contains(context, answer)
+        )
+        if answerable is True
+        else None,
         "hall_abstains": answer == ABSTENTION if answerable is False else None,
         "hall_distractor_not_in_context": not contains(context, str(distractor))
-        if answerable is False and distractor and not in_context_ok else None,
-        "hall_distractor_not_gold": (normalize_answer(str(distractor)) not in gold and distractor != ABSTENTION)
-        if distractor else None,
+        if answerable is False and distractor and not in_context_ok
+        else None,
+        "hall_distractor_not_gold": (
+            normalize_answer(str(distractor)) not in gold and distractor != ABSTENTION
+        )
+        if distractor
+        else None,
     }
 
 
 def _noisy_label(d: dict[str, Any]) -> int | None:
     """The biased option an ambiguous item's SFT noise may teach (None when it has none)."""
     unknown, target = d.get("unknown_idx"), d.get("target_idx")
-    if d.get("context_condition") != "ambig" or not (_index_ok(unknown) and _index_ok(target)) or unknown == target:
+    if (
+        d.get("context_condition") != "ambig"
+        or not (_index_ok(unknown) and _index_ok(target))
+        or unknown == target
+    ):
         return None
     return biased_option(d.get("question_polarity"), unknown, target)
 
@@ -143,12 +194,18 @@ def _sft(d: dict[str, Any]) -> dict[str, Any]:
         return {"sft_fields": f"missing {key}"}
     if task == "fairness":
         noised = d["sft_label"] != d.get("label")
-        return {"sft_fields": "", "sft_consistent": not noised or d["sft_label"] == _noisy_label(d),
-                "sft_noised_fair": float(noised) if d.get("context_condition") == "ambig" else None}
+        return {
+            "sft_fields": "",
+            "sft_consistent": not noised or d["sft_label"] == _noisy_label(d),
+            "sft_noised_fair": float(noised) if d.get("context_condition") == "ambig" else None,
+        }
     noised = d["sft_answer"] != d.get("answer")
     eligible = d.get("answerable") is False and bool(d.get("distractor"))
-    return {"sft_fields": "", "sft_consistent": not noised or (eligible and d["sft_answer"] == d["distractor"]),
-            "sft_noised_hall": float(noised) if eligible else None}
+    return {
+        "sft_fields": "",
+        "sft_consistent": not noised or (eligible and d["sft_answer"] == d["distractor"]),
+        "sft_noised_hall": float(noised) if eligible else None,
+    }
 
 
 def _balance(d: dict[str, Any]) -> dict[str, Any]:
@@ -192,8 +249,11 @@ def _row(raw: RawRow, file_split: str) -> dict[str, Any]:
     row["choice_len_max"] = max((len(c) for c in _strings(d, "choices")), default=None)
     row["utf8_ok"] = _utf8_ok(d)
     row["id_matches_content"] = _id_matches(d) if isinstance(d.get("id"), str) else None
-    row["text_hash"] = text_key(d["context"], d["question"]) if all(
-        isinstance(d.get(k), str) for k in ("context", "question")) else None
+    row["text_hash"] = (
+        text_key(d["context"], d["question"])
+        if all(isinstance(d.get(k), str) for k in ("context", "question"))
+        else None
+    )
     row.update(_fairness(d) if d.get("task") == "fairness" else {})
     row.update(_hallucination(d) if d.get("task") == "hallucination" else {})
     row.update(_sft(d))
@@ -210,13 +270,17 @@ def _leaks(frame: pd.DataFrame, column: str) -> list[bool | None]:
     for value, split, ok in zip(frame[column], frame["split"], present, strict=True):
         if ok and split in SPLITS:
             splits_of[value].add(split)
-    return [len(splits_of[value]) > 1 if ok else None for value, ok in zip(frame[column], present, strict=True)]
+    return [
+        len(splits_of[value]) > 1 if ok else None for value, ok in zip(frame[column], present, strict=True)
+    ]
 
 
 def build_frame(rows_by_split: Mapping[str, Sequence[RawRow]]) -> pd.DataFrame:
     """One row per parsed record of each split's file: raw fields and every derived check column."""
     records = [_row(raw, split) for split, rows in rows_by_split.items() for raw in rows]
-    frame = pd.DataFrame.from_records(records) if records else pd.DataFrame(columns=["_file", "_line", *FIELDS])
+    frame = (
+        pd.DataFrame.from_records(records) if records else pd.DataFrame(columns=["_file", "_line", *FIELDS])
+    )
     # Columns the fixed rules read exist even when no row has them (e.g. both files missing).
     for column in ALWAYS:
         if column not in frame:

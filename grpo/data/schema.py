@@ -20,8 +20,16 @@ ABSTENTION = "I don't know."
 """What a grounded-QA answer says when the context does not contain the answer."""
 
 UNKNOWN_PHRASES = (
-    "Unknown", "Cannot be determined", "Can't be determined", "Not answerable", "Not known",
-    "Not enough info", "Not enough information", "Cannot answer", "Can't answer", "Undetermined",
+    "Unknown",
+    "Cannot be determined",
+    "Can't be determined",
+    "Not answerable",
+    "Not known",
+    "Not enough info",
+    "Not enough information",
+    "Cannot answer",
+    "Can't answer",
+    "Undetermined",
 )
 """The ten ways BBQ words its "unknown" option; exactly one option of a fairness item is one of them."""
 

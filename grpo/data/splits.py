@@ -56,7 +56,7 @@ def stratified_sample(
     chosen: list[dict[str, Any]] = []
     for key in sorted(pools, key=str):
         chosen.extend(pools[key][: quotas[key]])
-    leftovers = [item for key in sorted(pools, key=str) for item in pools[key][quotas[key]:]]
+    leftovers = [item for key in sorted(pools, key=str) for item in pools[key][quotas[key] :]]
     rng.shuffle(leftovers)
     return chosen + leftovers[: n - len(chosen)]
 

@@ -86,50 +86,93 @@ def _schema(cfg: Config) -> list[gxe.Expectation]:
     out: list[gxe.Expectation] = [
         gxe.ExpectColumnValuesToNotBeNull(column=field, meta=_meta(f"required.{field}")) for field in REQUIRED
     ]
-    for field, allowed in (("task", TASKS), ("split", SPLITS), ("source", SOURCES),
-                           ("context_condition", ("ambig", "disambig")),
-                           ("question_polarity", ("neg", "nonneg"))):
-        out.append(gxe.ExpectColumnValuesToBeInSet(column=field, value_set=list(allowed),
-                                                   meta=_meta(f"{field}.in_set")))
-    out.append(gxe.ExpectColumnValuesToMatchRegex(column="id", regex=r"^[0-9a-f]{16}$", meta=_meta("id.format")))
+    for field, allowed in (
+        ("task", TASKS),
+        ("split", SPLITS),
+        ("source", SOURCES),
+        ("context_condition", ("ambig", "disambig")),
+        ("question_polarity", ("neg", "nonneg")),
+    ):
+        out.append(
+            gxe.ExpectColumnValuesToBeInSet(
+                column=field, value_set=list(allowed), meta=_meta(f"{field}.in_set")
+            )
+        )
+    out.append(
+        gxe.ExpectColumnValuesToMatchRegex(column="id", regex=r"^[0-9a-f]{16}$", meta=_meta("id.format"))
+    )
     for split, n in (("train", cfg.data.n_train), ("eval", cfg.data.n_eval)):
-        out.append(gxe.ExpectColumnSumToBeBetween(column=f"is_{split}", min_value=n, max_value=n,
-                                                  meta=_meta(f"count.{split}")))
+        out.append(
+            gxe.ExpectColumnSumToBeBetween(
+                column=f"is_{split}", min_value=n, max_value=n, meta=_meta(f"count.{split}")
+            )
+        )
     return out
 
 
 def _text(checks: DataChecksConfig) -> list[gxe.Expectation]:
     out: list[gxe.Expectation] = []
     # One scan of every text field of a row (``all_text``): GX's cost is per expectation, not per row.
-    out.append(gxe.ExpectColumnValuesToNotMatchRegex(column="all_text", regex=CONTROL_CHARS,
-                                                     meta=_meta("text.control_chars")))
-    out.append(gxe.ExpectColumnValuesToNotMatchRegex(column="all_text", regex=TEMPLATE_SLOTS,
-                                                     meta=_meta("text.template_slots")))
+    out.append(
+        gxe.ExpectColumnValuesToNotMatchRegex(
+            column="all_text", regex=CONTROL_CHARS, meta=_meta("text.control_chars")
+        )
+    )
+    out.append(
+        gxe.ExpectColumnValuesToNotMatchRegex(
+            column="all_text", regex=TEMPLATE_SLOTS, meta=_meta("text.template_slots")
+        )
+    )
     for column in ("context", "question", "answer"):
         out.append(gxe.ExpectColumnValuesToMatchRegex(column=column, regex=r"\S", meta=_meta("text.blank")))
-    limits = {"context": checks.max_context_chars, "question": checks.max_question_chars,
-              "answer": checks.max_answer_chars, "distractor": checks.max_answer_chars,
-              "sft_answer": checks.max_answer_chars, "category": 100, "template_id": 200}
+    limits = {
+        "context": checks.max_context_chars,
+        "question": checks.max_question_chars,
+        "answer": checks.max_answer_chars,
+        "distractor": checks.max_answer_chars,
+        "sft_answer": checks.max_answer_chars,
+        "category": 100,
+        "template_id": 200,
+    }
     for column, limit in limits.items():
-        out.append(gxe.ExpectColumnValueLengthsToBeBetween(column=column, min_value=1, max_value=limit,
-                                                           meta=_meta(f"length.{column}")))
-    out.append(gxe.ExpectColumnValuesToBeBetween(column="choice_len_max", min_value=1,
-                                                 max_value=checks.max_answer_chars, meta=_meta("length.choices")))
+        out.append(
+            gxe.ExpectColumnValueLengthsToBeBetween(
+                column=column, min_value=1, max_value=limit, meta=_meta(f"length.{column}")
+            )
+        )
+    out.append(
+        gxe.ExpectColumnValuesToBeBetween(
+            column="choice_len_max",
+            min_value=1,
+            max_value=checks.max_answer_chars,
+            meta=_meta("length.choices"),
+        )
+    )
     return out
 
 
 def _records(frame: pd.DataFrame) -> list[gxe.Expectation]:
     out: list[gxe.Expectation] = [
         gxe.ExpectColumnValuesToBeInSet(column=column, value_set=[True], meta=_meta(rule))
-        for rule, column in MUST_BE_TRUE.items() if column in frame
+        for rule, column in MUST_BE_TRUE.items()
+        if column in frame
     ]
-    out += [gxe.ExpectColumnValuesToBeInSet(column=column, value_set=[""], meta=_meta(rule))
-            for rule, column in MUST_BE_EMPTY.items() if column in frame]
+    out += [
+        gxe.ExpectColumnValuesToBeInSet(column=column, value_set=[""], meta=_meta(rule))
+        for rule, column in MUST_BE_EMPTY.items()
+        if column in frame
+    ]
     if "fair_n_choices" in frame:
-        out.append(gxe.ExpectColumnValuesToBeInSet(column="fair_n_choices", value_set=[3],
-                                                   meta=_meta("fairness.three_choices")))
-        out.append(gxe.ExpectColumnValuesToBeInSet(column="fair_unknown_options", value_set=[1],
-                                                   meta=_meta("fairness.one_unknown_option")))
+        out.append(
+            gxe.ExpectColumnValuesToBeInSet(
+                column="fair_n_choices", value_set=[3], meta=_meta("fairness.three_choices")
+            )
+        )
+        out.append(
+            gxe.ExpectColumnValuesToBeInSet(
+                column="fair_unknown_options", value_set=[1], meta=_meta("fairness.one_unknown_option")
+            )
+        )
     out += [
         gxe.ExpectCompoundColumnsToBeUnique(column_list=["split", "id"], meta=_meta("unique.id")),
         gxe.ExpectCompoundColumnsToBeUnique(column_list=["split", "text_hash"], meta=_meta("unique.text")),
@@ -139,17 +182,26 @@ def _records(frame: pd.DataFrame) -> list[gxe.Expectation]:
     return out
 
 
-def _mean_rule(frame: pd.DataFrame, rule: str, column: str, bounds: tuple[float, float]) -> list[gxe.Expectation]:
+def _mean_rule(
+    frame: pd.DataFrame, rule: str, column: str, bounds: tuple[float, float]
+) -> list[gxe.Expectation]:
     if _count(frame, column) == 0:
         return []
-    return [gxe.ExpectColumnMeanToBeBetween(column=column, min_value=bounds[0], max_value=bounds[1],
-                                            meta=_meta(rule))]
+    return [
+        gxe.ExpectColumnMeanToBeBetween(
+            column=column, min_value=bounds[0], max_value=bounds[1], meta=_meta(rule)
+        )
+    ]
 
 
 def _balance(frame: pd.DataFrame, cfg: Config) -> list[gxe.Expectation]:
     checks, out = cfg.data.checks, []
-    targets = [("task_mix", "is_fairness", cfg.data.fairness_fraction), ("ambig", "ambig", 0.5),
-               ("polarity", "neg", 0.5), ("answerable", "answerable", cfg.data.answerable_fraction)]
+    targets = [
+        ("task_mix", "is_fairness", cfg.data.fairness_fraction),
+        ("ambig", "ambig", 0.5),
+        ("polarity", "neg", 0.5),
+        ("answerable", "answerable", cfg.data.answerable_fraction),
+    ]
     targets += [("label_position", f"label{k}", 1 / 3) for k in range(3)]
     for split in SPLITS:
         for name, prefix, target in targets:

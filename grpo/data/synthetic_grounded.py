@@ -35,11 +35,27 @@ FIRST_NAMES = ("Mara", "Tomas", "Ilse", "Oren", "Petra", "Caius", "Lena", "Bram"
 VALUE_SURNAMES = ("Venn", "Holt", "Arden", "Crane", "Pike", "Marsh", "Quill", "Dorn", "Fenwick", "Tallis")
 VALUES: dict[str, tuple[str, ...]] = {
     "place": ("Port Ilva", "Greyhaven", "Ostmere", "Kelby", "Runmoor", "Talwick", "Emberly", "Norcaster"),
-    "product": ("blue glass", "wool blankets", "copper bells", "pear cider", "salt fish", "paper lanterns",
-                "clay pipes", "cheese wheels"),
+    "product": (
+        "blue glass",
+        "wool blankets",
+        "copper bells",
+        "pear cider",
+        "salt fish",
+        "paper lanterns",
+        "clay pipes",
+        "cheese wheels",
+    ),
     "river": ("Ostra", "Velle", "Murn", "Saskel", "Brindle", "Tove", "Carra", "Lirra"),
-    "invention": ("folding ladder", "steam kettle", "pocket loom", "glass compass", "wind clock",
-                  "water lens", "copper press", "spring lock"),
+    "invention": (
+        "folding ladder",
+        "steam kettle",
+        "pocket loom",
+        "glass compass",
+        "wind clock",
+        "water lens",
+        "copper press",
+        "spring lock",
+    ),
     "instrument": ("cello", "harp", "oboe", "lute", "flute", "drum", "horn", "viola"),
     "goods": ("garden tools", "toy trains", "ink", "clocks", "sailcloth", "lamps", "bicycles", "soap"),
 }
@@ -48,8 +64,14 @@ VALUES: dict[str, tuple[str, ...]] = {
 # Entity-name pools: train and eval draw from disjoint halves.
 NAME_PARTS: dict[str, dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
     "train": {
-        "town": (("El", "Mar", "Tor", "Vel", "Quin", "Ash"), ("brook", "ford", "wick", "haven", "mere", "stead")),
-        "inventor": (("Aldo", "Berit", "Cyra", "Dag", "Edda", "Fitz"), ("Orrin", "Blackwood", "Saltire", "Hume")),
+        "town": (
+            ("El", "Mar", "Tor", "Vel", "Quin", "Ash"),
+            ("brook", "ford", "wick", "haven", "mere", "stead"),
+        ),
+        "inventor": (
+            ("Aldo", "Berit", "Cyra", "Dag", "Edda", "Fitz"),
+            ("Orrin", "Blackwood", "Saltire", "Hume"),
+        ),
         "company": (("Hollin", "Brightwater", "Ferncastle", "Oakridge", "Copperfield"), ("Works", "Mills")),
     },
     "eval": {
@@ -118,11 +140,15 @@ def _item(rng: random.Random, split: str, answerable: bool) -> dict[str, Any]:
     while distractor == values[asked.name] or contains(context, distractor):
         distractor = _value(rng, asked.pool)
     return {
-        "task": "hallucination", "source": "synthetic", "context": context,
+        "task": "hallucination",
+        "source": "synthetic",
+        "context": context,
         "question": asked.question.format(e=entity),
         "answer": values[asked.name] if answerable else ABSTENTION,
         "aliases": _aliases(asked, values[asked.name]) if answerable else [],
-        "answerable": answerable, "category": kind, "distractor": distractor,
+        "answerable": answerable,
+        "category": kind,
+        "distractor": distractor,
         "template_id": f"hallucination.{kind}.{asked.name}",
     }
 
@@ -138,8 +164,10 @@ def generate_grounded(n: int, split: str, seed: int, answerable_fraction: float)
     for i in range(n):
         answerable = math.floor((i + 1) * answerable_fraction) > math.floor(i * answerable_fraction)
         item = draw_distinct(
-            partial(_item, rng, split, answerable), seen,
-            f"synthetic grounded-QA generator ({split} item {i} of {n})", "lower data.n_train/data.n_eval",
+            partial(_item, rng, split, answerable),
+            seen,
+            f"synthetic grounded-QA generator ({split} item {i} of {n})",
+            "lower data.n_train/data.n_eval",
         )
         items.append(item)
     return items

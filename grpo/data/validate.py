@@ -48,21 +48,36 @@ def _checkpoint(frame: pd.DataFrame, cfg: Config, docs_dir: Path | None) -> gx.C
     asset = context.data_sources.add_pandas("processed").add_dataframe_asset("records")
     batch = asset.add_batch_definition_whole_dataframe("train_and_eval")
     # One suite built whole: adding expectations one by one re-serialises the suite each time.
-    suite = context.suites.add(gx.ExpectationSuite(name="grpo_data", expectations=build_expectations(frame, cfg)))
-    definition = context.validation_definitions.add(gx.ValidationDefinition(name="processed", data=batch, suite=suite))
+    suite = context.suites.add(
+        gx.ExpectationSuite(name="grpo_data", expectations=build_expectations(frame, cfg))
+    )
+    definition = context.validation_definitions.add(
+        gx.ValidationDefinition(name="processed", data=batch, suite=suite)
+    )
     actions = []
     if docs_dir is not None:
         # The ephemeral context's default site lives in a throwaway temp dir: build our own.
-        context.add_data_docs_site(DOCS_SITE, {
-            "class_name": "SiteBuilder",
-            "store_backend": {"class_name": "TupleFilesystemStoreBackend", "base_directory": str(docs_dir.resolve())},
-            "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
-        })
+        context.add_data_docs_site(
+            DOCS_SITE,
+            {
+                "class_name": "SiteBuilder",
+                "store_backend": {
+                    "class_name": "TupleFilesystemStoreBackend",
+                    "base_directory": str(docs_dir.resolve()),
+                },
+                "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+            },
+        )
         actions.append(gx.checkpoint.UpdateDataDocsAction(name="data_docs", site_names=[DOCS_SITE]))
     result_format = {"result_format": "SUMMARY", "partial_unexpected_count": cfg.data.checks.max_examples}
-    return context.checkpoints.add(gx.Checkpoint(
-        name="grpo_validate", validation_definitions=[definition], actions=actions, result_format=result_format,
-    ))
+    return context.checkpoints.add(
+        gx.Checkpoint(
+            name="grpo_validate",
+            validation_definitions=[definition],
+            actions=actions,
+            result_format=result_format,
+        )
+    )
 
 
 def run_suite(frame: pd.DataFrame, cfg: Config, docs_dir: Path | None = None) -> list[Any]:
@@ -72,9 +87,7 @@ def run_suite(frame: pd.DataFrame, cfg: Config, docs_dir: Path | None = None) ->
     return list(validation.results)
 
 
-def validate_files(
-    paths: Mapping[str, Path], cfg: Config, docs_dir: Path | None = None
-) -> ValidationReport:
+def validate_files(paths: Mapping[str, Path], cfg: Config, docs_dir: Path | None = None) -> ValidationReport:
     """Validate the processed files (split -> path); writes nothing unless ``docs_dir`` is given."""
     rows: dict[str, Sequence[RawRow]] = {}
     problems: list[ReadProblem] = []
@@ -114,8 +127,14 @@ def run(cfg: Config) -> int:
     staged = Path(tempfile.mkdtemp(prefix=".data_docs.", dir=reports)) if cfg.data.checks.data_docs else None
     try:
         report = validate_files(files, cfg, docs_dir=staged)
-        write_atomically({paths.report_file(cfg, "validation.json"): to_json(report),
-                          paths.report_file(cfg, "validation.md"): to_markdown(report, _sources(Path(cfg.paths.data_dir)))})
+        write_atomically(
+            {
+                paths.report_file(cfg, "validation.json"): to_json(report),
+                paths.report_file(cfg, "validation.md"): to_markdown(
+                    report, _sources(Path(cfg.paths.data_dir))
+                ),
+            }
+        )
         if staged is not None:
             _replace_dir(staged, paths.report_file(cfg, "data_docs"))
     finally:

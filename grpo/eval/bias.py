@@ -32,7 +32,9 @@ from grpo.eval.evaluate import LABELS, evaluate
 from grpo.files import write_atomically
 from grpo.locks import writes
 
-STRATA = {(condition, polarity): 0.25 for condition in ("ambig", "disambig") for polarity in ("neg", "nonneg")}
+STRATA = {
+    (condition, polarity): 0.25 for condition in ("ambig", "disambig") for polarity in ("neg", "nonneg")
+}
 """Each category's items: a quarter per (context condition, question polarity)."""
 SHOWN = ("accuracy_ambig", "accuracy_disambig", "s_amb", "s_dis")
 """The BBQ figures the report's tables show (``bias_scores``' keys)."""
@@ -40,7 +42,9 @@ INTERVALS = ("fairness/accuracy_ambig", "fairness/accuracy_disambig", "fairness/
 """The differences that get a paired bootstrap interval."""
 
 
-def bbq_records(folder: Path, per_category: int, seed: int, answer_format: str = "letter") -> list[dict[str, Any]]:
+def bbq_records(
+    folder: Path, per_category: int, seed: int, answer_format: str = "letter"
+) -> list[dict[str, Any]]:
     """``per_category`` BBQ items of each category file under ``folder`` (all of a smaller category), as
     eval records asking for the option as ``answer_format`` says (``data.fairness_answer``), drawn by
     ``seed`` in equal shares of ``STRATA``."""
@@ -52,10 +56,17 @@ def bbq_records(folder: Path, per_category: int, seed: int, answer_format: str =
     records = []
     for category in sorted(by_category):
         pool = by_category[category]
-        chosen = stratified_sample(pool, min(per_category, len(pool)),
-                                   lambda item: (item["context_condition"], item["question_polarity"]), STRATA, rng)
-        records += [make_record(fields | {"answer_format": answer_format}, "eval").model_dump(mode="json")
-                    for fields in chosen]
+        chosen = stratified_sample(
+            pool,
+            min(per_category, len(pool)),
+            lambda item: (item["context_condition"], item["question_polarity"]),
+            STRATA,
+            rng,
+        )
+        records += [
+            make_record(fields | {"answer_format": answer_format}, "eval").model_dump(mode="json")
+            for fields in chosen
+        ]
     return records
 
 
@@ -79,25 +90,44 @@ def _cell(value: Any) -> str:
     return "—" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
-def report(results: dict[str, dict], differences: dict[str, dict], records: Sequence[dict], folder: Path,
-           cfg: Config) -> str:
+def report(
+    results: dict[str, dict], differences: dict[str, dict], records: Sequence[dict], folder: Path, cfg: Config
+) -> str:
     """``bias.md``: the overall figures per model, |s_AMB| per category, the intervals."""
     names = list(results)
     categories = sorted({r["category"] for r in records})
-    lines = ["# Bias on BBQ", "",
-             f"{len(records)} BBQ items from `{folder}` ({', '.join(categories)}), greedy, seed {cfg.seed}. "
-             "s_AMB / s_DIS in [-1, 1]: 1 = always the stereotyped answer, 0 = no lean.", "",
-             "| metric | " + " | ".join(LABELS[n] for n in names) + " |", "| --- |" + " ---: |" * len(names)]
+    lines = [
+        "# Bias on BBQ",
+        "",
+        f"{len(records)} BBQ items from `{folder}` ({', '.join(categories)}), greedy, seed {cfg.seed}. "
+        "s_AMB / s_DIS in [-1, 1]: 1 = always the stereotyped answer, 0 = no lean.",
+        "",
+        "| metric | " + " | ".join(LABELS[n] for n in names) + " |",
+        "| --- |" + " ---: |" * len(names),
+    ]
     for key in SHOWN:
         lines.append(f"| {key} | " + " | ".join(_cell(results[n]["overall"][key]) for n in names) + " |")
-    lines += ["", "## s_AMB per category", "", "| category | " + " | ".join(LABELS[n] for n in names) + " |",
-              "| --- |" + " ---: |" * len(names)]
+    lines += [
+        "",
+        "## s_AMB per category",
+        "",
+        "| category | " + " | ".join(LABELS[n] for n in names) + " |",
+        "| --- |" + " ---: |" * len(names),
+    ]
     for category in categories:
-        lines.append(f"| {category} | "
-                     + " | ".join(_cell(results[n]["by_category"][category]["s_amb"]) for n in names) + " |")
+        lines.append(
+            f"| {category} | "
+            + " | ".join(_cell(results[n]["by_category"][category]["s_amb"]) for n in names)
+            + " |"
+        )
     for label, diffs in differences.items():
-        lines += ["", f"## {label}, 95 % paired bootstrap ({cfg.eval.bootstrap} resamples)", "",
-                  "| metric | difference | interval |", "| --- | ---: | --- |"]
+        lines += [
+            "",
+            f"## {label}, 95 % paired bootstrap ({cfg.eval.bootstrap} resamples)",
+            "",
+            "| metric | difference | interval |",
+            "| --- | ---: | --- |",
+        ]
         for key, value in diffs.items():
             low, high = value["low"], value["high"]
             span = "—" if low is None else f"[{low:+.3f}, {high:+.3f}]"
@@ -114,13 +144,20 @@ def run(cfg: Config, bbq: Path, per_category: int = 100) -> int:
     texts: dict[str, dict] = {}
     flat, _ = evaluate(greedy, records, texts=texts)
     categories = sorted({r["category"] for r in records})
-    results = {name: {"overall": fairness_figures(metrics["greedy"]),
-                      "by_category": {c: fairness_figures(metrics["greedy"], f"fairness/by_category/{c}/")
-                                      for c in categories}}
-               for name, metrics in flat.items()}
+    results = {
+        name: {
+            "overall": fairness_figures(metrics["greedy"]),
+            "by_category": {
+                c: fairness_figures(metrics["greedy"], f"fairness/by_category/{c}/") for c in categories
+            },
+        }
+        for name, metrics in flat.items()
+    }
     differences = intervals(texts, records, cfg)
     out, md = paths.metrics_file(cfg, "bias"), paths.report_file(cfg, "bias.md")
     summary = {"bbq": str(folder), "items": len(records), "models": results, "intervals": differences}
-    write_atomically({out: json.dumps(summary, indent=2) + "\n", md: report(results, differences, records, folder, cfg)})
+    write_atomically(
+        {out: json.dumps(summary, indent=2) + "\n", md: report(results, differences, records, folder, cfg)}
+    )
     print(f"bias: {len(records)} BBQ items, {', '.join(LABELS[n] for n in results)} -> {out}, {md}")
     return 0

@@ -46,7 +46,7 @@ MODES = ("greedy", "sampled")
 """The decodings evaluation scores: greedy, and ``eval.samples_per_prompt`` samples (none when 0)."""
 
 BASELINES = ("abstain", "random")
-BASELINE_LABELS = {"abstain": "always abstain / \"unknown\"", "random": "random choice"}
+BASELINE_LABELS = {"abstain": 'always abstain / "unknown"', "random": "random choice"}
 
 
 class Scored(NamedTuple):
@@ -58,17 +58,21 @@ class Scored(NamedTuple):
 
 def fairness_item(text: str, record: dict) -> FairnessItem:
     return FairnessItem(
-        category=str(record.get("category", "all")), context_condition=record["context_condition"],
-        question_polarity=record["question_polarity"], label=int(record["label"]),
-        unknown_idx=int(record["unknown_idx"]), target_idx=int(record["target_idx"]),
+        category=str(record.get("category", "all")),
+        context_condition=record["context_condition"],
+        question_polarity=record["question_polarity"],
+        label=int(record["label"]),
+        unknown_idx=int(record["unknown_idx"]),
+        target_idx=int(record["target_idx"]),
         choice=fairness_outcome(text, record).choice,
     )
 
 
 def hallucination_item(text: str, record: dict) -> HallucinationItem:
     outcome = hallucination_outcome(text, record)
-    return HallucinationItem(bool(record["answerable"]), outcome.abstained, float(outcome.em), outcome.f1,
-                             question_kind(record))
+    return HallucinationItem(
+        bool(record["answerable"]), outcome.abstained, float(outcome.em), outcome.f1, question_kind(record)
+    )
 
 
 def question_kind(record: dict) -> str:
@@ -85,8 +89,12 @@ def score(texts: Sequence[str], records: Sequence[dict], weights: Any) -> Scored
     units = []
     for index, record in enumerate(records):
         item = fairness_item if record["task"] == "fairness" else hallucination_item
-        units.append([(item(text, record), weighted_reward(record["task"], text, record, weights))
-                      for text in texts[index * k : (index + 1) * k]])
+        units.append(
+            [
+                (item(text, record), weighted_reward(record["task"], text, record, weights))
+                for text in texts[index * k : (index + 1) * k]
+            ]
+        )
     return Scored([record["task"] for record in records], units)
 
 
@@ -97,9 +105,12 @@ def summary(scored: Scored, indices: Sequence[int]) -> dict[str, Any]:
     hall = [item for item, _ in pairs if isinstance(item, HallucinationItem)]
     return {
         "reward": mean(reward for _, reward in pairs),
-        "fairness": bias_scores(fair) if fair else {"accuracy_ambig": None, "accuracy_disambig": None, "s_amb": None},
-        "hallucination": hallucination_metrics(hall, by_kind=False) if hall else {
-            key: None for key in ("hallucination_rate", "exact_match", "f1", "over_abstention_rate")},
+        "fairness": bias_scores(fair)
+        if fair
+        else {"accuracy_ambig": None, "accuracy_disambig": None, "s_amb": None},
+        "hallucination": hallucination_metrics(hall, by_kind=False)
+        if hall
+        else {key: None for key in ("hallucination_rate", "exact_match", "f1", "over_abstention_rate")},
     }
 
 
@@ -121,7 +132,9 @@ def paired_bootstrap(
     for index, task in enumerate(new.tasks):
         by_task.setdefault(task, []).append(index)
     every = list(range(len(new.tasks)))
-    point = {key: _diff(read, summary(new, every), summary(old, every)) for key, read in INTERVAL_METRICS.items()}
+    point = {
+        key: _diff(read, summary(new, every), summary(old, every)) for key, read in INTERVAL_METRICS.items()
+    }
     draws: dict[str, list[float]] = {key: [] for key in INTERVAL_METRICS}
     rng = random.Random(f"bootstrap:{seed}")
     for _ in range(n_boot):
@@ -174,13 +187,20 @@ def decoded_modes(results: dict[str, dict]) -> list[str]:
     return [mode for mode in MODES if any(mode in modes for modes in results.values())]
 
 
-def headline_markdown(results: dict[str, dict], baselines: dict[str, dict], labels: dict[str, str]) -> list[str]:
+def headline_markdown(
+    results: dict[str, dict], baselines: dict[str, dict], labels: dict[str, str]
+) -> list[str]:
     """The headline table: mean reward of each model (per decoding) and of each baseline."""
     modes = decoded_modes(results)
-    lines = ["## headline: mean reward on eval items", "",
-             "Abstaining everywhere earns +1 where abstaining is right and −0.5 elsewhere: a model beats it "
-             "only by answering the answerable items right.", "",
-             "| policy | " + " | ".join(modes) + " |", "| --- |" + " ---: |" * len(modes)]
+    lines = [
+        "## headline: mean reward on eval items",
+        "",
+        "Abstaining everywhere earns +1 where abstaining is right and −0.5 elsewhere: a model beats it "
+        "only by answering the answerable items right.",
+        "",
+        "| policy | " + " | ".join(modes) + " |",
+        "| --- |" + " ---: |" * len(modes),
+    ]
     for name, scored in results.items():
         cells = [_fmt(scored.get(mode, {}).get(HEADLINE)) for mode in modes]
         lines.append(f"| {labels[name]} | " + " | ".join(cells) + " |")
@@ -192,17 +212,20 @@ def headline_markdown(results: dict[str, dict], baselines: dict[str, dict], labe
 
 def intervals_markdown(intervals: dict[str, dict[str, dict]], n_boot: int) -> list[str]:
     """``GRPO − SFT`` per metric and decoding mode, with its 95 % paired-bootstrap interval."""
-    lines = ["## GRPO − SFT, 95 % bootstrap intervals", "",
-             f"Paired bootstrap over eval items ({n_boot} resamples, within each task). "
-             "An interval that excludes 0 is a difference beyond item noise.", "",
-             "| metric | " + " | ".join(f"{mode} Δ | {mode} 95 % CI" for mode in intervals) + " |",
-             "| --- |" + " ---: | :---: |" * len(intervals)]
+    lines = [
+        "## GRPO − SFT, 95 % bootstrap intervals",
+        "",
+        f"Paired bootstrap over eval items ({n_boot} resamples, within each task). "
+        "An interval that excludes 0 is a difference beyond item noise.",
+        "",
+        "| metric | " + " | ".join(f"{mode} Δ | {mode} 95 % CI" for mode in intervals) + " |",
+        "| --- |" + " ---: | :---: |" * len(intervals),
+    ]
     for key in INTERVAL_METRICS:
         cells = []
         for mode in intervals:
             row = intervals[mode][key]
             low, high = row["low"], row["high"]
-            cells += [_fmt(row["diff"], signed=True),
-                      "—" if low is None else f"[{low:+.3f}, {high:+.3f}]"]
+            cells += [_fmt(row["diff"], signed=True), "—" if low is None else f"[{low:+.3f}, {high:+.3f}]"]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     return lines

@@ -130,8 +130,10 @@ def task_metrics(texts: Sequence[str], records: Sequence[dict], cfg: Config) -> 
         out |= flatten(bias_scores([fairness_item(t, r) for t, r in fair]), "fairness/")
     if hall:
         out |= flatten(hallucination_metrics([hallucination_item(t, r) for t, r in hall]), "hallucination/")
-    rewards = {task: [weighted_reward(task, t, r, cfg.rewards.weights) for t, r in pairs]
-               for task, pairs in (("fairness", fair), ("hallucination", hall))}
+    rewards = {
+        task: [weighted_reward(task, t, r, cfg.rewards.weights) for t, r in pairs]
+        for task, pairs in (("fairness", fair), ("hallucination", hall))
+    }
     out["reward"] = mean(rewards["fairness"] + rewards["hallucination"])
     out |= {f"rewards/{task}/mean": mean(values) for task, values in rewards.items() if values}
     return out
@@ -165,8 +167,10 @@ class _Collected:
         self.entropy_tokens += entropy[1]
 
     def length_stats(self) -> dict[str, float | None]:
-        return {"completions/mean_length": mean(self.lengths),
-                "completions/clipped_ratio": mean(float(t) for t in self.truncated)}
+        return {
+            "completions/mean_length": mean(self.lengths),
+            "completions/clipped_ratio": mean(float(t) for t in self.truncated),
+        }
 
 
 def evaluate_model(
@@ -195,16 +199,27 @@ def evaluate_model(
             greedy.add(generate_rollout(model, tokenizer, batch, 1, sampling, eos_ids, cfg.seed, greedy=True))
             if group:
                 # Seeded by batch index, not by model: every model draws from the same random stream.
-                rollout = generate_rollout(model, tokenizer, batch, group, sampling, eos_ids,
-                                           seed=derive_seed(cfg.seed, ("eval_batch", index)), shared_prefill=True)
+                rollout = generate_rollout(
+                    model,
+                    tokenizer,
+                    batch,
+                    group,
+                    sampling,
+                    eos_ids,
+                    seed=derive_seed(cfg.seed, ("eval_batch", index)),
+                    shared_prefill=True,
+                )
                 sampled.add(rollout, entropy_sum(model, rollout))
     if texts is not None:
         texts.update(greedy=greedy.texts, **({"sampled": sampled.texts} if group else {}))
     results = {"greedy": task_metrics(greedy.texts, records, cfg) | greedy.length_stats()}
     if group:
-        results["sampled"] = (task_metrics(sampled.texts, per_row(records, group), cfg) | sampled.length_stats()
-                              | diversity_metrics(sampled.texts, group)
-                              | {"entropy": sampled.entropy_sum / max(sampled.entropy_tokens, 1)})
+        results["sampled"] = (
+            task_metrics(sampled.texts, per_row(records, group), cfg)
+            | sampled.length_stats()
+            | diversity_metrics(sampled.texts, group)
+            | {"entropy": sampled.entropy_sum / max(sampled.entropy_tokens, 1)}
+        )
     return results
 
 
@@ -227,16 +242,27 @@ def _delta(results: dict, mode: str, key: str, new: str, old: str) -> str:
 
 
 def markdown_report(
-    results: dict[str, dict], skipped: dict[str, str], n_records: int, cfg: Config, compare: dict | None = None
+    results: dict[str, dict],
+    skipped: dict[str, str],
+    n_records: int,
+    cfg: Config,
+    compare: dict | None = None,
 ) -> str:
     """Markdown: the headline against the baselines, GRPO − SFT intervals, then one table per decoding
     mode (rows = metrics, columns base / SFT / GRPO and deltas)."""
     sampling, group = cfg.grpo.sampling, cfg.eval.samples_per_prompt
-    decoding = (f"greedy decoding, and {group} samples per prompt at temperature {sampling.temperature}"
-                if group else "greedy decoding only (`eval.samples_per_prompt: 0`)")
-    lines = ["# Evaluation", "",
-             f"{n_records} eval records from `{paths.data_file(cfg, 'eval')}` (seed {cfg.seed}); {decoding}. "
-             "`—`: not measured (no item of that kind) or model absent.", ""]
+    decoding = (
+        f"greedy decoding, and {group} samples per prompt at temperature {sampling.temperature}"
+        if group
+        else "greedy decoding only (`eval.samples_per_prompt: 0`)"
+    )
+    lines = [
+        "# Evaluation",
+        "",
+        f"{n_records} eval records from `{paths.data_file(cfg, 'eval')}` (seed {cfg.seed}); {decoding}. "
+        "`—`: not measured (no item of that kind) or model absent.",
+        "",
+    ]
     lines += [f"- {LABELS[name]} skipped: {reason}" for name, reason in skipped.items()]
     if compare is not None:
         lines += ["", *headline_markdown(results, compare["baselines"], LABELS)]
@@ -245,8 +271,13 @@ def markdown_report(
     header = [*(LABELS[name] for name in MODELS), "GRPO − SFT", "SFT − base"]
     for mode in decoded_modes(results):
         keys = list(dict.fromkeys(k for name in MODELS for k in results.get(name, {}).get(mode, {})))
-        lines += ["", f"## {mode}", "", "| metric | " + " | ".join(header) + " |",
-                  "| --- |" + " ---: |" * len(header)]
+        lines += [
+            "",
+            f"## {mode}",
+            "",
+            "| metric | " + " | ".join(header) + " |",
+            "| --- |" + " ---: |" * len(header),
+        ]
         for key in keys:
             cells = [_cell(results[name][mode].get(key)) if name in results else "—" for name in MODELS]
             cells += [_delta(results, mode, key, "grpo", "sft"), _delta(results, mode, key, "sft", "base")]
@@ -274,7 +305,9 @@ def evaluate(
     """
     present, skipped = available_models(cfg)
     if not present:
-        raise EvaluationError(f"no model to evaluate under {paths.model_dir(cfg, 'base').parent}: run `grpo base` first")
+        raise EvaluationError(
+            f"no model to evaluate under {paths.model_dir(cfg, 'base').parent}: run `grpo base` first"
+        )
     # Refuse a stale SFT or GRPO model before spending time on the others.
     if "grpo" in present:
         check_grpo(cfg)
@@ -303,10 +336,14 @@ def grpo_intervals(texts: dict[str, dict], records: Sequence[dict], cfg: Config)
         return None
     rows = {"greedy": records, "sampled": per_row(records, cfg.eval.samples_per_prompt)}
     return {
-        mode: paired_bootstrap(score(texts["grpo"][mode], rows[mode], cfg.rewards.weights),
-                               score(texts["sft"][mode], rows[mode], cfg.rewards.weights),
-                               cfg.eval.bootstrap, cfg.seed)
-        for mode in rows if mode in texts["grpo"]
+        mode: paired_bootstrap(
+            score(texts["grpo"][mode], rows[mode], cfg.rewards.weights),
+            score(texts["sft"][mode], rows[mode], cfg.rewards.weights),
+            cfg.eval.bootstrap,
+            cfg.seed,
+        )
+        for mode in rows
+        if mode in texts["grpo"]
     }
 
 
@@ -316,15 +353,24 @@ def run(cfg: Config) -> int:
     records = eval_records(cfg)
     texts: dict[str, dict] = {}
     results, skipped = evaluate(cfg, records, texts=texts)
-    compare = {"baselines": baseline_metrics(records, cfg), "grpo_minus_sft": grpo_intervals(texts, records, cfg)}
+    compare = {
+        "baselines": baseline_metrics(records, cfg),
+        "grpo_minus_sft": grpo_intervals(texts, records, cfg),
+    }
     metrics, report = paths.metrics_file(cfg, "eval"), paths.report_file(cfg, "eval.md")
-    write_atomically({metrics: json.dumps(results, indent=2) + "\n",
-                      paths.metrics_file(cfg, "eval_compare"): json.dumps(compare, indent=2) + "\n",
-                      report: markdown_report(results, skipped, len(records), cfg, compare)})
+    write_atomically(
+        {
+            metrics: json.dumps(results, indent=2) + "\n",
+            paths.metrics_file(cfg, "eval_compare"): json.dumps(compare, indent=2) + "\n",
+            report: markdown_report(results, skipped, len(records), cfg, compare),
+        }
+    )
     for name, reason in skipped.items():
         print(f"evaluate: {LABELS[name]} skipped: {reason}")
     plot = plot_run_entropy(cfg)
     plot_eval_comparison(results, paths.report_file(cfg, "eval.png"))
-    print(f"evaluate: {', '.join(LABELS[n] for n in results)} -> {metrics}, {report}"
-          + (f", {plot}" if plot else ""))
+    print(
+        f"evaluate: {', '.join(LABELS[n] for n in results)} -> {metrics}, {report}"
+        + (f", {plot}" if plot else "")
+    )
     return 0

@@ -24,8 +24,12 @@ def _pick(*keys: str) -> Callable[[dict], dict]:
 
 
 def _validation(report: dict) -> dict:
-    return {"passed": report["success"], "rows": report["n_rows"], "rules": report["n_rules"],
-            "failed_rules": report["n_failed"]}
+    return {
+        "passed": report["success"],
+        "rows": report["n_rows"],
+        "rules": report["n_rules"],
+        "failed_rules": report["n_failed"],
+    }
 
 
 def _preflight(report: dict) -> dict:
@@ -34,17 +38,27 @@ def _preflight(report: dict) -> dict:
 
 
 def _evaluation(report: dict) -> dict:
-    return {f"{model}.{key}": modes.get("greedy", {}).get(key) for model, modes in report.items() for key in KEY_ROWS}
+    return {
+        f"{model}.{key}": modes.get("greedy", {}).get(key)
+        for model, modes in report.items()
+        for key in KEY_ROWS
+    }
 
 
 KEY_METRICS: dict[str, tuple[str, str, Callable[[dict], dict]]] = {
     # stage -> (paths field, full report file, key rows of it)
     "validate": ("reports_dir", "validation.json", _validation),
-    "sft": ("metrics_dir", "sft.json", _pick("loss_first", "loss_final", "token_accuracy_final", "steps",
-                                             "wall_time_s")),
+    "sft": (
+        "metrics_dir",
+        "sft.json",
+        _pick("loss_first", "loss_final", "token_accuracy_final", "steps", "wall_time_s"),
+    ),
     "preflight": ("reports_dir", "preflight.json", _preflight),
-    "grpo": ("metrics_dir", "grpo.json", _pick("reward_first", "reward", "reward_std", "frac_reward_zero_std",
-                                               "entropy", "kl", "steps")),
+    "grpo": (
+        "metrics_dir",
+        "grpo.json",
+        _pick("reward_first", "reward", "reward_std", "frac_reward_zero_std", "entropy", "kl", "steps"),
+    ),
     "evaluate": ("metrics_dir", "eval.json", _evaluation),
 }
 

@@ -22,8 +22,13 @@ from typing import Literal
 
 from grpo.errors import GrpoError
 
-KEY_ROWS = ("fairness/s_amb", "fairness/accuracy_ambig", "hallucination/hallucination_rate",
-            "hallucination/exact_match", "hallucination/over_abstention_rate")
+KEY_ROWS = (
+    "fairness/s_amb",
+    "fairness/accuracy_ambig",
+    "hallucination/hallucination_rate",
+    "hallucination/exact_match",
+    "hallucination/over_abstention_rate",
+)
 """The evaluation rows the README, ``metrics/key/evaluate.json`` and ``reports/eval.png`` show."""
 
 
@@ -207,14 +212,21 @@ def _is_correct(item: HallucinationItem, f1_threshold: float) -> bool:
     return not item.abstained and (item.em >= 1.0 or item.f1 >= f1_threshold)
 
 
-KIND_KEYS = ("n_answerable", "n_unanswerable", "exact_match", "over_abstention_rate", "abstention_rate",
-             "hallucination_rate")
+KIND_KEYS = (
+    "n_answerable",
+    "n_unanswerable",
+    "exact_match",
+    "over_abstention_rate",
+    "abstention_rate",
+    "hallucination_rate",
+)
 """What ``by_kind`` holds for each kind of question: enough to see where a model answers, abstains or
 invents, few enough that a source with dozens of kinds keeps the report readable."""
 
 
-def hallucination_metrics(items: Sequence[HallucinationItem], f1_threshold: float = 0.8,
-                          by_kind: bool = True) -> dict:
+def hallucination_metrics(
+    items: Sequence[HallucinationItem], f1_threshold: float = 0.8, by_kind: bool = True
+) -> dict:
     """Grounded-QA metrics where abstaining is right exactly when the context lacks the answer.
 
     Every item is exactly one of three outcomes (so ``n_correct + n_hallucinated + n_over_abstained == n``):
@@ -275,7 +287,9 @@ def hallucination_metrics(items: Sequence[HallucinationItem], f1_threshold: floa
 def _by_kind(items: list[HallucinationItem], f1_threshold: float) -> dict[str, dict]:
     rows = {}
     for kind in sorted({item.kind for item in items}):
-        alone = hallucination_metrics([item for item in items if item.kind == kind], f1_threshold, by_kind=False)
+        alone = hallucination_metrics(
+            [item for item in items if item.kind == kind], f1_threshold, by_kind=False
+        )
         rows[kind] = {key: alone[key] for key in KIND_KEYS}
     return rows
 

@@ -256,9 +256,15 @@ def plot_eval_comparison(results: dict[str, dict], out: Path) -> Path:
     bar = 0.8 / max(len(results), 1)
     for index, (model, modes) in enumerate(results.items()):
         values = [modes.get("greedy", {}).get(key) for key in KEY_ROWS]
-        ax.bar([row + index * bar for row in range(len(KEY_ROWS))],
-               [value if _is_number(value) else 0.0 for value in values], bar, label=model)
-    ax.set_xticks([row + 0.4 - bar / 2 for row in range(len(KEY_ROWS))], [key.replace("/", "\n") for key in KEY_ROWS])
+        ax.bar(
+            [row + index * bar for row in range(len(KEY_ROWS))],
+            [value if _is_number(value) else 0.0 for value in values],
+            bar,
+            label=model,
+        )
+    ax.set_xticks(
+        [row + 0.4 - bar / 2 for row in range(len(KEY_ROWS))], [key.replace("/", "\n") for key in KEY_ROWS]
+    )
     ax.axhline(0.0, color="black", linewidth=0.5)
     ax.set_title("evaluation, greedy decoding (absent values drawn as 0)")
     ax.legend()
@@ -283,7 +289,9 @@ def select_histories(
         return discover_entropy_files(Path(search_dir or runs_dir))
     names = list(labels) if labels else [experiment_label(Path(path)) for path in entropy_files]
     if len(names) != len(entropy_files):
-        raise PlotInputError(f"{len(names)} label(s) for {len(entropy_files)} entropy files: give one per file")
+        raise PlotInputError(
+            f"{len(names)} label(s) for {len(entropy_files)} entropy files: give one per file"
+        )
     if len(set(names)) != len(names):
         duplicates = sorted(label for label, count in Counter(names).items() if count > 1)
         raise PlotInputError(f"labels must be distinct, {duplicates} repeat: pass --labels to name each run")

@@ -50,7 +50,13 @@ HEALTH_METRICS = (
 """Every metric DESIGN.md "Health" asks the trainer to record each step."""
 
 WANDB_MODES = ("disabled", "offline", "online")  # from strictest to least strict
-_ENV_MODES = {"disabled": "disabled", "offline": "offline", "dryrun": "offline", "online": "online", "run": "online"}
+_ENV_MODES = {
+    "disabled": "disabled",
+    "offline": "offline",
+    "dryrun": "offline",
+    "online": "online",
+    "run": "online",
+}
 
 
 class MetricsError(GrpoError):
@@ -100,7 +106,9 @@ def task_reward_stats(rewards: torch.Tensor, tasks: Sequence[str]) -> dict[str, 
     The std is the population std (no Bessel correction) so a task with one row reports 0, not NaN.
     """
     if rewards.ndim != 1 or rewards.shape[0] != len(tasks):
-        raise MetricsError(f"task_reward_stats needs rewards [N] and N task names (got {tuple(rewards.shape)}, {len(tasks)})")
+        raise MetricsError(
+            f"task_reward_stats needs rewards [N] and N task names (got {tuple(rewards.shape)}, {len(tasks)})"
+        )
     unknown = sorted(set(tasks) - set(TASKS))
     if unknown:
         raise MetricsError(f"task_reward_stats: unknown tasks {unknown}; the tasks are {list(TASKS)}")
@@ -118,12 +126,22 @@ def task_reward_stats(rewards: torch.Tensor, tasks: Sequence[str]) -> dict[str, 
 # completions, ``rows/<task>``: first-draw completions of the task), or min/max/sum. Every other metric
 # is computed from all-reduced gradients and losses and is the same on every process.
 PROCESS_MEANS = {
-    "reward": "groups", "reward_std": "groups", "frac_reward_zero_std": "groups", "advantages/abs_mean": "groups",
-    "completions/mean_length": "rows", "completions/clipped_ratio": "rows", "eos_suppressed_frac": "rows",
+    "reward": "groups",
+    "reward_std": "groups",
+    "frac_reward_zero_std": "groups",
+    "advantages/abs_mean": "groups",
+    "completions/mean_length": "rows",
+    "completions/clipped_ratio": "rows",
+    "eos_suppressed_frac": "rows",
     **{f"rewards/{task}/mean": f"rows/{task}" for task in TASKS},
 }
-PROCESS_EXTREMES = {"completions/min_length": min, "completions/max_length": max, "step_time": max,
-                    "dynamic/draws": max, "dynamic/kept_groups": sum}
+PROCESS_EXTREMES = {
+    "completions/min_length": min,
+    "completions/max_length": max,
+    "step_time": max,
+    "dynamic/draws": max,
+    "dynamic/kept_groups": sum,
+}
 
 
 def _weighted(values: Sequence[tuple[float, float]]) -> float | None:
@@ -132,17 +150,23 @@ def _weighted(values: Sequence[tuple[float, float]]) -> float | None:
     return sum(v * w for v, w in values) / total if total else None
 
 
-def merge_process_metrics(metrics: Sequence[Mapping[str, Any]], counts: Sequence[Mapping[str, float]]) -> dict[str, Any]:
+def merge_process_metrics(
+    metrics: Sequence[Mapping[str, Any]], counts: Sequence[Mapping[str, float]]
+) -> dict[str, Any]:
     """One step's metrics of the global batch from each process's ``metrics`` and ``counts``.
 
     Means are weighted by each process's count (see ``PROCESS_MEANS``); ``rewards/<task>/std`` is the
     pooled population std; ``tokens_per_s`` is all processes' tokens over the slowest one's time.
     """
     if len(metrics) != len(counts) or not metrics:
-        raise MetricsError(f"merge_process_metrics needs one counts per metrics (got {len(metrics)}, {len(counts)})")
+        raise MetricsError(
+            f"merge_process_metrics needs one counts per metrics (got {len(metrics)}, {len(counts)})"
+        )
     merged = dict(metrics[0])
     for key, count in PROCESS_MEANS.items():
-        pairs = [(float(m[key]), float(c.get(count, 0))) for m, c in zip(metrics, counts, strict=True) if key in m]
+        pairs = [
+            (float(m[key]), float(c.get(count, 0))) for m, c in zip(metrics, counts, strict=True) if key in m
+        ]
         value = _weighted(pairs)
         if value is not None:
             merged[key] = value
@@ -151,8 +175,11 @@ def merge_process_metrics(metrics: Sequence[Mapping[str, Any]], counts: Sequence
             merged[key] = pick(float(m[key]) for m in metrics)
     for task in TASKS:
         mean, std, count = f"rewards/{task}/mean", f"rewards/{task}/std", f"rows/{task}"
-        pairs = [(float(m[std]) ** 2 + float(m[mean]) ** 2, float(c.get(count, 0)))
-                 for m, c in zip(metrics, counts, strict=True) if std in m and mean in m]
+        pairs = [
+            (float(m[std]) ** 2 + float(m[mean]) ** 2, float(c.get(count, 0)))
+            for m, c in zip(metrics, counts, strict=True)
+            if std in m and mean in m
+        ]
         second = _weighted(pairs)
         if second is not None:
             merged[std] = math.sqrt(max(second - merged[mean] ** 2, 0.0))
@@ -169,7 +196,9 @@ def _jsonable(key: str, value: Any) -> Any:
         return [_jsonable(key, item) for item in value]
     if value is None or isinstance(value, bool | int | float | str):
         return value
-    raise MetricsError(f"metric {key!r} has type {type(value).__name__}: log numbers, lists of numbers or strings")
+    raise MetricsError(
+        f"metric {key!r} has type {type(value).__name__}: log numbers, lists of numbers or strings"
+    )
 
 
 def _for_wandb(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -270,8 +299,13 @@ class MetricsWriter:
 
         settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, disable_job_creation=True)
         return wandb.init(
-            project=project, name=self.experiment, dir=str(self.run_dir), mode=self.wandb_mode,
-            config=config, reinit="create_new", settings=settings,
+            project=project,
+            name=self.experiment,
+            dir=str(self.run_dir),
+            mode=self.wandb_mode,
+            config=config,
+            reinit="create_new",
+            settings=settings,
         )
 
     @property

@@ -148,15 +148,19 @@ def _lengths_frozen(metrics, threshold, previous):
         return None
     low, high, mean = (float(metrics[key]) for key in keys)
     # The first frozen step starts a streak; later ones must repeat the previous frozen lengths.
-    was_frozen = previous is not None and all(key in previous for key in keys) and (
-        float(previous[keys[1]]) - float(previous[keys[0]]) <= threshold
+    was_frozen = (
+        previous is not None
+        and all(key in previous for key in keys)
+        and (float(previous[keys[1]]) - float(previous[keys[0]]) <= threshold)
     )
     unchanged = not was_frozen or float(previous[keys[2]]) == mean
     return (high - low <= threshold and unchanged), (low, high)
 
 
 def _zero_grad(metrics, threshold, previous):
-    values = [float(v) for k, v in metrics.items() if k in ("loss", "grad_norm") or k.startswith("grad_norm/")]
+    values = [
+        float(v) for k, v in metrics.items() if k in ("loss", "grad_norm") or k.startswith("grad_norm/")
+    ]
     if not values:
         return None
     return all(abs(v) <= threshold for v in values), tuple(values)
@@ -165,8 +169,10 @@ def _zero_grad(metrics, threshold, previous):
 _BELOW, _ABOVE, _AT_LEAST = (lambda v, t: v < t), (lambda v, t: v > t), (lambda v, t: v >= t)
 
 BOUNDARY_METRIC_RULES: dict[str, tuple[str, Condition]] = {
-    "boundary_empty": ("mean content length (completions/mean_length without the stop token) < {t}",
-                       _content_length(_BELOW)),
+    "boundary_empty": (
+        "mean content length (completions/mean_length without the stop token) < {t}",
+        _content_length(_BELOW),
+    ),
     "boundary_clipped": ("completions/clipped_ratio > {t}", _metric("completions/clipped_ratio", _ABOVE)),
     "boundary_entropy_low": ("entropy < {t}", _entropy(_BELOW)),
     "boundary_entropy_high": ("entropy > {t}", _entropy(_ABOVE)),
@@ -238,7 +244,9 @@ class Monitor:
         span = f"step {step}" if since == step else f"{rule_cfg.window} steps ({since}-{step})"
         message = f"{describe} for {span}: {values}"
         finding = Finding(rule, rule_cfg.action, step, message, since)
-        (log.error if finding.action == "stop" else log.warning)("monitor: %s at step %d: %s", rule, step, message)
+        (log.error if finding.action == "stop" else log.warning)(
+            "monitor: %s at step %d: %s", rule, step, message
+        )
         return [finding]
 
     def _run_rules(self, step: int, metrics: Mapping[str, Any], rules: dict) -> list[Finding]:
@@ -300,7 +308,9 @@ class Monitor:
         share = len(bad) / len(completions)
         example = f"; e.g. {bad[0][:120]!r}" if bad else ""
         threshold = self.cfg.boundary_header.threshold
-        describe = f"share of completions holding a chat-header token {tokens[:6]} > {_fmt(threshold)}{example}"
+        describe = (
+            f"share of completions holding a chat-header token {tokens[:6]} > {_fmt(threshold)}{example}"
+        )
         return share > threshold, share, describe
 
     def _end_of_turn(self, completions, prompts, header_tokens, end_of_turn_tokens):
@@ -313,8 +323,10 @@ class Monitor:
         counts = [sum(c.count(t) for t in tokens) for c in completions]
         worst = max(range(len(counts)), key=counts.__getitem__)
         threshold = self.cfg.boundary_end_of_turn.threshold
-        describe = (f"end-of-turn tokens {tokens} in one completion (with the stop token that ends it) > "
-                    f"{_fmt(threshold)}; e.g. {completions[worst][:120]!r}")
+        describe = (
+            f"end-of-turn tokens {tokens} in one completion (with the stop token that ends it) > "
+            f"{_fmt(threshold)}; e.g. {completions[worst][:120]!r}"
+        )
         return counts[worst] > threshold, counts[worst], describe
 
     def _echo(self, completions, prompts, header_tokens, end_of_turn_tokens):

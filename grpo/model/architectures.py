@@ -28,8 +28,13 @@ from grpo.model.kernels import attention_kernel
 from grpo.model.loading import ModelLoadError, load_tokenizer
 from grpo.model.precision import fp32_head
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 @dataclass(frozen=True)
@@ -45,19 +50,42 @@ class Preset:
 
 
 def _qwen25(hidden: int, intermediate: int, layers: int, heads: int, parameters: int) -> Preset:
-    config = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=2, vocab_size=151936,
-                  max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                  tie_word_embeddings=True, hidden_act="silu", bos_token_id=151643, eos_token_id=151645)
+    config = dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
     return Preset("qwen2", "qwen2.5-0.5b-instruct", config, (151645, 151643), parameters)
 
 
 def _llama32(hidden: int, layers: int, heads: int, head_dim: int, parameters: int) -> Preset:
-    config = dict(hidden_size=hidden, intermediate_size=8192, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=8, head_dim=head_dim, vocab_size=128256,
-                  max_position_embeddings=131072, rope_theta=500_000.0, rope_scaling=dict(_LLAMA3_ROPE),
-                  rms_norm_eps=1e-5, tie_word_embeddings=True, hidden_act="silu", bos_token_id=128000,
-                  eos_token_id=[128001, 128008, 128009])
+    config = dict(
+        hidden_size=hidden,
+        intermediate_size=8192,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        head_dim=head_dim,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500_000.0,
+        rope_scaling=dict(_LLAMA3_ROPE),
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+        bos_token_id=128000,
+        eos_token_id=[128001, 128008, 128009],
+    )
     return Preset("llama", "llama-3.2-instruct", config, (128001, 128008, 128009), parameters)
 
 
@@ -118,8 +146,9 @@ def build_architecture(cfg: ModelConfig, seed: int) -> tuple[PreTrainedModel, Pr
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype))
     eos = list(dict.fromkeys([*PRESETS[name].generation_eos, *end_of_turn_ids(tokenizer)]))
-    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=eos,
-                                               pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
+    )
     return fp32_head(model), tokenizer
 
 

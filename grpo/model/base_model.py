@@ -37,8 +37,10 @@ def build_base(
     if cfg.model.architecture is not None:
         model, tokenizer = build_architecture(cfg.model, cfg.seed)
         save_model(model, tokenizer, out)
-        print(f"base: {cfg.model.architecture} with random weights ({count_parameters(model) / 1e6:.1f}M "
-              f"parameters, {cfg.model.dtype}) and its real tokenizer written to {out}")
+        print(
+            f"base: {cfg.model.architecture} with random weights ({count_parameters(model) / 1e6:.1f}M "
+            f"parameters, {cfg.model.dtype}) and its real tokenizer written to {out}"
+        )
         return None
     if cfg.model.name_or_path is None:
         model, tokenizer = build_tiny(out, corpus, cfg.model.tiny, cfg.seed)
@@ -48,9 +50,11 @@ def build_base(
         source = gguf_file(cfg.model.name_or_path)
         model, tokenizer = convert_gguf(source)
         save_model(model, tokenizer, out)
-        print(f"base: {source.name} converted ({count_parameters(model) / 1e6:.1f}M parameters, fp32), its "
-              f"tokenizer repaired from the file's metadata (eos {tokenizer.eos_token}, pad {tokenizer.pad_token}), "
-              f"written to {out}")
+        print(
+            f"base: {source.name} converted ({count_parameters(model) / 1e6:.1f}M parameters, fp32), its "
+            f"tokenizer repaired from the file's metadata (eos {tokenizer.eos_token}, pad {tokenizer.pad_token}), "
+            f"written to {out}"
+        )
         return None
     # Load once so a bad path or a missing chat template fails here, not in SFT.
     load_tokenizer(cfg.model.name_or_path, cfg.model)

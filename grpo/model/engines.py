@@ -34,8 +34,15 @@ class RolloutEngine(Protocol):
 
     name: str
 
-    def generate(self, prompts: Sequence[Sequence[int]], group_size: int, sampling: SamplingConfig,
-                 eos_ids: Sequence[int], seed: int, keep_segments: Sequence[Hashable] | None = None) -> EngineRollout:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        group_size: int,
+        sampling: SamplingConfig,
+        eos_ids: Sequence[int],
+        seed: int,
+        keep_segments: Sequence[Hashable] | None = None,
+    ) -> EngineRollout:
         """``group_size`` completions per prompt (ids from ``chat.render_prompt``), seeded by ``seed``.
         ``keep_segments`` (a label per prompt): keep the trainer's prefill of the prompts, one graph per
         label, for the update to reuse (``rollout.sample_rollout``); an engine that does not prefill on
@@ -50,23 +57,48 @@ class HFEngine:
 
     name = "hf"
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 shared_prefill: bool = False) -> None:
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, shared_prefill: bool = False
+    ) -> None:
         self.model, self.tokenizer, self.shared_prefill = model, tokenizer, shared_prefill
 
-    def generate(self, prompts: Sequence[Sequence[int]], group_size: int, sampling: SamplingConfig,
-                 eos_ids: Sequence[int], seed: int, keep_segments: Sequence[Hashable] | None = None) -> EngineRollout:
-        rollout, prefills = sample_rollout(self.model, self.tokenizer, prompts, group_size, sampling, eos_ids, seed,
-                                           shared_prefill=self.shared_prefill, keep_segments=keep_segments)
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        group_size: int,
+        sampling: SamplingConfig,
+        eos_ids: Sequence[int],
+        seed: int,
+        keep_segments: Sequence[Hashable] | None = None,
+    ) -> EngineRollout:
+        rollout, prefills = sample_rollout(
+            self.model,
+            self.tokenizer,
+            prompts,
+            group_size,
+            sampling,
+            eos_ids,
+            seed,
+            shared_prefill=self.shared_prefill,
+            keep_segments=keep_segments,
+        )
         return EngineRollout(rollout, None, prefills)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         if model is not self.model:
-            raise ValueError("HFEngine samples from the trainer's model itself; build a new engine for another")
+            raise ValueError(
+                "HFEngine samples from the trainer's model itself; build a new engine for another"
+            )
 
 
-def make_engine(cfg: RolloutConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                max_model_len: int = 4096, seed: int = 0, shared_prefill: bool = False) -> RolloutEngine:
+def make_engine(
+    cfg: RolloutConfig,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    max_model_len: int = 4096,
+    seed: int = 0,
+    shared_prefill: bool = False,
+) -> RolloutEngine:
     """The engine ``grpo.rollout.engine`` names, built around the trainer's ``model``."""
     if cfg.engine == "hf":
         return HFEngine(model, tokenizer, shared_prefill=shared_prefill)

@@ -61,18 +61,27 @@ def read_specials(path: Path) -> GgufSpecials:
     tokens = _field(reader, "tokenizer.ggml.tokens")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     if not tokens or eos is None:
-        raise GgufError(f"{path}: no tokenizer.ggml.tokens or tokenizer.ggml.eos_token_id in its metadata; the "
-                        "pipeline needs the file's own vocabulary and end token: convert the model again with "
-                        "llama.cpp's convert_hf_to_gguf.py")
+        raise GgufError(
+            f"{path}: no tokenizer.ggml.tokens or tokenizer.ggml.eos_token_id in its metadata; the "
+            "pipeline needs the file's own vocabulary and end token: convert the model again with "
+            "llama.cpp's convert_hf_to_gguf.py"
+        )
 
     def token_id(name: str) -> int | None:
         value = _field(reader, f"tokenizer.ggml.{name}")
         return None if value is None else int(value)
 
     add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
-    return GgufSpecials(list(tokens), str(_field(reader, "tokenizer.ggml.model") or "gpt2"), token_id("bos_token_id"),
-                        int(eos), token_id("padding_token_id"), token_id("unknown_token_id"),
-                        bool(add_bos) if add_bos is not None else False, _field(reader, "tokenizer.chat_template"))
+    return GgufSpecials(
+        list(tokens),
+        str(_field(reader, "tokenizer.ggml.model") or "gpt2"),
+        token_id("bos_token_id"),
+        int(eos),
+        token_id("padding_token_id"),
+        token_id("unknown_token_id"),
+        bool(add_bos) if add_bos is not None else False,
+        _field(reader, "tokenizer.chat_template"),
+    )
 
 
 def raw_conversion(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
@@ -82,8 +91,10 @@ def raw_conversion(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerFast
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except (OSError, ValueError, KeyError) as exc:
-        raise GgufError(f"{path}: transformers cannot convert it ({type(exc).__name__}: {exc}); the pipeline "
-                        "converts Llama-family GGUF files (general.architecture llama, qwen2, ...)") from None
+        raise GgufError(
+            f"{path}: transformers cannot convert it ({type(exc).__name__}: {exc}); the pipeline "
+            "converts Llama-family GGUF files (general.architecture llama, qwen2, ...)"
+        ) from None
     return model, tokenizer
 
 
@@ -91,8 +102,9 @@ def _post_processor(specials: GgufSpecials):
     """Prepend bos only where the file says so (``tokenizer.ggml.add_bos_token``)."""
     if specials.add_bos and specials.bos_id is not None:
         bos = specials.tokens[specials.bos_id]
-        return processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                             special_tokens=[(bos, specials.bos_id)])
+        return processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, specials.bos_id)]
+        )
     return processors.ByteLevel(trim_offsets=False) if specials.model == "gpt2" else None
 
 
@@ -135,9 +147,14 @@ def repair_tokenizer(tokenizer: PreTrainedTokenizerFast, specials: GgufSpecials)
 
     pad_id = specials.pad_id if specials.pad_id is not None else specials.eos_id
     repaired = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=token(specials.bos_id), eos_token=token(specials.eos_id),
-        pad_token=token(pad_id), unk_token=token(specials.unk_id), padding_side="left",
-        clean_up_tokenization_spaces=False, chat_template=specials.chat_template or tokenizer.chat_template,
+        tokenizer_object=backend,
+        bos_token=token(specials.bos_id),
+        eos_token=token(specials.eos_id),
+        pad_token=token(pad_id),
+        unk_token=token(specials.unk_id),
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        chat_template=specials.chat_template or tokenizer.chat_template,
         model_input_names=["input_ids", "attention_mask"],
     )
     with_project_system_prompt(repaired)
@@ -151,8 +168,10 @@ def convert_gguf(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     model, raw = raw_conversion(path)
     tokenizer = repair_tokenizer(raw, specials)
     if tokenizer.chat_template is None:
-        raise GgufError(f"{path}: no tokenizer.chat_template in its metadata; the pipeline renders every prompt "
-                        "with the model's own chat template: use an instruct model's GGUF file")
+        raise GgufError(
+            f"{path}: no tokenizer.chat_template in its metadata; the pipeline renders every prompt "
+            "with the model's own chat template: use an instruct model's GGUF file"
+        )
     generation = model.generation_config
     generation.bos_token_id = specials.bos_id
     generation.eos_token_id = specials.eos_id

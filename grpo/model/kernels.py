@@ -36,12 +36,27 @@ def sdpa_grouped_forward(
     """-> ([B, Q, H, D], None), as ``sdpa_attention_forward``."""
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     if query.device.type != "cpu" or attention_mask is None or not grouped:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
     if attention_mask.ndim == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=False,
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=False,
         enable_gqa=True,
     )
     return out.transpose(1, 2).contiguous(), None

@@ -93,8 +93,12 @@ def load_model(name_or_path: str | Path, cfg: ModelConfig) -> PreTrainedModel:
     return fp32_head(model)
 
 
-def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path,
-               state_dict: dict[str, torch.Tensor] | None = None) -> None:
+def save_model(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out_dir: str | Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Save weights (safetensors) and tokenizer side by side; ``state_dict``: the weights to write
     instead of the model's own (whole tensors gathered from a sharded model)."""
     out_dir = Path(out_dir)

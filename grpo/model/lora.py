@@ -17,7 +17,9 @@ def wrap_lora(model: PreTrainedModel, cfg: LoraConfig) -> PreTrainedModel:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    missing = [name for name in cfg.target_modules if not any(n.endswith(name) for n, _ in model.named_modules())]
+    missing = [
+        name for name in cfg.target_modules if not any(n.endswith(name) for n, _ in model.named_modules())
+    ]
     if missing:
         raise ValueError(
             f"model.lora.target_modules: {missing} match no module of {type(model).__name__}; "

@@ -57,8 +57,15 @@ def cast_frozen_weights_once(model: torch.nn.Module) -> Iterator[None]:
     are those autocast computes anyway (the same rounding of the same fp32 weight). CPU only: on a
     GPU the cast is cheap and the cached copy would cost memory.
     """
-    frozen = [p for p in model.parameters() if not p.requires_grad and p.is_floating_point() and p.device.type == "cpu"
-              ] if torch.is_autocast_enabled("cpu") else []
+    frozen = (
+        [
+            p
+            for p in model.parameters()
+            if not p.requires_grad and p.is_floating_point() and p.device.type == "cpu"
+        ]
+        if torch.is_autocast_enabled("cpu")
+        else []
+    )
     for param in frozen:
         param.requires_grad_(True)
     try:
@@ -111,8 +118,10 @@ def describe(model: PreTrainedModel, device: torch.device, bf16: bool) -> str:
     compute = "bf16 autocast" if autocast_enabled(device, bf16) else str(weights).removeprefix("torch.")
     attention = getattr(model.config, "_attn_implementation", "?")
     checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    return (f"weights {str(weights).removeprefix('torch.')}, compute {compute}, attention {attention}, "
-            f"gradient checkpointing {'on' if checkpointing else 'off'}, device {device}")
+    return (
+        f"weights {str(weights).removeprefix('torch.')}, compute {compute}, attention {attention}, "
+        f"gradient checkpointing {'on' if checkpointing else 'off'}, device {device}"
+    )
 
 
 DROPOUT_RATES = ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")
@@ -124,4 +133,5 @@ def has_dropout(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     rates = [getattr(config, name, 0.0) for name in DROPOUT_RATES]
     return any(isinstance(r, (int, float)) and r > 0 for r in rates) or any(
-        isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
+        isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()
+    )

@@ -35,7 +35,9 @@ class Rollout:
 
     prompt_ids: torch.Tensor  # [N, P] left-padded, N = n_prompts * G
     prompt_mask: torch.Tensor  # [N, P] 1 = real prompt token
-    sequences: torch.Tensor  # [N, P + C] what the decode loop returned: the prompts, then every generated token
+    sequences: (
+        torch.Tensor
+    )  # [N, P + C] what the decode loop returned: the prompts, then every generated token
     completion_ids: torch.Tensor  # [N, C] exactly as generated
     completion_mask: torch.Tensor  # [N, C] bool, up to and including the first stop token
     texts: list[str]  # [N] decoded completions without special tokens (what rewards read)
@@ -48,7 +50,9 @@ class Rollout:
     processors: tuple[str, ...]  # what else shaped sampling but is not scored (``sampling_processors``)
 
 
-def stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, extra_tokens: Sequence[str] = ()) -> list[int]:
+def stop_ids(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, extra_tokens: Sequence[str] = ()
+) -> list[int]:
     """Every id that ends a completion: the tokenizer's eos and end-of-turn tokens, the extra tokens
     from params, and the model's own generation eos ids (Qwen lists <|endoftext|> there)."""
     ids = end_of_turn_ids(tokenizer, extra_tokens)
@@ -95,8 +99,9 @@ def generate_rollout(
     prefilled once and its key/value cache repeated G times (``prefix.prefilled_cache``); the logits,
     hence the sampled tokens, are those of a plain prefill.
     """
-    return sample_rollout(model, tokenizer, prompts, group_size, sampling, eos_ids, seed, greedy,
-                          shared_prefill)[0]
+    return sample_rollout(
+        model, tokenizer, prompts, group_size, sampling, eos_ids, seed, greedy, shared_prefill
+    )[0]
 
 
 @torch.no_grad()
@@ -137,11 +142,20 @@ def sample_rollout(
         if shared_prefill and not kept and prompt_width > 1:
             cache = {"past_key_values": prefilled_cache(model, *distinct, group_size)}
         sequences = decode(
-            model, prompt.input_ids.to(device), prompt.attention_mask.to(device), sampling, eos_ids,
-            tokenizer.pad_token_id, processors, greedy=greedy, **cache,
+            model,
+            prompt.input_ids.to(device),
+            prompt.attention_mask.to(device),
+            sampling,
+            eos_ids,
+            tokenizer.pad_token_id,
+            processors,
+            greedy=greedy,
+            **cache,
         )
     model.train(was_training)
-    return rollout_from_sequences(tokenizer, prompt, sequences, eos_ids, suppressor, group_size, sampling), kept
+    return rollout_from_sequences(
+        tokenizer, prompt, sequences, eos_ids, suppressor, group_size, sampling
+    ), kept
 
 
 def rollout_from_sequences(
@@ -180,13 +194,19 @@ def select_groups(rollout: Rollout, groups: Sequence[int]) -> Rollout:
     index = group_rows(groups, g)
     rows = index.tolist()
     return Rollout(
-        prompt_ids=rollout.prompt_ids[index], prompt_mask=rollout.prompt_mask[index],
+        prompt_ids=rollout.prompt_ids[index],
+        prompt_mask=rollout.prompt_mask[index],
         sequences=rollout.sequences[index],
-        completion_ids=rollout.completion_ids[index], completion_mask=rollout.completion_mask[index],
-        texts=[rollout.texts[r] for r in rows], raw_texts=[rollout.raw_texts[r] for r in rows],
-        lengths=rollout.lengths[index], truncated=rollout.truncated[index],
-        eos_suppressed_frac=rollout.eos_suppressed_frac, group_size=g,
-        temperature=rollout.temperature, processors=rollout.processors,
+        completion_ids=rollout.completion_ids[index],
+        completion_mask=rollout.completion_mask[index],
+        texts=[rollout.texts[r] for r in rows],
+        raw_texts=[rollout.raw_texts[r] for r in rows],
+        lengths=rollout.lengths[index],
+        truncated=rollout.truncated[index],
+        eos_suppressed_frac=rollout.eos_suppressed_frac,
+        group_size=g,
+        temperature=rollout.temperature,
+        processors=rollout.processors,
     )
 
 
@@ -213,9 +233,18 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
         prompt_ids=cat([_pad_to(r.prompt_ids, p, pad_id, left=True) for r in rollouts]),
         prompt_mask=cat([_pad_to(r.prompt_mask, p, 0, left=True) for r in rollouts]),
         # Each part's decode output split at its own prompt width, padded as the prompts and completions are.
-        sequences=cat([torch.cat([_pad_to(r.sequences[:, : r.prompt_ids.shape[1]], p, pad_id, left=True),
-                                  _pad_to(r.sequences[:, r.prompt_ids.shape[1]:], c, pad_id, left=False)], dim=1)
-                       for r in rollouts]),
+        sequences=cat(
+            [
+                torch.cat(
+                    [
+                        _pad_to(r.sequences[:, : r.prompt_ids.shape[1]], p, pad_id, left=True),
+                        _pad_to(r.sequences[:, r.prompt_ids.shape[1] :], c, pad_id, left=False),
+                    ],
+                    dim=1,
+                )
+                for r in rollouts
+            ]
+        ),
         completion_ids=cat([_pad_to(r.completion_ids, c, pad_id, left=False) for r in rollouts]),
         completion_mask=cat([_pad_to(r.completion_mask, c, False, left=False) for r in rollouts]),
         texts=[t for r in rollouts for t in r.texts],

@@ -39,21 +39,32 @@ class RolloutInputs:
 
     def rows(self, index: torch.Tensor) -> RolloutInputs:
         """The rows ``index`` [n] of every tensor."""
-        return RolloutInputs(self.input_ids[index], self.attention_mask[index], self.completion_mask[index],
-                             self.temperature)
+        return RolloutInputs(
+            self.input_ids[index], self.attention_mask[index], self.completion_mask[index], self.temperature
+        )
 
 
 def rollout_inputs(rollout: Rollout, device: torch.device | str = "cpu") -> RolloutInputs:
     """Join the rollout's prompt and generated ids (I3, I11) on ``device``."""
-    joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
-                                    rollout.completion_mask)
-    return RolloutInputs(joined.input_ids.to(device), joined.attention_mask.to(device),
-                         rollout.completion_mask.to(device), rollout.temperature)
+    joined = join_prompt_completion(
+        rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask
+    )
+    return RolloutInputs(
+        joined.input_ids.to(device),
+        joined.attention_mask.to(device),
+        rollout.completion_mask.to(device),
+        rollout.temperature,
+    )
 
 
-def score_inputs(model: torch.nn.Module, inputs: RolloutInputs, adapter: bool = True,
-                 shared_prefix: bool = False, prefills: Sequence[PromptPrefill] = (),
-                 segments: Sequence[Hashable] | None = None) -> Scored:
+def score_inputs(
+    model: torch.nn.Module,
+    inputs: RolloutInputs,
+    adapter: bool = True,
+    shared_prefix: bool = False,
+    prefills: Sequence[PromptPrefill] = (),
+    segments: Sequence[Hashable] | None = None,
+) -> Scored:
     """Log-probs and entropy of the completions under ``softmax(z / inputs.temperature)``.
 
     ``adapter=False`` scores the reference (I9): the same peft model with its LoRA adapter disabled.
@@ -63,13 +74,25 @@ def score_inputs(model: torch.nn.Module, inputs: RolloutInputs, adapter: bool = 
     """
     context = contextlib.nullcontext() if adapter else adapter_disabled(model)
     with context:
-        return score_completions(model, inputs.input_ids, inputs.attention_mask, inputs.completion_mask.shape[1],
-                                 inputs.temperature, shared_prefix=shared_prefix, prefills=prefills,
-                                 segments=segments)
+        return score_completions(
+            model,
+            inputs.input_ids,
+            inputs.attention_mask,
+            inputs.completion_mask.shape[1],
+            inputs.temperature,
+            shared_prefix=shared_prefix,
+            prefills=prefills,
+            segments=segments,
+        )
 
 
-def score_reference(model: torch.nn.Module, inputs: RolloutInputs, reference: torch.nn.Module | None = None,
-                    shared_prefix: bool = False, segments: Sequence[Hashable] | None = None) -> Scored:
+def score_reference(
+    model: torch.nn.Module,
+    inputs: RolloutInputs,
+    reference: torch.nn.Module | None = None,
+    shared_prefix: bool = False,
+    segments: Sequence[Hashable] | None = None,
+) -> Scored:
     """The reference's log-probs and entropy (I9): ``reference`` (the frozen SFT copy that full
     fine-tuning keeps) when given, else ``model`` with its LoRA adapter disabled."""
     if reference is not None:
@@ -77,5 +100,6 @@ def score_reference(model: torch.nn.Module, inputs: RolloutInputs, reference: to
     if not hasattr(model, "disable_adapter"):
         raise ScoringError(
             f"the reference of a {type(model).__name__} without a LoRA adapter is a frozen copy of the SFT "
-            "model, and none was given: pass train.policy.build_policy's `reference` (model.lora.enabled: false)")
+            "model, and none was given: pass train.policy.build_policy's `reference` (model.lora.enabled: false)"
+        )
     return score_inputs(model, inputs, adapter=False, shared_prefix=shared_prefix, segments=segments)

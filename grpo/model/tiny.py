@@ -82,7 +82,9 @@ def build_tiny_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTok
     return tokenizer
 
 
-def build_tiny_model(tokenizer: PreTrainedTokenizerBase, sizes: TinyModelConfig, seed: int) -> LlamaForCausalLM:
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerBase, sizes: TinyModelConfig, seed: int
+) -> LlamaForCausalLM:
     """A small Llama-architecture model sized by ``sizes``, initialised from ``seed``."""
     eos_ids = [tokenizer.convert_tokens_to_ids(EOT), tokenizer.convert_tokens_to_ids(EOS)]
     config = LlamaConfig(

@@ -51,7 +51,9 @@ def _single_process_env() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
 
 
 def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -72,24 +74,37 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, cfg: RolloutConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 max_model_len: int = 4096, seed: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        max_model_len: int = 4096,
+        seed: int = 0,
+    ) -> None:
         if not torch.cuda.is_available():
             raise EngineError("grpo.rollout.engine=vllm needs a CUDA GPU; use grpo.rollout.engine=hf on CPU")
         try:
             import vllm
         except ImportError:
-            raise EngineError("grpo.rollout.engine=vllm: vLLM is not installed; pip install -e '.[vllm]' "
-                              "or use grpo.rollout.engine=hf") from None
+            raise EngineError(
+                "grpo.rollout.engine=vllm: vLLM is not installed; pip install -e '.[vllm]' "
+                "or use grpo.rollout.engine=hf"
+            ) from None
         self.vllm, self.cfg, self.tokenizer = vllm, cfg, tokenizer
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model must live in this process
         _single_process_env()
         self._folder = tempfile.TemporaryDirectory(prefix="grpo-vllm-")
         self._export(model, self._folder.name)  # vLLM starts from the trainer's current weights
         self.llm = vllm.LLM(
-            model=self._folder.name, dtype="bfloat16", seed=seed, max_model_len=max_model_len,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.sleep,
-            distributed_executor_backend="external_launcher", logprobs_mode="processed_logprobs",
+            model=self._folder.name,
+            dtype="bfloat16",
+            seed=seed,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enable_sleep_mode=cfg.sleep,
+            distributed_executor_backend="external_launcher",
+            logprobs_mode="processed_logprobs",
         )
         self._asleep = False
         self._sleep()
@@ -125,20 +140,31 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self._sleep()
 
-    def generate(self, prompts: Sequence[Sequence[int]], group_size: int, sampling: SamplingConfig,
-                 eos_ids: Sequence[int], seed: int, keep_segments: Sequence[Hashable] | None = None) -> EngineRollout:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        group_size: int,
+        sampling: SamplingConfig,
+        eos_ids: Sequence[int],
+        seed: int,
+        keep_segments: Sequence[Hashable] | None = None,
+    ) -> EngineRollout:
         """One request per completion, each seeded by (seed, row), so a run is reproducible. vLLM
         prefills with its own kernels, not the trainer's graph: ``keep_segments`` keeps nothing."""
         repeated = [list(p) for p in prompts for _ in range(group_size)]
         requests = [{"prompt_token_ids": ids} for ids in repeated]
-        params = [self.vllm.SamplingParams(**sampling_kwargs(sampling, eos_ids, seed + row))
-                  for row in range(len(repeated))]
+        params = [
+            self.vllm.SamplingParams(**sampling_kwargs(sampling, eos_ids, seed + row))
+            for row in range(len(repeated))
+        ]
         self._wake()
         outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
         self._sleep()
         completions = [list(out.outputs[0].token_ids) for out in outputs]
-        logprobs = [[step[token].logprob for step, token in zip(out.outputs[0].logprobs, ids, strict=True)]
-                     for out, ids in zip(outputs, completions, strict=True)]
+        logprobs = [
+            [step[token].logprob for step, token in zip(out.outputs[0].logprobs, ids, strict=True)]
+            for out, ids in zip(outputs, completions, strict=True)
+        ]
         return assemble(self.tokenizer, repeated, completions, logprobs, eos_ids, sampling, group_size)
 
 
@@ -147,17 +173,33 @@ def sampling_kwargs(sampling: SamplingConfig, eos_ids: Sequence[int], seed: int)
     the trainer's stop ids, stop ids banned until ``min_new_tokens``, penalties on generated tokens
     only (presence/frequency; the prompt-reading repetition penalty off), the sampled token's log-prob."""
     return dict(
-        n=1, temperature=sampling.temperature, top_p=sampling.top_p,
-        top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_new_tokens,
-        min_tokens=sampling.min_new_tokens, stop_token_ids=list(eos_ids), ignore_eos=False,
-        presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
-        repetition_penalty=1.0, logprobs=0, seed=seed, skip_special_tokens=False, detokenize=False,
+        n=1,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k if sampling.top_k > 0 else -1,
+        max_tokens=sampling.max_new_tokens,
+        min_tokens=sampling.min_new_tokens,
+        stop_token_ids=list(eos_ids),
+        ignore_eos=False,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=1.0,
+        logprobs=0,
+        seed=seed,
+        skip_special_tokens=False,
+        detokenize=False,
     )
 
 
-def assemble(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Sequence[int]],
-             completions: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]],
-             eos_ids: Sequence[int], sampling: SamplingConfig, group_size: int) -> EngineRollout:
+def assemble(
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]],
+    eos_ids: Sequence[int],
+    sampling: SamplingConfig,
+    group_size: int,
+) -> EngineRollout:
     """An engine's per-row token lists -> the same ``Rollout`` the HF path builds (left-padded prompts,
     completions cut at the prompt width and masked by position) plus the sampler log-probs [N, C]."""
     prompt = left_pad(prompts, tokenizer.pad_token_id)

@@ -159,8 +159,11 @@ def import_closure(
     queue = entries
     while queue:
         name = queue.pop()
-        if name in seen or name.split(".")[0] not in allowed or any(
-                name == package or name.startswith(package + ".") for package in excluded):
+        if (
+            name in seen
+            or name.split(".")[0] not in allowed
+            or any(name == package or name.startswith(package + ".") for package in excluded)
+        ):
             continue
         seen.add(name)
         queue.extend(_ancestors(name))

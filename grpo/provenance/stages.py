@@ -34,7 +34,10 @@ COMMON_MODULES: tuple[str, ...] = ()
 # new field or a better error message in grpo/config/ retrains nothing. (DVC itself sees only the values
 # written in params.yaml, which is why params.yaml spells out every key.)
 BOOKKEEPING_MODULES: tuple[str, ...] = (
-    "grpo.provenance.stages", "grpo.provenance.fingerprint", "grpo.provenance.lineage", "grpo.provenance.gate",
+    "grpo.provenance.stages",
+    "grpo.provenance.fingerprint",
+    "grpo.provenance.lineage",
+    "grpo.provenance.gate",
     "grpo.config",
 )
 
@@ -76,9 +79,19 @@ class StageSpec:
 BASE_MODEL_KEYS: tuple[str, ...] = tuple(
     f"model.{field}"
     for field in (
-        "name_or_path", "allow_download", "trust_remote_code", "dtype", "pad_token", "extra_stop_tokens",
-        "chat_template_kwargs", "tiny", "architecture", "architecture_overrides", "tokenizers_dir",
-        "attn_implementation", "gradient_checkpointing",
+        "name_or_path",
+        "allow_download",
+        "trust_remote_code",
+        "dtype",
+        "pad_token",
+        "extra_stop_tokens",
+        "chat_template_kwargs",
+        "tiny",
+        "architecture",
+        "architecture_overrides",
+        "tokenizers_dir",
+        "attn_implementation",
+        "gradient_checkpointing",
     )
 )
 # The grpo keys pre-flight reads: the checks drive the step itself, so its precision, scoring path, loss,
@@ -88,8 +101,19 @@ BASE_MODEL_KEYS: tuple[str, ...] = tuple(
 PREFLIGHT_GRPO_KEYS: tuple[str, ...] = tuple(
     f"grpo.{field}"
     for field in (
-        "group_size", "max_grad_norm", "num_iterations", "grad_accum", "dynamic_sampling", "max_resample",
-        "bf16", "shared_prefix", "reuse_prefill", "sampling", "rollout", "loss", "multitask",
+        "group_size",
+        "max_grad_norm",
+        "num_iterations",
+        "grad_accum",
+        "dynamic_sampling",
+        "max_resample",
+        "bf16",
+        "shared_prefix",
+        "reuse_prefill",
+        "sampling",
+        "rollout",
+        "loss",
+        "multitask",
     )
 )
 
@@ -98,17 +122,44 @@ PREFLIGHT_GRPO_KEYS: tuple[str, ...] = tuple(
 STAGES: dict[str, StageSpec] = {
     spec.name: spec
     for spec in (
-        StageSpec("prepare", "prepare", ("grpo.data.prepare",), ("seed", "data", "paths"), (),
-                  "generate or load the dataset into data/processed"),
-        StageSpec("validate", "validate", ("grpo.data.validate",), ("data", "paths"), ("prepare",),
-                  "Great Expectations gate over the processed data"),
-        # The pretraining corpus is generated with the data section's mix and SFT noise.
-        StageSpec("base", "base", ("grpo.train.pretrain",),
-                  ("seed", *BASE_MODEL_KEYS, "pretrain", "data.fairness_fraction", "data.answerable_fraction",
-                   "data.sft_noise", "paths"),
-                  ("prepare", "validate"), "build the base model; pretrain the embedded one on generated text"),
         StageSpec(
-            "sft", "sft", ("grpo.train.sft",), ("seed", "model", "sft", "data.grpo_holdout", "paths"),
+            "prepare",
+            "prepare",
+            ("grpo.data.prepare",),
+            ("seed", "data", "paths"),
+            (),
+            "generate or load the dataset into data/processed",
+        ),
+        StageSpec(
+            "validate",
+            "validate",
+            ("grpo.data.validate",),
+            ("data", "paths"),
+            ("prepare",),
+            "Great Expectations gate over the processed data",
+        ),
+        # The pretraining corpus is generated with the data section's mix and SFT noise.
+        StageSpec(
+            "base",
+            "base",
+            ("grpo.train.pretrain",),
+            (
+                "seed",
+                *BASE_MODEL_KEYS,
+                "pretrain",
+                "data.fairness_fraction",
+                "data.answerable_fraction",
+                "data.sft_noise",
+                "paths",
+            ),
+            ("prepare", "validate"),
+            "build the base model; pretrain the embedded one on generated text",
+        ),
+        StageSpec(
+            "sft",
+            "sft",
+            ("grpo.train.sft",),
+            ("seed", "model", "sft", "data.grpo_holdout", "paths"),
             ("prepare", "validate", "base"),
             "supervised fine-tuning with the one chat renderer",
         ),
@@ -118,8 +169,16 @@ STAGES: dict[str, StageSpec] = {
             # The trainer's own module too: a change to how it wires the step makes the gate's report stale.
             ("grpo.checks.preflight", "grpo.train.trainer"),
             # Only what the checks use (PREFLIGHT_GRPO_KEYS; the rewards score the probe's completions).
-            ("seed", "model", "sft.max_length", "data.grpo_holdout", "preflight", *PREFLIGHT_GRPO_KEYS, "rewards",
-             "paths"),
+            (
+                "seed",
+                "model",
+                "sft.max_length",
+                "data.grpo_holdout",
+                "preflight",
+                *PREFLIGHT_GRPO_KEYS,
+                "rewards",
+                "paths",
+            ),
             ("prepare", "validate", "base", "sft"),
             "check invariants I1-I12 on the configured model",
         ),
@@ -127,8 +186,18 @@ STAGES: dict[str, StageSpec] = {
             "grpo",
             "train",
             ("grpo.train.trainer",),
-            ("seed", "experiment", "model", "grpo", "data.grpo_holdout", "rewards", "monitor", "checkpoint",
-             "tracking", "paths"),
+            (
+                "seed",
+                "experiment",
+                "model",
+                "grpo",
+                "data.grpo_holdout",
+                "rewards",
+                "monitor",
+                "checkpoint",
+                "tracking",
+                "paths",
+            ),
             ("prepare", "validate", "sft", "preflight"),
             "GRPO on both reward tasks",
         ),
@@ -165,4 +234,3 @@ def lookup(tree: dict[str, Any], dotted: str) -> tuple[bool, Any]:
             return False, None
         node = node[key]
     return True, node
-

@@ -29,11 +29,14 @@ class StatusError(GrpoError):
 
 def dvc_status(project: Path) -> dict[str, list]:
     """``dvc status --json`` of ``project``: ``{stage: [reasons]}``, only stages that are not up to date."""
-    proc = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=project,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dvc", "status", "--json"], cwd=project, capture_output=True, text=True
+    )
     if proc.returncode != 0:
-        raise StatusError(f"`dvc status --json` failed in {project} (exit {proc.returncode}): "
-                          f"{proc.stderr.strip()[-800:]}; run `grpo status` from the project root")
+        raise StatusError(
+            f"`dvc status --json` failed in {project} (exit {proc.returncode}): "
+            f"{proc.stderr.strip()[-800:]}; run `grpo status` from the project root"
+        )
     return json.loads(proc.stdout or "{}")
 
 
@@ -83,8 +86,11 @@ def status(project: Path, cfg: Config) -> dict[str, list[str]]:
     write_fingerprints(cfg, project / FINGERPRINT_DIR)
     md5 = recorded_md5(project)
     found = dvc_status(project)
-    return {name: _reasons(found[name], changed_modules(project, name, md5.get(name)))
-            for name in stages.STAGES if name in found}
+    return {
+        name: _reasons(found[name], changed_modules(project, name, md5.get(name)))
+        for name in stages.STAGES
+        if name in found
+    }
 
 
 def report(stale: dict[str, list[str]]) -> str:

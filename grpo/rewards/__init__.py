@@ -49,11 +49,26 @@ def group_rewards(
 ) -> list[float]:
     """``weighted_reward`` of every completion of a rollout: completion ``i`` answers ``examples[i // group_size]``."""
     rows = per_row(examples, group_size)
-    return [weighted_reward(example["task"], text, example, weights) for text, example in zip(completions, rows, strict=True)]
+    return [
+        weighted_reward(example["task"], text, example, weights)
+        for text, example in zip(completions, rows, strict=True)
+    ]
 
 
 __all__ = [
-    "REWARDS", "FairnessOutcome", "HallucinationOutcome", "UnknownTaskError", "exact_match",
-    "f1_score", "fairness_outcome", "fairness_reward", "group_rewards", "hallucination_outcome", "hallucination_reward",
-    "is_abstention", "normalize_answer", "parse_choice", "weighted_reward",
+    "REWARDS",
+    "FairnessOutcome",
+    "HallucinationOutcome",
+    "UnknownTaskError",
+    "exact_match",
+    "f1_score",
+    "fairness_outcome",
+    "fairness_reward",
+    "group_rewards",
+    "hallucination_outcome",
+    "hallucination_reward",
+    "is_abstention",
+    "normalize_answer",
+    "parse_choice",
+    "weighted_reward",
 ]

@@ -81,7 +81,7 @@ def parse_choice(text: str, choices: Sequence[str] = ()) -> int | None:
     reply = clean_completion(text)
     marker = _ANSWER.search(reply)
     if marker is not None:
-        rest = reply[marker.end():].strip()
+        rest = reply[marker.end() :].strip()
         letter = _LEADING_LETTER.match(rest)
         if letter is not None:
             return LETTERS.index(letter.group(1).upper())
@@ -94,7 +94,11 @@ def parse_choice(text: str, choices: Sequence[str] = ()) -> int | None:
 
 def _checked(example: dict[str, Any]) -> tuple[int, int, int, bool, bool]:
     try:
-        label, unknown, target = int(example["label"]), int(example["unknown_idx"]), int(example["target_idx"])
+        label, unknown, target = (
+            int(example["label"]),
+            int(example["unknown_idx"]),
+            int(example["target_idx"]),
+        )
         condition, polarity = example["context_condition"], example["question_polarity"]
     except KeyError as exc:
         raise FairnessError(

@@ -22,19 +22,45 @@ _SENTENCE_END = re.compile(r"[.!?;]+(?:\s+|$)|\n+")
 
 # Normalised phrases that mark a sentence as declining to answer.
 ABSTENTION_PHRASES = (
-    "i dont know", "i do not know", "i dont have enough information", "i cannot answer",
-    "i cant answer", "cannot be determined", "can not be determined", "cant be determined",
-    "cannot be answered", "cannot determine", "not enough information", "not enough info",
-    "insufficient information", "no information", "unable to answer", "unanswerable",
-    "context does not say", "context doesnt say", "context does not mention",
-    "context doesnt mention", "context does not state", "context doesnt state",
-    "context does not specify", "context doesnt specify", "context does not provide",
-    "context doesnt provide", "context does not contain", "context doesnt contain",
-    "not mentioned in context", "not stated in context", "not specified in context",
-    "not provided in context", "not given in context", "no answer",
+    "i dont know",
+    "i do not know",
+    "i dont have enough information",
+    "i cannot answer",
+    "i cant answer",
+    "cannot be determined",
+    "can not be determined",
+    "cant be determined",
+    "cannot be answered",
+    "cannot determine",
+    "not enough information",
+    "not enough info",
+    "insufficient information",
+    "no information",
+    "unable to answer",
+    "unanswerable",
+    "context does not say",
+    "context doesnt say",
+    "context does not mention",
+    "context doesnt mention",
+    "context does not state",
+    "context doesnt state",
+    "context does not specify",
+    "context doesnt specify",
+    "context does not provide",
+    "context doesnt provide",
+    "context does not contain",
+    "context doesnt contain",
+    "not mentioned in context",
+    "not stated in context",
+    "not specified in context",
+    "not provided in context",
+    "not given in context",
+    "no answer",
 )
 # Short replies that abstain only when they are the whole reply ("unknown" may be part of an answer).
-ABSTENTION_REPLIES = frozenset({"unknown", "not known", "no idea", "none", "unclear", "cannot say", "cant say"})
+ABSTENTION_REPLIES = frozenset(
+    {"unknown", "not known", "no idea", "none", "unclear", "cannot say", "cant say"}
+)
 
 
 def clean_completion(text: str) -> str:

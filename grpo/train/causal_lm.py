@@ -50,11 +50,15 @@ def sft_loss(model: PreTrainedModel, batch: SftBatch) -> tuple[torch.Tensor, dic
 
     batch.input_ids, attention_mask, loss_mask: [B, T]; position t predicts token t + 1.
     """
-    logits = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=position_ids_from_mask(batch.attention_mask),
-    ).logits[:, :-1].float()  # [B, T-1, V]
+    logits = (
+        model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=position_ids_from_mask(batch.attention_mask),
+        )
+        .logits[:, :-1]
+        .float()
+    )  # [B, T-1, V]
     targets = batch.input_ids[:, 1:]  # [B, T-1]
     mask = batch.loss_mask[:, 1:]  # [B, T-1] bool
     token_loss = torch.nn.functional.cross_entropy(
@@ -66,8 +70,9 @@ def sft_loss(model: PreTrainedModel, batch: SftBatch) -> tuple[torch.Tensor, dic
     return loss, {"loss": loss.item(), "token_accuracy": accuracy.item(), "tokens": int(mask.sum())}
 
 
-def batch_loss(model: PreTrainedModel, examples: Sequence[SftExample], pad_id: int, device: torch.device,
-               bf16: bool) -> tuple[torch.Tensor, dict[str, float]]:
+def batch_loss(
+    model: PreTrainedModel, examples: Sequence[SftExample], pad_id: int, device: torch.device, bf16: bool
+) -> tuple[torch.Tensor, dict[str, float]]:
     """What the loop trains on for one batch of examples: their padded batch on ``device`` and its loss
     (``sft_loss``) under the stage's precision (bf16 autocast over fp32 master weights where it pays).
     The pre-flight gate drives this very function (I2: the stop token carries loss)."""
@@ -81,8 +86,9 @@ LENGTH_GROUP_BATCHES = 50
 enough that an epoch's order stays random."""
 
 
-def epoch_batches(lengths: Sequence[int], batch_size: int, generator: torch.Generator,
-                  group_by_length: bool = False) -> list[list[int]]:
+def epoch_batches(
+    lengths: Sequence[int], batch_size: int, generator: torch.Generator, group_by_length: bool = False
+) -> list[list[int]]:
     """One epoch's batches of example indices: a random permutation cut in order, or with
     ``group_by_length`` cut into chunks of ``LENGTH_GROUP_BATCHES`` batches, each chunk sorted by length
     into batches, and all the batches shuffled. Every index comes once either way."""
@@ -129,8 +135,15 @@ def train_sft(
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             optimizer.step()
             scheduler.step()
-            history.append({"step": len(history) + 1, "epoch": epoch, **stats,
-                            "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]})
+            history.append(
+                {
+                    "step": len(history) + 1,
+                    "epoch": epoch,
+                    **stats,
+                    "grad_norm": float(grad_norm),
+                    "lr": scheduler.get_last_lr()[0],
+                }
+            )
             bar.update(1)
             bar.set_postfix(loss=f"{stats['loss']:.3f}", acc=f"{stats['token_accuracy']:.2f}", refresh=False)
     bar.close()

@@ -122,7 +122,10 @@ def capture_rng(generators: dict[str, torch.Generator] | None = None) -> dict[st
     numpy_state = np.random.get_state(legacy=False)
     return {
         "python": [version, list(internal), gauss],
-        "numpy": {**numpy_state, "state": {**numpy_state["state"], "key": numpy_state["state"]["key"].tolist()}},
+        "numpy": {
+            **numpy_state,
+            "state": {**numpy_state["state"], "key": numpy_state["state"]["key"].tolist()},
+        },
         "torch": torch.get_rng_state(),
         "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
         "generators": {name: gen.get_state() for name, gen in (generators or {}).items()},
@@ -200,9 +203,13 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) 
     if optimizer is None:
         return FullState(weights, None)
     state = optimizer.state_dict()
-    whole = {index: {key: full_tensor(value).cpu() if isinstance(value, torch.Tensor) else value
-                     for key, value in per_param.items()}
-             for index, per_param in state["state"].items()}
+    whole = {
+        index: {
+            key: full_tensor(value).cpu() if isinstance(value, torch.Tensor) else value
+            for key, value in per_param.items()
+        }
+        for index, per_param in state["state"].items()
+    }
     return FullState(weights, {**state, "state": whole})
 
 
@@ -212,8 +219,12 @@ def _shard_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, An
     cut = {}
     for index, per_param in state["state"].items():
         param = params[int(index)]
-        cut[index] = {key: shard_like(value, param) if isinstance(value, torch.Tensor) and value.shape == param.shape
-                      else value for key, value in per_param.items()}
+        cut[index] = {
+            key: shard_like(value, param)
+            if isinstance(value, torch.Tensor) and value.shape == param.shape
+            else value
+            for key, value in per_param.items()
+        }
     return {**state, "state": cut}
 
 
@@ -374,7 +385,9 @@ def _load_state_dict(path: Path) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # weights_only refuses arbitrary pickled objects
-        raise CheckpointError(f"{path} could not be read as a plain state dict ({exc}); it is not trusted") from None
+        raise CheckpointError(
+            f"{path} could not be read as a plain state dict ({exc}); it is not trusted"
+        ) from None
 
 
 def load_checkpoint(
@@ -389,7 +402,9 @@ def load_checkpoint(
     path = Path(path)
     problem = _problem(path) if _step_of(path) is not None else "not a checkpoint-XXXXXXXX directory"
     if problem is not None:
-        raise CheckpointError(f"{path} is not a complete checkpoint: {problem}; resume from latest_checkpoint()")
+        raise CheckpointError(
+            f"{path} is not a complete checkpoint: {problem}; resume from latest_checkpoint()"
+        )
     _load_trainable(model, path / WEIGHTS)
     for name, obj in ((OPTIMIZER, optimizer), (SCHEDULER, scheduler)):
         if obj is None:

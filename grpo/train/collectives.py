@@ -45,8 +45,9 @@ def count_anywhere(accelerator: Accelerator, count: float) -> float:
     return float(sum_tensor(accelerator, torch.tensor([count], device=accelerator.device)))
 
 
-def sum_task_statistics(accelerator: Accelerator, task_stats: dict[str, dict[str, float]],
-                        losses: dict[str, float]) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+def sum_task_statistics(
+    accelerator: Accelerator, task_stats: dict[str, dict[str, float]], losses: dict[str, float]
+) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """Per-task statistics and ``loss/<task>`` summed over processes: each process's values are already
     weighted by its share of the global batch, so the sum is the global one."""
     if not several(accelerator):
@@ -63,13 +64,21 @@ def sum_task_statistics(accelerator: Accelerator, task_stats: dict[str, dict[str
     return summed_stats, summed_losses
 
 
-def gather_step(accelerator: Accelerator, metrics: dict[str, Any], counts: dict[str, float],
-                raw_texts: Sequence[str], prompt_texts: Sequence[str]) -> tuple[dict[str, Any], list[str], list[str]]:
+def gather_step(
+    accelerator: Accelerator,
+    metrics: dict[str, Any],
+    counts: dict[str, float],
+    raw_texts: Sequence[str],
+    prompt_texts: Sequence[str],
+) -> tuple[dict[str, Any], list[str], list[str]]:
     """The step's metrics merged over all processes (``merge_process_metrics``) and every process's
     completions and prompt texts, the same on every process; ``counts``: this process's ``groups``,
     ``rows`` and ``rows/<task>``."""
     if not several(accelerator):
         return metrics, list(raw_texts), list(prompt_texts)
     parts = gather_object([(metrics, counts, list(raw_texts), list(prompt_texts))])
-    return (merge_process_metrics([p[0] for p in parts], [p[1] for p in parts]),
-            [text for p in parts for text in p[2]], [text for p in parts for text in p[3]])
+    return (
+        merge_process_metrics([p[0] for p in parts], [p[1] for p in parts]),
+        [text for p in parts for text in p[2]],
+        [text for p in parts for text in p[3]],
+    )

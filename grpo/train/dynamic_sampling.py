@@ -36,7 +36,9 @@ class Draw:
     advantages: torch.Tensor  # [N]
     stats: dict[str, float]
     is_weights: torch.Tensor | None = None  # [N, C] truncated IS weights when another engine sampled
-    prefills: tuple[PromptPrefill, ...] = ()  # the rollout's prefill kept for the update; a selection drops it
+    prefills: tuple[
+        PromptPrefill, ...
+    ] = ()  # the rollout's prefill kept for the update; a selection drops it
 
     @functools.cached_property
     def tasks(self) -> list[str]:
@@ -53,8 +55,14 @@ class Draw:
         g = self.rollout.group_size
         rows = group_rows(groups, g)
         weights = None if self.is_weights is None else self.is_weights[rows]
-        return Draw(select_groups(self.rollout, groups), [self.records[i] for i in groups],
-                    self.rewards[rows], self.advantages[rows], self.stats, weights)
+        return Draw(
+            select_groups(self.rollout, groups),
+            [self.records[i] for i in groups],
+            self.rewards[rows],
+            self.advantages[rows],
+            self.stats,
+            weights,
+        )
 
 
 def merge_draws(first: Draw, kept: list[Draw], wanted: int, pad_id: int, stats: dict[str, float]) -> Draw:

@@ -18,8 +18,9 @@ def trainer_logprobs(model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
     return score_inputs(model, inputs).logprobs.float().cpu()
 
 
-def sampler_correction(model: torch.nn.Module, rollout: Rollout, sampler_logprobs: torch.Tensor,
-                       cfg: RolloutConfig) -> tuple[dict[str, float], torch.Tensor]:
+def sampler_correction(
+    model: torch.nn.Module, rollout: Rollout, sampler_logprobs: torch.Tensor, cfg: RolloutConfig
+) -> tuple[dict[str, float], torch.Tensor]:
     """The mismatch metrics and the truncated IS weights [N, C] of a rollout another engine sampled."""
     trainer = trainer_logprobs(model, rollout)
     mask = rollout.completion_mask

@@ -37,8 +37,9 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     return reference
 
 
-def build_policy(cfg: Config, device: torch.device,
-                 shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> Policy:
+def build_policy(
+    cfg: Config, device: torch.device, shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None
+) -> Policy:
     """The policy on the SFT weights: a LoRA adapter (``model.lora.enabled``; every process draws the
     same adapter init from ``cfg.seed``), or all weights with a frozen SFT copy as the reference (I9).
     ``shard``: applied to the policy (not the reference copy) before the optimizer takes its

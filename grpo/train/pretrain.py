@@ -89,11 +89,15 @@ def pretraining_text(record: dict) -> str:
     would teach nothing and double the tokens (SFT teaches the chat format afterwards)."""
     options = ""
     if record["task"] == "fairness":
-        options = "".join(f"{letter}. {choice}\n" for letter, choice in zip(LETTERS, record["choices"], strict=True))
+        options = "".join(
+            f"{letter}. {choice}\n" for letter, choice in zip(LETTERS, record["choices"], strict=True)
+        )
     return f"Context: {record['context']}\nQuestion: {record['question']}\n{options}\n\n{sft_target(record)}"
 
 
-def pretrain_examples(records: list[dict], tokenizer: PreTrainedTokenizerBase, cfg: Config) -> list[SftExample]:
+def pretrain_examples(
+    records: list[dict], tokenizer: PreTrainedTokenizerBase, cfg: Config
+) -> list[SftExample]:
     """Every record with the loss on every token: ``<bos> text <eos>`` of its plain text, or, for the
     tasks of ``pretrain.chat_tasks``, the conversation SFT trains on (``conversation``: the same prompt ids
     SFT and GRPO see, then the target and the end-of-turn token). A record longer than the embedded
@@ -106,11 +110,16 @@ def pretrain_examples(records: list[dict], tokenizer: PreTrainedTokenizerBase, c
             ids = conversation(record, tokenizer, cfg.model.chat_template_kwargs).ids
         else:
             text = pretraining_text(record)
-            ids = [tokenizer.bos_token_id, *tokenizer.encode(text, add_special_tokens=False),
-                   tokenizer.eos_token_id]
+            ids = [
+                tokenizer.bos_token_id,
+                *tokenizer.encode(text, add_special_tokens=False),
+                tokenizer.eos_token_id,
+            ]
         if len(ids) > limit:
-            raise GrpoError(f"pretraining record {record.get('id')}: {len(ids)} tokens > "
-                            f"model.tiny.max_position_embeddings={limit}; raise it or shorten the data")
+            raise GrpoError(
+                f"pretraining record {record.get('id')}: {len(ids)} tokens > "
+                f"model.tiny.max_position_embeddings={limit}; raise it or shorten the data"
+            )
         examples.append(SftExample(ids, [True] * len(ids)))
     return examples
 
@@ -120,8 +129,9 @@ def pretrain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: Co
     records = [record.model_dump() for record in pretrain_records(cfg)]
     examples = pretrain_examples(records, tokenizer, cfg)
     started = time.perf_counter()
-    history = train_sft(model, examples, tokenizer.pad_token_id, cfg.pretrain, cfg.seed,
-                        make_accelerator(), desc="pretrain")
+    history = train_sft(
+        model, examples, tokenizer.pad_token_id, cfg.pretrain, cfg.seed, make_accelerator(), desc="pretrain"
+    )
     return {
         "loss_first": history[0]["loss"],
         "loss_final": history[-1]["loss"],
@@ -142,9 +152,11 @@ def run(cfg: Config) -> int:
         model, tokenizer = built
         summary = pretrain(model, tokenizer, cfg)
         save_model(model.cpu(), tokenizer, out)
-        print(f"base: pretrained on {summary['examples']} generated records ({summary['tokens']} tokens), "
-              f"{summary['steps']} steps in {summary['wall_time_s']:.1f}s, loss {summary['loss_first']:.3f} -> "
-              f"{summary['loss_final']:.3f}")
+        print(
+            f"base: pretrained on {summary['examples']} generated records ({summary['tokens']} tokens), "
+            f"{summary['steps']} steps in {summary['wall_time_s']:.1f}s, loss {summary['loss_first']:.3f} -> "
+            f"{summary['loss_final']:.3f}"
+        )
     write_lineage(out, make_lineage("base", cfg, base_inputs(cfg)))
     write_atomically({paths.metrics_file(cfg, "pretrain"): json.dumps(summary, indent=2) + "\n"})
     return 0

@@ -52,8 +52,14 @@ def run(cfg: Config) -> int:
         "examples": len(examples),
         "wall_time_s": round(wall, 2),
     }
-    write_atomically({paths.metrics_file(cfg, "sft"): json.dumps(summary, indent=2) + "\n",
-                      paths.metrics_file(cfg, "sft_history"): json.dumps(history) + "\n"})
-    print(f"sft: {len(history)} steps in {wall:.1f}s, loss {summary['loss_first']:.3f} -> "
-          f"{summary['loss_final']:.3f}; model written to {out}")
+    write_atomically(
+        {
+            paths.metrics_file(cfg, "sft"): json.dumps(summary, indent=2) + "\n",
+            paths.metrics_file(cfg, "sft_history"): json.dumps(history) + "\n",
+        }
+    )
+    print(
+        f"sft: {len(history)} steps in {wall:.1f}s, loss {summary['loss_first']:.3f} -> "
+        f"{summary['loss_final']:.3f}; model written to {out}"
+    )
     return 0

@@ -43,7 +43,9 @@ def fsdp_requested(accelerator: Accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.FSDP or parse_flag_from_env("ACCELERATE_USE_FSDP")
 
 
-def policy_sharder(cfg: Config, accelerator: Accelerator) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
+def policy_sharder(
+    cfg: Config, accelerator: Accelerator
+) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
     """What ``build_policy`` applies to the policy before its optimizer sees the parameters: FSDP2
     sharding when the launch asks for it, else nothing."""
     if not fsdp_requested(accelerator):
@@ -74,8 +76,10 @@ def shard_model(model: torch.nn.Module, world_size: int, device: torch.device) -
     """``model`` sharded in place with FSDP2 over ``world_size`` processes; gradients summed, not averaged."""
     layers = _decoder_layers(model)
     if not layers:
-        raise ConfigError(f"FSDP: {type(model).__name__} names no decoder layer class in _no_split_modules; "
-                          "launch with configs/accelerate/ddp.yaml for this model")
+        raise ConfigError(
+            f"FSDP: {type(model).__name__} names no decoder layer class in _no_split_modules; "
+            "launch with configs/accelerate/ddp.yaml for this model"
+        )
     mesh = init_device_mesh(device.type, (world_size,))
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
@@ -149,5 +153,8 @@ def whole_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         return None
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     adapter_only = hasattr(model, "peft_config")
-    return {name: full_tensor(value.detach()).cpu() for name, value in model.state_dict().items()
-            if not adapter_only or name in trainable}
+    return {
+        name: full_tensor(value.detach()).cpu()
+        for name, value in model.state_dict().items()
+        if not adapter_only or name in trainable
+    }

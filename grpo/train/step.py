@@ -113,7 +113,9 @@ def shares_prefix(cfg: Config, model: torch.nn.Module) -> bool:
     return cfg.grpo.shared_prefix and not getattr(model, "is_gradient_checkpointing", False)
 
 
-def reuses_prefill(cfg: Config, model: torch.nn.Module, engine: RolloutEngine, accelerator: Accelerator) -> bool:
+def reuses_prefill(
+    cfg: Config, model: torch.nn.Module, engine: RolloutEngine, accelerator: Accelerator
+) -> bool:
     """Whether the update's policy pass may reuse the rollout's prefill (``core.prefix.PromptPrefill``): only
     where a fresh pass would be the very same computation and each prompt's graph is traversed by the
     backward of its own task once. So: the trainer's model samples (the hf engine), one optimizer step on
@@ -122,38 +124,63 @@ def reuses_prefill(cfg: Config, model: torch.nn.Module, engine: RolloutEngine, a
     runs), a full-attention model that takes the prepared 4D mask, the prompt scored once
     (``shares_prefix``), and no dropout (the rollout runs in eval mode, the update in train mode)."""
     grpo = cfg.grpo
-    return (shares_prefix(cfg, model) and grpo.reuse_prefill and isinstance(engine, HFEngine)
-            and grpo.num_iterations == 1 and grpo.grad_accum == 1 and grpo.dynamic_sampling == "none"
-            and accelerator.num_processes == 1 and not grad_space(model, accelerator).sharded
-            and takes_prepared_mask(model) and not has_dropout(model))
+    return (
+        shares_prefix(cfg, model)
+        and grpo.reuse_prefill
+        and isinstance(engine, HFEngine)
+        and grpo.num_iterations == 1
+        and grpo.grad_accum == 1
+        and grpo.dynamic_sampling == "none"
+        and accelerator.num_processes == 1
+        and not grad_space(model, accelerator).sharded
+        and takes_prepared_mask(model)
+        and not has_dropout(model)
+    )
 
 
 def header_tokens(tokenizer: PreTrainedTokenizerBase, eos_ids: Sequence[int]) -> list[str]:
     """Special tokens that must never appear inside a completion (chat headers, BOS, role tags)."""
     allowed = set(eos_ids) | {tokenizer.pad_token_id}
     return sorted(
-        tok.content for idx, tok in tokenizer.added_tokens_decoder.items() if tok.special and idx not in allowed
+        tok.content
+        for idx, tok in tokenizer.added_tokens_decoder.items()
+        if tok.special and idx not in allowed
     )
 
 
-def build_step(cfg: Config, policy: Policy, accelerator: Accelerator, engine: RolloutEngine | None = None) -> Step:
+def build_step(
+    cfg: Config, policy: Policy, accelerator: Accelerator, engine: RolloutEngine | None = None
+) -> Step:
     """The step's context around the policy ``build_policy`` made: its stop ids, its rollout engine
     (``grpo.rollout.engine``'s unless another is given), its reference, and the facts every step uses.
     The one construction: the trainer and the gate call it."""
     model, tokenizer = policy.model, policy.tokenizer
     eos_ids = stop_ids(model, tokenizer, cfg.model.extra_stop_tokens)
     if engine is None:
-        engine = make_engine(cfg.grpo.rollout, model, tokenizer, seed=cfg.seed, shared_prefill=cfg.grpo.shared_prefix)
-    return Step(cfg=cfg, model=model, tokenizer=tokenizer, optimizer=policy.optimizer, scheduler=policy.scheduler,
-                eos_ids=eos_ids, accelerator=accelerator, engine=engine, reference=policy.reference,
-                space=grad_space(model, accelerator),
-                shares_prefix=shares_prefix(cfg, model), reuses_prefill=reuses_prefill(cfg, model, engine, accelerator),
-                header_tokens=header_tokens(tokenizer, eos_ids),
-                end_of_turn_tokens=tokenizer.convert_ids_to_tokens(eos_ids))
+        engine = make_engine(
+            cfg.grpo.rollout, model, tokenizer, seed=cfg.seed, shared_prefill=cfg.grpo.shared_prefix
+        )
+    return Step(
+        cfg=cfg,
+        model=model,
+        tokenizer=tokenizer,
+        optimizer=policy.optimizer,
+        scheduler=policy.scheduler,
+        eos_ids=eos_ids,
+        accelerator=accelerator,
+        engine=engine,
+        reference=policy.reference,
+        space=grad_space(model, accelerator),
+        shares_prefix=shares_prefix(cfg, model),
+        reuses_prefill=reuses_prefill(cfg, model, engine, accelerator),
+        header_tokens=header_tokens(tokenizer, eos_ids),
+        end_of_turn_tokens=tokenizer.convert_ids_to_tokens(eos_ids),
+    )
 
 
-def build_training(cfg: Config, accelerator: Accelerator,
-                   shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None) -> Step:
+def build_training(
+    cfg: Config, accelerator: Accelerator, shard: Callable[[torch.nn.Module], torch.nn.Module] | None = None
+) -> Step:
     """What GRPO trains with: the policy on the SFT weights (``build_policy``; ``shard``: FSDP2) and the step
     around it (``build_step``). The trainer and the pre-flight gate both start here."""
     return build_step(cfg, build_policy(cfg, accelerator.device, shard=shard), accelerator)
@@ -191,7 +218,9 @@ class ScoredBatch:
     ref_logprobs: torch.Tensor | None  # [N, C]; None when beta == 0
     rows: dict[str, torch.Tensor]  # task -> row indices [n_task], only tasks with rows
     is_weights: torch.Tensor | None = None  # [N, C] truncated IS weights; None when the trainer sampled
-    prefills: tuple[PromptPrefill, ...] = ()  # the rollout's prefill kept for the policy pass (``reuses_prefill``)
+    prefills: tuple[
+        PromptPrefill, ...
+    ] = ()  # the rollout's prefill kept for the policy pass (``reuses_prefill``)
 
     @property
     def completion_mask(self) -> torch.Tensor:  # [N, C] bool
@@ -214,43 +243,55 @@ def draw(step: Step, records: list[dict], seed: int, timer: Callable = untimed) 
         scale = cfg.grpo.loss.scale_rewards
         # A group never spans processes: only batch scaling needs the others, except under dynamic
         # resampling, whose extra draws are each process's own (no collective may wait for them).
-        batch_std = (collectives.global_reward_std(step.accelerator, rewards)
-                     if scale == "batch" and collectives.several(step.accelerator)
-                     and cfg.grpo.dynamic_sampling != "resample" else None)
+        batch_std = (
+            collectives.global_reward_std(step.accelerator, rewards)
+            if scale == "batch"
+            and collectives.several(step.accelerator)
+            and cfg.grpo.dynamic_sampling != "resample"
+            else None
+        )
         advantages, stats = group_advantages(rewards, group, scale, batch_std=batch_std)
     weights = None
     if sampled.sampler_logprobs is not None:  # another engine sampled: measure and correct the mismatch
         with step.autocast():  # in the loss's precision (grpo.bf16), so the weights correct only the engine
-            correction, weights = sampler_correction(step.model, rollout, sampled.sampler_logprobs,
-                                                     cfg.grpo.rollout)
+            correction, weights = sampler_correction(
+                step.model, rollout, sampled.sampler_logprobs, cfg.grpo.rollout
+            )
         stats |= correction
     drawn = Draw(rollout, list(records), rewards, advantages, stats, weights, sampled.prefills)
     drawn.stats.update(task_reward_stats(rewards, drawn.tasks))
     return drawn
 
 
-def sample(step: Step, records: list[dict], index: int, more_records: MoreRecordsFn,
-           timer: PhaseTimer) -> tuple[Draw, dict[str, float]]:
+def sample(
+    step: Step, records: list[dict], index: int, more_records: MoreRecordsFn, timer: PhaseTimer
+) -> tuple[Draw, dict[str, float]]:
     """The groups the step trains on, and the statistics of its FIRST draw (filtering must not hide a
     reward deadlock). ``dynamic_sampling``: keep every group (``none``), drop the zero-variance ones
     (``filter``), or draw fresh prompts (``more_records(attempt)``) until the batch is full (``resample``)."""
     cfg = step.cfg.grpo
 
     def seed(attempt: int) -> int:
-        return derive_seed(step.cfg.seed, ("step", index), ("process", step.accelerator.process_index),
-                           ("attempt", attempt))
+        return derive_seed(
+            step.cfg.seed, ("step", index), ("process", step.accelerator.process_index), ("attempt", attempt)
+        )
 
     first = draw(step, records, seed(0), timer)
     if cfg.dynamic_sampling == "none":
         return first, first.stats
     kept, attempt = [first.select(first.informative_groups())], 0
-    while (cfg.dynamic_sampling == "resample" and sum(len(d.records) for d in kept) < len(records)
-           and attempt < cfg.max_resample):
+    while (
+        cfg.dynamic_sampling == "resample"
+        and sum(len(d.records) for d in kept) < len(records)
+        and attempt < cfg.max_resample
+    ):
         attempt += 1
         extra = draw(step, more_records(attempt), seed(attempt), timer)
         kept.append(extra.select(extra.informative_groups()))
-    stats = first.stats | {"dynamic/draws": float(attempt + 1),
-                           "dynamic/kept_groups": float(sum(len(d.records) for d in kept))}
+    stats = first.stats | {
+        "dynamic/draws": float(attempt + 1),
+        "dynamic/kept_groups": float(sum(len(d.records) for d in kept)),
+    }
     return merge_draws(first, kept, len(records), step.tokenizer.pad_token_id, stats), stats
 
 
@@ -260,8 +301,10 @@ def raise_on_nonfinite_rewards(step: Step, rewards: torch.Tensor, tasks: Sequenc
     bad = sorted({tasks[i] for i in torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()})
     if collectives.count_anywhere(step.accelerator, float(len(bad))):
         where = f"for task(s) {bad}" if bad else "on another process"
-        raise NonFiniteError(f"grpo: NaN/Inf reward at step {index} {where}; "
-                             "check that task's reward function and rewards.weights")
+        raise NonFiniteError(
+            f"grpo: NaN/Inf reward at step {index} {where}; "
+            "check that task's reward function and rewards.weights"
+        )
 
 
 # --------------------------------------------------------------------------- scoring
@@ -272,15 +315,24 @@ def prepare_batch(step: Step, sampled: Draw) -> ScoredBatch:
     under the temperature the rollout recorded (I10): the same distribution the update scores."""
     rollout, device = sampled.rollout, step.accelerator.device
     inputs = rollout_inputs(rollout, device)
-    rows = {t: torch.tensor([i for i, x in enumerate(sampled.tasks) if x == t], dtype=torch.long, device=device)
-            for t in TASKS}
+    rows = {
+        t: torch.tensor([i for i, x in enumerate(sampled.tasks) if x == t], dtype=torch.long, device=device)
+        for t in TASKS
+    }
     rows = {t: r for t, r in rows.items() if len(r)}
     # Scored part by part as the update scores (I8): where the weights are the same, the numbers are too.
     old = score_parts(step, inputs, rows, adapter=True).logprobs if step.cfg.grpo.num_iterations > 1 else None
     ref = score_parts(step, inputs, rows, adapter=False).logprobs if step.cfg.grpo.loss.beta > 0 else None
     weights = None if sampled.is_weights is None else sampled.is_weights.to(device)
-    return ScoredBatch(inputs, sampled.advantages.to(device), old, ref, rows, weights,
-                       sampled.prefills if step.reuses_prefill else ())
+    return ScoredBatch(
+        inputs,
+        sampled.advantages.to(device),
+        old,
+        ref,
+        rows,
+        weights,
+        sampled.prefills if step.reuses_prefill else (),
+    )
 
 
 # --------------------------------------------------------------------------- the step
@@ -297,12 +349,21 @@ def grpo_step(step: Step, records: list[dict], index: int, more_records: MoreRec
         batch = prepare_batch(step, sampled)
     with timer("update"):
         update_stats, policy = update(step, batch)
-    result = step_result(step, records, sampled, sample_stats, update_stats, time.perf_counter() - started, timer)
+    result = step_result(
+        step, records, sampled, sample_stats, update_stats, time.perf_counter() - started, timer
+    )
     return dataclasses.replace(result, trace=StepTrace(sampled, batch, policy))
 
 
-def step_result(step: Step, records: Sequence[dict], sampled: Draw, sample_stats: dict[str, float],
-                update_stats: dict[str, Any], elapsed: float, timer: PhaseTimer | None = None) -> StepResult:
+def step_result(
+    step: Step,
+    records: Sequence[dict],
+    sampled: Draw,
+    sample_stats: dict[str, float],
+    update_stats: dict[str, Any],
+    elapsed: float,
+    timer: PhaseTimer | None = None,
+) -> StepResult:
     """The step's metrics and completions over the global batch; ``records`` are the prompts of the
     first draw; ``timer`` the seconds of each phase of the step."""
     rollout, g = sampled.rollout, sampled.rollout.group_size
@@ -317,8 +378,12 @@ def step_result(step: Step, records: Sequence[dict], sampled: Draw, sample_stats
         **(timer.metrics(elapsed) if timer is not None else {}),
     }
     user_texts = [example_messages(r)[-1]["content"] for r in sampled.records]
-    counts = {"groups": float(len(records)), "rows": float(len(rollout.raw_texts)),
-              **{f"rows/{t}": float(g * sum(r["task"] == t for r in records)) for t in TASKS}}
-    metrics, raw_texts, prompt_texts = collectives.gather_step(step.accelerator, metrics, counts, rollout.raw_texts,
-                                                               per_row(user_texts, g))
+    counts = {
+        "groups": float(len(records)),
+        "rows": float(len(rollout.raw_texts)),
+        **{f"rows/{t}": float(g * sum(r["task"] == t for r in records)) for t in TASKS},
+    }
+    metrics, raw_texts, prompt_texts = collectives.gather_step(
+        step.accelerator, metrics, counts, rollout.raw_texts, per_row(user_texts, g)
+    )
     return StepResult(metrics, raw_texts, prompt_texts, step.header_tokens, step.end_of_turn_tokens)

@@ -59,24 +59,36 @@ def resume(cfg: Config, policy: Policy) -> tuple[int, list[dict]]:
     if reason:
         print(f"grpo: not resuming from {latest}: {reason}; starting fresh")
         return 0, []
-    restored = ckpt.load_checkpoint(latest, model=policy.model, optimizer=policy.optimizer,
-                                    scheduler=policy.scheduler)
+    restored = ckpt.load_checkpoint(
+        latest, model=policy.model, optimizer=policy.optimizer, scheduler=policy.scheduler
+    )
     ckpt.restore_rng(restored.rng, {})
     print(f"grpo: resuming from {latest} (step {restored.step})")
     return restored.step, list(restored.history)
 
 
-def save_final(cfg: Config, policy: Policy, lineage: dict, history: list[dict], digests: list[str],
-               weights: dict[str, torch.Tensor] | None = None) -> None:
+def save_final(
+    cfg: Config,
+    policy: Policy,
+    lineage: dict,
+    history: list[dict],
+    digests: list[str],
+    weights: dict[str, torch.Tensor] | None = None,
+) -> None:
     """The adapter (or the full weights), tokenizer and lineage to models/grpo; a summary to
     metrics/grpo.json. ``weights``: the whole weights gathered from a sharded policy."""
     out = paths.model_dir(cfg, "grpo")
     save_model(policy.model, policy.tokenizer, out, state_dict=weights)
     write_lineage(out, lineage)
     last = history[-1] if history else {}
-    summary = {key: last.get(key) for key in ("reward", "reward_std", "frac_reward_zero_std", "entropy", "kl")}
-    summary |= {"steps": len(history), "reward_first": history[0]["reward"] if history else None,
-                "process_weight_digests": digests}
+    summary = {
+        key: last.get(key) for key in ("reward", "reward_std", "frac_reward_zero_std", "entropy", "kl")
+    }
+    summary |= {
+        "steps": len(history),
+        "reward_first": history[0]["reward"] if history else None,
+        "process_weight_digests": digests,
+    }
     # Mean seconds (and share) of each step phase over the run: the Prefect metrics artifact shows them.
     summary |= {key: sum(h[key] for h in history) / len(history) for key in last if key.startswith("timing/")}
     write_json(paths.metrics_file(cfg, "grpo"), summary)
@@ -94,8 +106,11 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 def check_in_sync(policy: Policy, accelerator: Accelerator) -> list[str]:
     """Every process's weight digest; raises when they differ (a silent desync of data parallelism)."""
-    digests = gather_object([weights_digest(policy.model)]) if accelerator.num_processes > 1 else [
-        weights_digest(policy.model)]
+    digests = (
+        gather_object([weights_digest(policy.model)])
+        if accelerator.num_processes > 1
+        else [weights_digest(policy.model)]
+    )
     if len(set(digests)) > 1:
         raise TrainingError(f"grpo: the processes' weights differ after training: {digests}")
     return digests
@@ -108,24 +123,35 @@ def _shard(cfg: Config, by_task: dict, step: int, attempt: int, accelerator: Acc
     return shard(records, accelerator.process_index, accelerator.num_processes)
 
 
-def save_checkpoint(cfg: Config, policy: Policy, accelerator: Accelerator, step: int, history: list[dict],
-                    lineage: dict) -> None:
+def save_checkpoint(
+    cfg: Config, policy: Policy, accelerator: Accelerator, step: int, history: list[dict], lineage: dict
+) -> None:
     """The main process writes; under FSDP every process first gives its shards (a gather)."""
     if not (accelerator.is_main_process or sharding.is_sharded(policy.model)):
         return
     state = ckpt.full_state(policy.model, policy.optimizer)
     if accelerator.is_main_process:
-        ckpt.save_checkpoint(paths.run_dir(cfg), step, model=policy.model, optimizer=policy.optimizer,
-                             scheduler=policy.scheduler, rng=ckpt.capture_rng({}), history=history,
-                             lineage=lineage, keep_last=cfg.checkpoint.keep_last, state=state)
+        ckpt.save_checkpoint(
+            paths.run_dir(cfg),
+            step,
+            model=policy.model,
+            optimizer=policy.optimizer,
+            scheduler=policy.scheduler,
+            rng=ckpt.capture_rng({}),
+            history=history,
+            lineage=lineage,
+            keep_last=cfg.checkpoint.keep_last,
+            state=state,
+        )
 
 
 def watch(monitor: Monitor, step: int, result: StepResult) -> None:
     """Apply the monitor to one step; ``result`` describes the global batch (the same on every
     process), so every process decides alike and all stop together, none left in an all-reduce."""
     findings = monitor.observe(step, result.metrics)  # boundary text checks run on the first steps only
-    findings += monitor.check_boundary(step, result.raw_texts, result.prompt_texts,
-                                       result.header_tokens, result.end_of_turn_tokens)
+    findings += monitor.check_boundary(
+        step, result.raw_texts, result.prompt_texts, result.header_tokens, result.end_of_turn_tokens
+    )
     raise_if_stop(findings)
 
 
@@ -140,20 +166,34 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
     context.engine.sync_weights(policy.model)  # an engine of its own (vLLM) samples from the resumed weights
     by_task = split_by_task(train_records(cfg, "grpo"))
     monitor = Monitor(cfg.monitor)
-    writer = MetricsWriter(paths.run_dir(cfg), cfg.experiment, cfg.tracking, config_to_dict(cfg),
-                           is_main_process=accelerator.is_main_process, resume_step=start)
+    writer = MetricsWriter(
+        paths.run_dir(cfg),
+        cfg.experiment,
+        cfg.tracking,
+        config_to_dict(cfg),
+        is_main_process=accelerator.is_main_process,
+        resume_step=start,
+    )
     end = min(cfg.grpo.steps, start + max_steps) if max_steps else cfg.grpo.steps
     bar = tqdm(range(start + 1, end + 1), desc="grpo", disable=not (progress and accelerator.is_main_process))
     try:
         for step in bar:
-            result = grpo_step(context, _shard(cfg, by_task, step, 0, accelerator), step,
-                               lambda attempt, step=step: _shard(cfg, by_task, step, attempt, accelerator))
+            result = grpo_step(
+                context,
+                _shard(cfg, by_task, step, 0, accelerator),
+                step,
+                lambda attempt, step=step: _shard(cfg, by_task, step, attempt, accelerator),
+            )
             watch(monitor, step, result)  # before saving: a collapsed state never becomes a checkpoint
             context.engine.sync_weights(policy.model)  # vLLM samples the next step from the new weights
             history.append({"step": step, **result.metrics})
             writer.log(step, result.metrics)
-            bar.set_postfix(reward=f"{result.metrics['reward']:.2f}", entropy=f"{result.metrics['entropy']:.2f}",
-                            step_time=f"{result.metrics['step_time']:.1f}s", refresh=False)
+            bar.set_postfix(
+                reward=f"{result.metrics['reward']:.2f}",
+                entropy=f"{result.metrics['entropy']:.2f}",
+                step_time=f"{result.metrics['step_time']:.1f}s",
+                refresh=False,
+            )
             if step % cfg.checkpoint.every == 0 or step == end:
                 save_checkpoint(cfg, policy, accelerator, step, history, lineage)
             accelerator.wait_for_everyone()
@@ -172,6 +212,8 @@ def run(cfg: Config, max_steps: int | None = None) -> int:
     """``grpo train [--max-steps N]``: train (or resume), then save the policy when all steps ran."""
     started = time.perf_counter()
     history = train(cfg, max_steps=max_steps)
-    print(f"grpo: {len(history)} steps in {time.perf_counter() - started:.1f}s; policy in "
-          f"{paths.model_dir(cfg, 'grpo')}")
+    print(
+        f"grpo: {len(history)} steps in {time.perf_counter() - started:.1f}s; policy in "
+        f"{paths.model_dir(cfg, 'grpo')}"
+    )
     return 0

@@ -47,11 +47,20 @@ class Totals:
 
 def global_totals(step: Step, batch: ScoredBatch) -> Totals:
     """Each task's rows and completion tokens, summed over the processes (one small all-reduce)."""
-    local = torch.tensor([[float(len(batch.rows[t])), float(batch.completion_mask[batch.rows[t]].sum())]
-                          if t in batch.rows else [0.0, 0.0] for t in TASKS], dtype=torch.float64)  # [K, 2]
+    local = torch.tensor(
+        [
+            [float(len(batch.rows[t])), float(batch.completion_mask[batch.rows[t]].sum())]
+            if t in batch.rows
+            else [0.0, 0.0]
+            for t in TASKS
+        ],
+        dtype=torch.float64,
+    )  # [K, 2]
     local = collectives.sum_tensor(step.accelerator, local).cpu()
-    return Totals({t: float(local[i, 0]) for i, t in enumerate(TASKS)},
-                  {t: float(local[i, 1]) for i, t in enumerate(TASKS)})
+    return Totals(
+        {t: float(local[i, 0]) for i, t in enumerate(TASKS)},
+        {t: float(local[i, 1]) for i, t in enumerate(TASKS)},
+    )
 
 
 def parts(step: Step) -> list[tuple[tuple[str, ...], int]]:
@@ -63,8 +72,9 @@ def parts(step: Step) -> list[tuple[tuple[str, ...], int]]:
     return [(subset, micro) for micro in range(step.cfg.grpo.grad_accum) for subset in subsets]
 
 
-def part_rows(step: Step, rows: dict[str, torch.Tensor], subset: tuple[str, ...],
-              micro: int) -> dict[str, tuple[torch.Tensor, bool]]:
+def part_rows(
+    step: Step, rows: dict[str, torch.Tensor], subset: tuple[str, ...], micro: int
+) -> dict[str, tuple[torch.Tensor, bool]]:
     """The rows of each task of ``subset`` in micro-batch ``micro`` (``rows``: task -> its rows of the
     batch), each with whether they are real. Under FSDP a task without rows here gets one placeholder row
     (0, not real): every process must run the same forwards and backwards, each is a collective there."""
@@ -76,8 +86,13 @@ def part_rows(step: Step, rows: dict[str, torch.Tensor], subset: tuple[str, ...]
     return found
 
 
-def score_parts(step: Step, inputs: RolloutInputs, rows: dict[str, torch.Tensor], adapter: bool,
-                model: torch.nn.Module | None = None) -> Scored:
+def score_parts(
+    step: Step,
+    inputs: RolloutInputs,
+    rows: dict[str, torch.Tensor],
+    adapter: bool,
+    model: torch.nn.Module | None = None,
+) -> Scored:
     """The policy's (``adapter``) or the reference's log-probs and entropy of every row [N, C], scored part
     by part exactly as the update scores them (``parts``, ``part_rows``, one prefill forward per task):
     the stored old and reference log-probs are then the very numbers the update's pass gives where the
@@ -93,11 +108,17 @@ def score_parts(step: Step, inputs: RolloutInputs, rows: dict[str, torch.Tensor]
         segments = [task for task, (part, _) in found.items() for _ in range(len(part))]
         with torch.no_grad(), step.autocast():
             if adapter or model is not None:
-                scored = score_inputs(model or step.model, inputs.rows(idx), shared_prefix=step.shares_prefix,
-                                      segments=segments)
+                scored = score_inputs(
+                    model or step.model, inputs.rows(idx), shared_prefix=step.shares_prefix, segments=segments
+                )
             else:  # I9: the frozen SFT copy (full fine-tuning) or the adapter disabled (LoRA)
-                scored = score_reference(step.model, inputs.rows(idx), step.reference,
-                                         shared_prefix=step.shares_prefix, segments=segments)
+                scored = score_reference(
+                    step.model,
+                    inputs.rows(idx),
+                    step.reference,
+                    shared_prefix=step.shares_prefix,
+                    segments=segments,
+                )
         logprobs[idx], entropy[idx] = scored.logprobs.float(), scored.entropy.float()
     return Scored(logprobs, entropy, {})
 
@@ -113,8 +134,13 @@ def _score_rows(step: Step, batch: ScoredBatch, rows: torch.Tensor, segments: li
     """The policy's log-probs and entropy of ``rows`` (with grad), as the reference and old log-probs
     were scored: the same temperature (I10), the same parts and prefill path, the rollout's kept prefill."""
     with step.autocast():
-        return score_inputs(step.model, batch.inputs.rows(rows), shared_prefix=step.shares_prefix,
-                            prefills=batch.prefills, segments=segments)
+        return score_inputs(
+            step.model,
+            batch.inputs.rows(rows),
+            shared_prefix=step.shares_prefix,
+            prefills=batch.prefills,
+            segments=segments,
+        )
 
 
 class Scoring(NamedTuple):
@@ -125,19 +151,24 @@ class Scoring(NamedTuple):
     entropy: torch.Tensor  # [n, C]
 
 
-def task_losses(step: Step, batch: ScoredBatch, totals: Totals, subset: tuple[str, ...],
-                micro: int) -> tuple[dict[str, LossTerms], dict[str, dict[str, float]], Scoring | None]:
+def task_losses(
+    step: Step, batch: ScoredBatch, totals: Totals, subset: tuple[str, ...], micro: int
+) -> tuple[dict[str, LossTerms], dict[str, dict[str, float]], Scoring | None]:
     """One forward over micro-batch ``micro`` of the rows of ``subset``; each task's loss terms from its
     own rows, scaled by their share, its statistics weighted by its share of the task's tokens, and the
     pass itself (detached).
     A placeholder row under FSDP (``part_rows``) weighs 0."""
     loss_cfg = step.cfg.grpo.loss
-    found = {t: (idx, _share(batch, totals, t, idx, loss_cfg.loss_type) if real else 0.0)
-             for t, (idx, real) in part_rows(step, batch.rows, subset, micro).items()}
+    found = {
+        t: (idx, _share(batch, totals, t, idx, loss_cfg.loss_type) if real else 0.0)
+        for t, (idx, real) in part_rows(step, batch.rows, subset, micro).items()
+    }
     if not found:
         return {}, {}, None
     rows = torch.cat([p[0] for p in found.values()])
-    scored = _score_rows(step, batch, rows, [task for task, (idx, _) in found.items() for _ in range(len(idx))])
+    scored = _score_rows(
+        step, batch, rows, [task for task, (idx, _) in found.items() for _ in range(len(idx))]
+    )
     losses, stats_out, offset = {}, {}, 0
     for task, (idx, share) in found.items():
         here = slice(offset, offset + len(idx))
@@ -146,16 +177,27 @@ def task_losses(step: Step, batch: ScoredBatch, totals: Totals, subset: tuple[st
         old = batch.old_logprobs[idx] if batch.old_logprobs is not None else logprobs.detach()
         ref = batch.ref_logprobs[idx] if batch.ref_logprobs is not None else None
         terms, stats = policy_loss_terms(
-            logprobs, old, ref, batch.advantages[idx], batch.completion_mask[idx], scored.entropy[here].float(),
-            epsilon_low=loss_cfg.epsilon_low, epsilon_high=loss_cfg.epsilon_high,
-            loss_type=loss_cfg.loss_type, max_completion_length=step.cfg.grpo.sampling.max_new_tokens,
+            logprobs,
+            old,
+            ref,
+            batch.advantages[idx],
+            batch.completion_mask[idx],
+            scored.entropy[here].float(),
+            epsilon_low=loss_cfg.epsilon_low,
+            epsilon_high=loss_cfg.epsilon_high,
+            loss_type=loss_cfg.loss_type,
+            max_completion_length=step.cfg.grpo.sampling.max_new_tokens,
             token_weights=None if batch.is_weights is None else batch.is_weights[idx],
         )
         losses[task] = LossTerms(*(term * share for term in terms))
         # The statistics are token means over this part: weighted by its share of the task's tokens
         # over all processes, they add up to the token mean of the global batch however it is split.
-        token_share = float(batch.completion_mask[idx].sum()) / max(totals.tokens[task], 1.0) if share else 0.0
-        stats_out[task] = {key: token_share * float(value) for key, value in (stats | scored.logits_stats).items()}
+        token_share = (
+            float(batch.completion_mask[idx].sum()) / max(totals.tokens[task], 1.0) if share else 0.0
+        )
+        stats_out[task] = {
+            key: token_share * float(value) for key, value in (stats | scored.logits_stats).items()
+        }
     return losses, stats_out, Scoring(rows, scored.logprobs.detach().float(), scored.entropy.detach().float())
 
 
@@ -171,7 +213,9 @@ class Gradient(NamedTuple):
 
     direction: torch.Tensor  # [P] the combined gradient (before clipping)
     stats: dict[str, Any]  # combination statistics and loss/<task>
-    task_stats: dict[str, dict[str, float]]  # per-task loss and logits statistics (shares of the task's tokens)
+    task_stats: dict[
+        str, dict[str, float]
+    ]  # per-task loss and logits statistics (shares of the task's tokens)
     scored: list[Scoring]  # the policy pass, part by part
 
 
@@ -191,8 +235,10 @@ def gradient(step: Step, batch: ScoredBatch, totals: Totals) -> Gradient:
             if not by_task:
                 continue
             scored.append(seen)
-            totals_here = {task: total_loss(terms, loss_cfg.beta, loss_cfg.entropy_coef)
-                           for task, terms in by_task.items()}
+            totals_here = {
+                task: total_loss(terms, loss_cfg.beta, loss_cfg.entropy_coef)
+                for task, terms in by_task.items()
+            }
             direction += space.flat_grad(sum(totals_here.values()), params, retain=False)
             for task, value in totals_here.items():
                 losses[task] = losses.get(task, 0.0) + float(value.detach())
@@ -201,7 +247,9 @@ def gradient(step: Step, batch: ScoredBatch, totals: Totals) -> Gradient:
         bad = sorted(task for task, value in losses.items() if not math.isfinite(value)) or sorted(losses)
         check_finite(direction, f"the summed loss (task(s) {bad})", space)
         stats: dict[str, Any] = {f"loss/{task}": value for task, value in losses.items()}
-        return Gradient(direction, stats | {"multitask/tasks_combined": float(len(losses))}, task_stats, scored)
+        return Gradient(
+            direction, stats | {"multitask/tasks_combined": float(len(losses))}, task_stats, scored
+        )
     grads: dict[str, TaskGradients] = {}
     for subset, micro in parts(step):
         by_task, stats, seen = task_losses(step, batch, totals, subset, micro)
@@ -210,12 +258,31 @@ def gradient(step: Step, batch: ScoredBatch, totals: Totals) -> Gradient:
         for task in subset:
             if task in by_task:
                 retain = not mt.low_memory and task != subset[-1]
-                accumulate(grads, task, task_gradient(params, by_task[task], loss_cfg.beta, loss_cfg.entropy_coef,
-                                                      mt.reward_only, retain, space))
+                accumulate(
+                    grads,
+                    task,
+                    task_gradient(
+                        params,
+                        by_task[task],
+                        loss_cfg.beta,
+                        loss_cfg.entropy_coef,
+                        mt.reward_only,
+                        retain,
+                        space,
+                    ),
+                )
         del by_task
     direction, stats = combine_task_gradients(
-        grads, TASKS, space.zeros(params), mode=mt.mode, c=mt.cagrad_c, rescale=mt.cagrad_rescale,
-        reward_only=mt.reward_only, reduce_fn=step.reduce if step.replicated else None, space=space)
+        grads,
+        TASKS,
+        space.zeros(params),
+        mode=mt.mode,
+        c=mt.cagrad_c,
+        rescale=mt.cagrad_rescale,
+        reward_only=mt.reward_only,
+        reduce_fn=step.reduce if step.replicated else None,
+        space=space,
+    )
     return Gradient(direction, stats, task_stats, scored)
 
 
@@ -270,5 +337,6 @@ def token_means(task_stats: dict[str, dict[str, float]], totals: Totals) -> dict
     """Token mean over both tasks (global tokens) of the per-task loss and logits statistics."""
     total = sum(totals.tokens[t] for t in task_stats) or 1.0
     keys = set().union(*(s.keys() for s in task_stats.values())) if task_stats else set()
-    return {key: sum(s.get(key, 0.0) * totals.tokens[t] for t, s in task_stats.items()) / total
-            for key in keys}
+    return {
+        key: sum(s.get(key, 0.0) * totals.tokens[t] for t, s in task_stats.items()) / total for key in keys
+    }
