@@ -41,18 +41,37 @@ from grpo.model.precision import apply_memory_settings, bf16_autocast
 ROOT = Path(__file__).resolve().parents[1]
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets.
-BF16_PEAK_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0,
-                    "L40S": 362.1, "A10G": 125.0, "L4": 121.0}
-SMOKE_SHRINK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                "num_key_value_heads": 2}
-RECORD = {"task": "hallucination", "context": "The river town of Elbrook was founded by Mara Venn in 1821 and "
-          "is known for its glass works.", "question": "Who founded Elbrook?", "answer": "Mara Venn",
-          "answerable": True}
+BF16_PEAK_TFLOPS = {
+    "H200": 989.4,
+    "H100 SXM": 989.4,
+    "H100 PCIe": 756.0,
+    "H100": 989.4,
+    "A100": 312.0,
+    "L40S": 362.1,
+    "A10G": 125.0,
+    "L4": 121.0,
+}
+SMOKE_SHRINK = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+RECORD = {
+    "task": "hallucination",
+    "context": "The river town of Elbrook was founded by Mara Venn in 1821 and is known for its glass works.",
+    "question": "Who founded Elbrook?",
+    "answer": "Mara Venn",
+    "answerable": True,
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="CPU smoke run: shrunk preset, tiny sizes, one step")
+    parser.add_argument(
+        "--smoke", action="store_true", help="CPU smoke run: shrunk preset, tiny sizes, one step"
+    )
     parser.add_argument("--architectures", nargs="+", default=None, help="presets (default 0.5B and 3B)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8, help="completions per prompt")
@@ -125,16 +144,22 @@ def bench_generation(engine_name: str, model, tokenizer, prompts, args, device) 
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - started
     tokens = int(out.rollout.lengths.sum())
-    result = {"engine": engine_name, "tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
-              "peak_memory_gib": peak_memory_gib(device)}
+    result = {
+        "engine": engine_name,
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "peak_memory_gib": peak_memory_gib(device),
+    }
     del engine
     return result
 
 
 def bench_training(model, rollout, args, device) -> dict:
     """Forward + backward + AdamW over the rollout's sequences in micro-batches, as the GRPO step scores."""
-    joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
-                                    rollout.completion_mask)
+    joined = join_prompt_completion(
+        rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask
+    )
     ids, mask = joined.input_ids.to(device), joined.attention_mask.to(device)
     width = rollout.completion_ids.shape[1]
     model.train()
@@ -158,39 +183,59 @@ def bench_training(model, rollout, args, device) -> dict:
         torch.cuda.synchronize(device)
     seconds = (time.perf_counter() - started) / args.train_steps
     flops = training_flops(model, ids.shape[0], ids.shape[1], width)
-    return {"sequences": ids.shape[0], "seq_len": ids.shape[1], "step_s": seconds, "flops_per_step": flops,
-            "tflops_per_s": flops / seconds / 1e12, "peak_memory_gib": peak_memory_gib(device)}
+    return {
+        "sequences": ids.shape[0],
+        "seq_len": ids.shape[1],
+        "step_s": seconds,
+        "flops_per_step": flops,
+        "tflops_per_s": flops / seconds / 1e12,
+        "peak_memory_gib": peak_memory_gib(device),
+    }
 
 
 def bench_architecture(name: str, args, device) -> dict:
     overrides = SMOKE_SHRINK if args.smoke else {}
     if args.smoke and name.startswith("llama"):
         overrides = SMOKE_SHRINK | {"head_dim": 16}
-    cfg = ModelConfig(architecture=name, architecture_overrides=overrides, tokenizers_dir=args.tokenizers_dir,
-                      gradient_checkpointing=args.gradient_checkpointing)
+    cfg = ModelConfig(
+        architecture=name,
+        architecture_overrides=overrides,
+        tokenizers_dir=args.tokenizers_dir,
+        gradient_checkpointing=args.gradient_checkpointing,
+    )
     model, tokenizer = build_architecture(cfg, seed=0)
     apply_memory_settings(model, cfg)
     model.to(device)
     prompts = [render_prompt(tokenizer, example_messages(RECORD)) for _ in range(args.prompts)]
-    result = {"architecture": name, "parameters": sum(p.numel() for p in model.parameters()),
-              "generation": [], "training": None}
+    result = {
+        "architecture": name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "generation": [],
+        "training": None,
+    }
     for engine in args.engines:
         if engine == "vllm" and importlib.util.find_spec("vllm") is None:
             result["generation"].append({"engine": "vllm", "skipped": "vLLM is not installed"})
             continue
         result["generation"].append(bench_generation(engine, model, tokenizer, prompts, args, device))
     sampling = SamplingConfig(max_new_tokens=args.tokens, min_new_tokens=args.tokens)
-    rollout = make_engine(RolloutConfig(), model, tokenizer).generate(
-        prompts, args.group, sampling, end_of_turn_ids(tokenizer), seed=2).rollout
+    rollout = (
+        make_engine(RolloutConfig(), model, tokenizer)
+        .generate(prompts, args.group, sampling, end_of_turn_ids(tokenizer), seed=2)
+        .rollout
+    )
     result["training"] = bench_training(model, rollout, args, device)
     del model
     return result
 
 
 def markdown(results: list[dict], gpu: str, peak: float | None) -> str:
-    lines = [f"GPU: {gpu}; bf16 peak {peak or 'unknown'} TFLOP/s", "",
-             "| architecture | HF tokens/s | vLLM tokens/s | vLLM / HF | train step s | MFU | peak GiB (train) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"GPU: {gpu}; bf16 peak {peak or 'unknown'} TFLOP/s",
+        "",
+        "| architecture | HF tokens/s | vLLM tokens/s | vLLM / HF | train step s | MFU | peak GiB (train) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in results:
         speed = {g["engine"]: g.get("tokens_per_s") for g in r["generation"]}
         hf, vllm = speed.get("hf"), speed.get("vllm")
@@ -198,16 +243,21 @@ def markdown(results: list[dict], gpu: str, peak: float | None) -> str:
         train = r["training"]
         mfu = f"{100 * train['mfu']:.1f} %" if train.get("mfu") is not None else "-"
         hf_text, vllm_text = (f"{v:.0f}" if v else "-" for v in (hf, vllm))
-        lines.append(f"| {r['architecture']} | {hf_text} | {vllm_text} | {ratio} | {train['step_s']:.2f} "
-                     f"| {mfu} | {train['peak_memory_gib']:.1f} |")
+        lines.append(
+            f"| {r['architecture']} | {hf_text} | {vllm_text} | {ratio} | {train['step_s']:.2f} "
+            f"| {mfu} | {train['peak_memory_gib']:.1f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
-        print("benchmarks/gpu.py: no CUDA device found; the full GPU benchmark needs one. "
-              "Run it on a GPU machine, or use --smoke for the CPU smoke run.", file=sys.stderr)
+        print(
+            "benchmarks/gpu.py: no CUDA device found; the full GPU benchmark needs one. "
+            "Run it on a GPU machine, or use --smoke for the CPU smoke run.",
+            file=sys.stderr,
+        )
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     peak = peak_tflops(device, args.peak_tflops)
@@ -216,8 +266,15 @@ def main(argv: list[str] | None = None) -> int:
         train = r["training"]
         train["mfu"] = train["tflops_per_s"] / peak if peak else None
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU smoke run)"
-    report = {"gpu": gpu, "bf16_peak_tflops": peak, "smoke": args.smoke, "prompts": args.prompts,
-              "group": args.group, "tokens": args.tokens, "results": results}
+    report = {
+        "gpu": gpu,
+        "bf16_peak_tflops": peak,
+        "smoke": args.smoke,
+        "prompts": args.prompts,
+        "group": args.group,
+        "tokens": args.tokens,
+        "results": results,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
