@@ -87,20 +87,20 @@ def _bias_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _item_count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not an item count: give 1 or more (default 100)")
-    return value
+def _count(what: str, hint: str):
+    """An argparse type: an integer of at least 1, else an error naming ``what`` and ``hint``."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{value} is not {what}: give 1 or more{hint}")
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"{value} is not a step count: give 1 or more, or leave the option out to train all grpo.steps"
-        )
-    return value
+_item_count = _count("an item count", " (default 100)")
+_positive_int = _count("a step count", ", or leave the option out to train all grpo.steps")
 
 
 def _train_args(parser: argparse.ArgumentParser) -> None:
