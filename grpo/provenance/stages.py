@@ -150,6 +150,7 @@ STAGES: dict[str, StageSpec] = {
                 "data.fairness_fraction",
                 "data.answerable_fraction",
                 "data.sft_noise",
+                "data.fairness_stereotype",
                 "paths",
             ),
             ("prepare", "validate"),
