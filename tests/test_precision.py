@@ -23,6 +23,8 @@ from grpo.model.precision import (
     cast_frozen_weights_once,
     cpu_has_native_bf16,
     describe,
+    fp32_head,
+    frozen_linears_in_bf16,
 )
 from grpo.train.causal_lm import sft_loss
 
@@ -191,3 +193,38 @@ def test_frozen_weights_are_cast_once_per_block_with_the_same_numbers(tiny_model
     assert {n for n, p in policy.named_parameters() if not p.requires_grad} == frozen
     with cast_frozen_weights_once(policy):  # outside autocast: nothing to cache, nothing touched
         assert {n for n, p in policy.named_parameters() if not p.requires_grad} == frozen
+
+
+def test_frozen_linears_held_in_bf16_give_the_same_logits_and_gradients_with_fewer_casts(tiny_model, tiny_tokenizer):
+    """Inside ``frozen_linears_in_bf16`` the frozen linear weights are bf16: a forward and backward under
+    bf16 autocast give bit-equal logits and LoRA gradients with fewer casts; the head, norms, embeddings
+    and LoRA weights stay fp32, and every fp32 tensor is back after the block (also when it fails)."""
+    policy = wrap_lora(fp32_head(tiny_model), LoraConfig(r=4))
+    batch = _batch(tiny_tokenizer)
+    before = {n: (p.data_ptr(), p.dtype) for n, p in policy.named_parameters()}
+
+    def run() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        policy.zero_grad()
+        with bf16_autocast(CPU, bf16=True, force=True):
+            logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logits.float().logsumexp(-1).sum().backward()
+        return logits, {n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad}
+
+    plain_casts = _casts(run)
+    plain_logits, plain_grads = run()
+    with frozen_linears_in_bf16([policy], on=True):
+        dtypes = {n: p.dtype for n, p in policy.named_parameters()}
+        held_casts = _casts(run)
+        held_logits, held_grads = run()
+    assert torch.equal(plain_logits, held_logits)
+    assert plain_grads.keys() == held_grads.keys() and all(torch.equal(plain_grads[n], held_grads[n]) for n in plain_grads)
+    bf16 = {n for n, d in dtypes.items() if d == torch.bfloat16}
+    assert bf16 and all(".self_attn." in n or ".mlp." in n for n in bf16)
+    assert not any("lora_" in n or "norm" in n or "embed" in n or "lm_head" in n for n in bf16)
+    assert held_casts < plain_casts - len(bf16) // 2
+    assert all((p.data_ptr(), p.dtype) == before[n] for n, p in policy.named_parameters())
+    with pytest.raises(RuntimeError), frozen_linears_in_bf16([policy], on=True):
+        raise RuntimeError("a failing block")
+    assert all((p.data_ptr(), p.dtype) == before[n] for n, p in policy.named_parameters())
+    with frozen_linears_in_bf16([policy], on=False):
+        assert all(p.dtype == torch.float32 for p in policy.parameters())

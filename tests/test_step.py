@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import replace
 
@@ -11,7 +12,7 @@ import torch
 from grpo.config import ModelConfig
 from grpo.core.multitask import MultitaskError
 from grpo.model.precision import apply_memory_settings, cpu_has_native_bf16
-from grpo.train.step import build_step, draw, grpo_step, prepare_batch
+from grpo.train.step import Step, build_step, draw, grpo_step, prepare_batch
 from grpo.train.update import update
 from tests.steps import combined_gradient, make_context, step_records, with_advantages
 
@@ -220,6 +221,27 @@ def test_bf16_step_computes_in_bf16_and_keeps_fp32_weights_and_statistics(tiny_m
                for p in bf16.model.parameters() if p.requires_grad)
     grads = [torch.cat([p.grad.flatten() for p in c.model.parameters() if p.requires_grad]) for c in (bf16, fp32)]
     assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.99
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="this CPU has no native bf16: grpo.bf16 runs fp32 here")
+def test_bf16_step_holding_frozen_weights_in_bf16_is_the_same_step(tiny_model, tiny_tokenizer, records, monkeypatch):
+    """The step holds the frozen linear weights in bf16 (``Step.frozen_bf16``): the same completions,
+    metrics and updated LoRA weights, bit for bit, as autocast's per-call casts; fp32 weights after."""
+    def run(held: bool):
+        if not held:
+            monkeypatch.setattr(Step, "frozen_bf16", lambda self: contextlib.nullcontext())
+        ctx = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"beta": 0.04}, bf16=True)
+        result = grpo_step(ctx, records, 1, lambda attempt: records)
+        monkeypatch.undo()
+        return result, ctx.model
+
+    (held, held_model), (plain, plain_model) = run(True), run(False)
+    assert held.raw_texts == plain.raw_texts
+    for key in ("loss", "entropy", "kl", "grad_norm"):
+        assert held.metrics[key] == plain.metrics[key], key
+    weights = [dict(m.named_parameters()) for m in (held_model, plain_model)]
+    assert all(p.dtype == torch.float32 for p in weights[0].values())
+    assert all(torch.equal(p, weights[1][n]) for n, p in weights[0].items())
 
 
 def test_step_reports_the_time_of_every_phase(tiny_model, tiny_tokenizer, records):

@@ -75,6 +75,38 @@ def cast_frozen_weights_once(model: torch.nn.Module) -> Iterator[None]:
             param.requires_grad_(False)
 
 
+@contextlib.contextmanager
+def frozen_linears_in_bf16(models: list[torch.nn.Module], on: bool) -> Iterator[None]:
+    """For the span of the block, hold the frozen ``nn.Linear`` weights (and biases) of ``models`` in bf16.
+
+    Under CPU bf16 autocast every ``F.linear`` casts its fp32 weight to bf16 at each call: a GRPO step
+    casts the frozen base about six times (the kept prefill, the reference's passes, the update's
+    forward; the decode loop once). Autocast rounds to nearest, as ``.to(bfloat16)`` does, so a weight
+    held in bf16 gives the very bf16 operand autocast would have made: the same matmuls, bit for bit,
+    cast once. Only plain ``nn.Linear`` modules: the output head (``Fp32Head``, fp32 by design), norms
+    and embeddings keep their fp32 weights, and trainable weights (LoRA's, or every weight in full
+    fine-tuning) are never touched. The fp32 tensors are put back on exit, so a checkpoint or a save
+    after the block writes them. ``on`` False: a no-op (no autocast, a GPU, sharded or replicated
+    weights)."""
+    swapped: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    if on:
+        for model in models:
+            get_head = getattr(model, "get_output_embeddings", None)
+            head = get_head() if get_head is not None else None
+            for module in model.modules():
+                if type(module) is not torch.nn.Linear or module is head:
+                    continue
+                for param in (module.weight, module.bias):
+                    if param is not None and not param.requires_grad and param.dtype == torch.float32:
+                        swapped.append((param, param.data))
+                        param.data = param.data.to(torch.bfloat16)
+    try:
+        yield
+    finally:
+        for param, data in swapped:
+            param.data = data
+
+
 class Fp32Head(torch.nn.Linear):
     """The LM head computed in fp32 whatever the autocast: ``F.linear`` of the fp32 hidden states and the
     fp32 weights (cast per call when the model holds bf16 weights), so logits, log-softmax and entropy

@@ -33,7 +33,7 @@ from grpo.data.prompts import example_messages, render_records
 from grpo.data.schema import TASKS
 from grpo.health.metrics import completion_stats, task_reward_stats
 from grpo.model.engines import HFEngine, RolloutEngine, make_engine
-from grpo.model.precision import bf16_autocast, has_dropout
+from grpo.model.precision import autocast_enabled, bf16_autocast, frozen_linears_in_bf16, has_dropout
 from grpo.model.rollout import stop_ids
 from grpo.model.scoring import RolloutInputs, rollout_inputs
 from grpo.rewards import group_rewards
@@ -104,6 +104,18 @@ class Step:
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward passes' precision (``grpo.bf16``): bf16 autocast over fp32 weights where it pays."""
         return bf16_autocast(self.accelerator.device, self.cfg.grpo.bf16)
+
+    def frozen_bf16(self) -> contextlib.AbstractContextManager:
+        """The frozen linear weights held in bf16 for the step (``precision.frozen_linears_in_bf16``): the
+        same matmuls as autocast's per-call casts, cast once. On one CPU process under bf16 autocast."""
+        device = self.accelerator.device
+        on = (
+            device.type == "cpu"
+            and self.accelerator.num_processes == 1
+            and autocast_enabled(device, self.cfg.grpo.bf16)
+        )
+        models = [self.model] + ([self.reference] if self.reference is not None else [])
+        return frozen_linears_in_bf16(models, on)
 
 
 def shares_prefix(cfg: Config, model: torch.nn.Module) -> bool:
@@ -342,13 +354,14 @@ def grpo_step(step: Step, records: list[dict], index: int, more_records: MoreRec
     """Step ``index`` on this process's prompts ``records`` (``more_records(attempt)``: fresh ones for
     dynamic resampling). The result describes the global batch (all processes)."""
     started, timer = time.perf_counter(), PhaseTimer()
-    with gathered(step.model):  # FSDP: whole weights for the rollout, no collective per generated token
-        sampled, sample_stats = sample(step, records, index, more_records, timer)
-    raise_on_nonfinite_rewards(step, sampled.rewards, sampled.tasks, index)
-    with timer("reference"):
-        batch = prepare_batch(step, sampled)
-    with timer("update"):
-        update_stats, policy = update(step, batch)
+    with step.frozen_bf16():
+        with gathered(step.model):  # FSDP: whole weights for the rollout, no collective per generated token
+            sampled, sample_stats = sample(step, records, index, more_records, timer)
+        raise_on_nonfinite_rewards(step, sampled.rewards, sampled.tasks, index)
+        with timer("reference"):
+            batch = prepare_batch(step, sampled)
+        with timer("update"):
+            update_stats, policy = update(step, batch)
     result = step_result(
         step, records, sampled, sample_stats, update_stats, time.perf_counter() - started, timer
     )
