@@ -8,8 +8,9 @@ the last position in fp32, the caller's processors then temperature, top-k and t
 ``generate`` applies them), ``softmax`` and ``torch.multinomial`` on the global generator (or
 argmax), the pad id after a row's stop token, and the loop ends when every row has stopped or
 ``max_new_tokens`` are out. The key/value cache writes each token into room reserved once
-(``ReservedLayer``) where ``generate``'s concatenates the whole cache again. Same generator, same draws: the tokens are those of ``generate``
-(``tests/test_decode.py`` compares them, sampled and greedy, with and without a prefilled cache).
+(``ReservedLayer``) where ``generate``'s concatenates the whole cache again. Same generator, same
+draws: the tokens are those of ``generate`` (``tests/test_decode.py`` compares them, sampled and
+greedy, with and without a prefilled cache).
 """
 
 from __future__ import annotations
