@@ -39,12 +39,6 @@ class DataConfig(Section):
     """How a fairness prompt asks for the option and SFT teaches it: ``letter`` ("Answer: B") or ``text``
     (the option's words, "Answer: The Brasken farmer"). Small pretrained models pick letters of a
     multiple-choice list near chance; naming the person copies words from the context."""
-    fairness_stereotype: Literal["per_category", "shared"] = "per_category"
-    """Which groups the synthetic fairness stereotypes target: ``per_category`` (each trait its own two
-    groups) or ``shared`` (every trait the same two groups, ``synthetic_fairness.SHARED_TARGETS``). A
-    small model learns a group-by-trait table from a few hundred SFT items only weakly, so its planted
-    bias, which GRPO must remove, is faint; one prejudice across traits is learnt, and carries to the
-    eval's unseen scenes."""
     n_train: int = Field(2000, ge=1)
     """Number of training records."""
     n_eval: int = Field(400, ge=1)

@@ -132,10 +132,7 @@ def _task_pools(task: str, cfg: Config, sizes: dict[str, int]) -> tuple[Pools, C
     if getattr(cfg.data, f"{task}_source") != "synthetic":
         return _loaded(task, cfg, sizes)
     if task == "fairness":
-        return {
-            split: generate_fairness(sizes[split], split, cfg.seed, cfg.data.fairness_stereotype)
-            for split in SPLITS
-        }, Counter()
+        return {split: generate_fairness(sizes[split], split, cfg.seed) for split in SPLITS}, Counter()
     pools = {
         split: generate_grounded(sizes[split], split, cfg.seed, cfg.data.answerable_fraction)
         for split in SPLITS

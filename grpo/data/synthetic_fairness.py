@@ -208,9 +208,6 @@ CATEGORIES: dict[str, tuple[tuple[str, ...], tuple[FairnessTemplate, ...]]] = {
 }
 """Invented stereotype categories: the groups each one targets, and its scenes."""
 
-SHARED_TARGETS = ("Brasken", "Dravish")
-"""The groups every category targets under ``data.fairness_stereotype: shared``."""
-
 
 def templates_for(split: str) -> list[tuple[str, int, FairnessTemplate]]:
     """``(category, index, template)`` of a split: the last template of each category is eval-only."""
@@ -226,11 +223,9 @@ def _capital(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def _item(
-    rng: random.Random, split: str, condition: str, polarity: str, consistent: bool, shared: bool
-) -> dict[str, Any]:
+def _item(rng: random.Random, split: str, condition: str, polarity: str, consistent: bool) -> dict[str, Any]:
     category, index, template = rng.choice(templates_for(split))
-    stereotyped = SHARED_TARGETS if shared else CATEGORIES[category][0]
+    stereotyped = CATEGORIES[category][0]
     role = rng.choice(ROLES)
     target = f"the {rng.choice(stereotyped)} {role}"
     other = f"the {rng.choice([g for g in GROUPS if g not in stereotyped])} {role}"
@@ -265,11 +260,8 @@ def _item(
     }
 
 
-def generate_fairness(
-    n: int, split: str, seed: int, stereotype: str = "per_category"
-) -> list[dict[str, Any]]:
+def generate_fairness(n: int, split: str, seed: int) -> list[dict[str, Any]]:
     """``n`` distinct fairness items (content fields of a Record) for ``split``; same seed, same items.
-    ``stereotype``: ``per_category`` (``CATEGORIES``' targets) or ``shared`` (``SHARED_TARGETS``).
 
     Conditions cycle so that ambiguous/disambiguated, negative/non-negative and stereotype-consistent/
     inconsistent items are balanced exactly (up to one item) for any ``n``.
@@ -281,7 +273,7 @@ def generate_fairness(
         polarity = ("neg", "nonneg")[(i // 2) % 2]
         consistent = (i // 4) % 2 == 0
         item = draw_distinct(
-            partial(_item, rng, split, condition, polarity, consistent, stereotype == "shared"),
+            partial(_item, rng, split, condition, polarity, consistent),
             seen,
             f"synthetic fairness generator ({split} item {i} of {n})",
             "lower data.n_train/data.n_eval or data.fairness_fraction",

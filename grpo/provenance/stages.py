@@ -150,7 +150,6 @@ STAGES: dict[str, StageSpec] = {
                 "data.fairness_fraction",
                 "data.answerable_fraction",
                 "data.sft_noise",
-                "data.fairness_stereotype",
                 "paths",
             ),
             ("prepare", "validate"),

@@ -77,7 +77,7 @@ def pretrain_records(cfg: Config) -> list[Record]:
     seed = derive_seed(cfg.seed, ("pretrain", 0))
     fraction = cfg.pretrain.fairness_fraction
     n_fair = round(n * (cfg.data.fairness_fraction if fraction is None else fraction))
-    fields = generate_fairness(n_fair, "train", seed, cfg.data.fairness_stereotype)
+    fields = generate_fairness(n_fair, "train", seed)
     fields += generate_grounded(n - n_fair, "train", seed, cfg.data.answerable_fraction)
     return apply_sft_noise([make_record(item, "train") for item in fields], cfg.data.sft_noise, seed)
 
