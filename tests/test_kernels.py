@@ -8,7 +8,7 @@ import torch
 from grpo.config import config_from_dict
 from grpo.core.attention import model_attention_mask
 from grpo.core.batching import left_pad, position_ids_from_mask
-from grpo.model.kernels import GROUPED_SDPA, attention_kernel
+from grpo.model.kernels import GROUPED_SDPA, attention_kernel, sdpa_grouped_forward
 from grpo.model.lora import wrap_lora
 from tests.weights import fill_adapter, spread_weights
 
@@ -50,3 +50,29 @@ def test_sdpa_grouped_gives_sdpas_logits_and_gradients(tiny_model, prepared):
 def test_sdpa_grouped_is_what_sdpa_loads_and_nothing_else_changes():
     assert attention_kernel("sdpa") == GROUPED_SDPA
     assert attention_kernel("eager") == "eager" and attention_kernel("flash_attention_2") == "flash_attention_2"
+
+
+def test_sdpa_grouped_attends_in_fp32_under_cpu_autocast():
+    """Under CPU bf16 autocast the kernel gets fp32 queries, keys and values (the bf16 CPU flash backward
+    is several times slower than fp32's) and returns bf16, as autocast's attention would; the
+    gradients reach fp32 inputs in fp32."""
+    gen = torch.Generator().manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    q = torch.randn(2, 6, 5, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 2, 5, 8, generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None, None].expand(2, 1, 5, 5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = sdpa_grouped_forward(module, q, k, v, mask, scaling=0.5)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.detach(), k.detach().float(), v.detach().float(), attn_mask=mask, scale=0.5, enable_gqa=True
+    )
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected.transpose(1, 2).bfloat16(), rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rounded = torch.nn.functional.scaled_dot_product_attention(
+            q.detach(), k.detach().float(), v.detach().float(), attn_mask=mask, scale=0.5, enable_gqa=True
+        )
+    assert not torch.equal(rounded.transpose(1, 2), out), "autocast's own attention rounds q and k to bf16"
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and k.grad.dtype == torch.bfloat16 and q.grad.abs().sum() > 0
