@@ -231,11 +231,16 @@ def test_bf16_step_holding_frozen_weights_in_bf16_is_the_same_step(tiny_model, t
         if not held:
             monkeypatch.setattr(Step, "frozen_bf16", lambda self: contextlib.nullcontext())
         ctx = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"beta": 0.04}, bf16=True)
+        seen = []  # the dtype of a frozen projection's weight at each of its forwards during the step
+        proj = ctx.model.base_model.model.model.layers[0].mlp.down_proj
+        hook = proj.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
         result = grpo_step(ctx, records, 1, lambda attempt: records)
+        hook.remove()
         monkeypatch.undo()
-        return result, ctx.model
+        return result, ctx.model, set(seen)
 
-    (held, held_model), (plain, plain_model) = run(True), run(False)
+    (held, held_model, held_seen), (plain, plain_model, plain_seen) = run(True), run(False)
+    assert held_seen == {torch.bfloat16} and plain_seen == {torch.float32}, "the step itself holds them"
     assert held.raw_texts == plain.raw_texts
     for key in ("loss", "entropy", "kl", "grad_norm"):
         assert held.metrics[key] == plain.metrics[key], key

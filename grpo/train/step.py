@@ -108,14 +108,9 @@ class Step:
     def frozen_bf16(self) -> contextlib.AbstractContextManager:
         """The frozen linear weights held in bf16 for the step (``precision.frozen_linears_in_bf16``): the
         same matmuls as autocast's per-call casts, cast once. On one CPU process under bf16 autocast."""
-        device = self.accelerator.device
-        on = (
-            device.type == "cpu"
-            and self.accelerator.num_processes == 1
-            and autocast_enabled(device, self.cfg.grpo.bf16)
-        )
-        models = [self.model] + ([self.reference] if self.reference is not None else [])
-        return frozen_linears_in_bf16(models, on)
+        device, one = self.accelerator.device, self.accelerator.num_processes == 1
+        on = device.type == "cpu" and one and autocast_enabled(device, self.cfg.grpo.bf16)
+        return frozen_linears_in_bf16([m for m in (self.model, self.reference) if m is not None], on)
 
 
 def shares_prefix(cfg: Config, model: torch.nn.Module) -> bool:
