@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import GenerationConfig
+from transformers.cache_utils import DynamicLayer
 
 from grpo.config import SamplingConfig, config_from_dict
 from grpo.core.batching import left_pad
 from grpo.core.prefix import prefilled_cache
 from grpo.model import chat
-from grpo.model.decode import decode
+from grpo.model.decode import ReservedLayer, decode, reserve_room
 from grpo.model.lora import wrap_lora
 from grpo.model.sampling import build_logits_processors
 from tests.weights import fill_adapter, spread_weights
@@ -100,3 +103,23 @@ def test_decode_stops_at_max_new_tokens_and_after_every_row_stopped(policy, tiny
     stop = torch.isin(completions, torch.tensor(eos))
     lengths = torch.where(stop.any(dim=1), stop.int().argmax(dim=1) + 1, forced.max_new_tokens)  # [N]
     assert completions.shape[1] == int(lengths.max()), "ends once every row stopped, or at max_new_tokens"
+
+
+def test_reserved_layer_holds_the_dynamic_layers_values_without_a_copy_per_token():
+    """``ReservedLayer`` returns what ``DynamicLayer`` returns at every update, writing into buffers
+    reserved once (reallocated only when the room runs out or the rows change)."""
+    gen = torch.Generator().manual_seed(0)
+    plain, reserved = DynamicLayer(), DynamicLayer()
+    first = [torch.randn(4, 2, 5, 3, generator=gen) for _ in range(2)]
+    plain.update(*first)
+    reserved.update(*first)
+    reserve_room(SimpleNamespace(layers=[reserved]), 3)
+    assert type(reserved) is ReservedLayer
+    buffers = []
+    for width in (1, 1, 1, 2):  # three tokens fit the room, the fourth update reallocates
+        states = [torch.randn(4, 2, width, 3, generator=gen) for _ in range(2)]
+        expected, got = plain.update(*states), reserved.update(*states)
+        assert all(torch.equal(e, g) for e, g in zip(expected, got, strict=True))
+        buffers.append(reserved._buffers[0].data_ptr())
+    assert buffers[0] == buffers[1] == buffers[2] != buffers[3]
+    assert reserved.get_seq_length() == plain.get_seq_length() == 10
