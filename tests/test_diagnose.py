@@ -40,6 +40,7 @@ from grpo.model.loading import load_model, load_tokenizer, save_model
 from grpo.model.lora import wrap_lora
 from grpo.model.rollout import generate_rollout
 from grpo.train import checkpoint as ckpt
+from grpo.train.rng_state import capture_rng
 from tests.test_evaluate import GROUP, build_project, make_records
 
 TRAIN_STEPS = 8
@@ -80,7 +81,7 @@ def project(tmp_path_factory) -> Config:
 def collapsed_checkpoint(project) -> Path:
     model, _ = train_adapter(project, entropy_coef=-50.0)
     return ckpt.save_checkpoint(paths.run_dir(project), TRAIN_STEPS, model=model, optimizer=None, scheduler=None,
-                                rng=ckpt.capture_rng(), history=[], lineage={}, keep_last=2)
+                                rng=capture_rng(), history=[], lineage={}, keep_last=2)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +179,7 @@ def test_full_weights_checkpoint_and_model_are_diagnosed_against_the_sft_weights
     cfg = lora_off(project)
     model, tokenizer = train_adapter(cfg, entropy_coef=0.0, steps=4, lr=0.01, lora=False)
     checkpoint = ckpt.save_checkpoint(tmp_path / "runs", 4, model=model, optimizer=None, scheduler=None,
-                                      rng=ckpt.capture_rng(), history=[], lineage={}, keep_last=2)
+                                      rng=capture_rng(), history=[], lineage={}, keep_last=2)
     params, out = tmp_path / "params.yaml", tmp_path / "diagnosis.json"
     params.write_text(yaml.safe_dump(config_to_dict(cfg)), encoding="utf-8")
     main(["diagnose", str(checkpoint), "--params", str(params), "--out", str(out)])

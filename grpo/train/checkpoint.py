@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import secrets
 import shutil
@@ -35,6 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from grpo.errors import GrpoError
 from grpo.files import file_sha256, write_json
+from grpo.train.rng_state import join_tensors, split_tensors
 from grpo.train.sharding import full_tensor, local_part, shard_like
 
 FORMAT_VERSION = 1
@@ -111,67 +111,6 @@ def _write_json(path: Path, value: Any) -> None:
 def _step_of(path: Path) -> int | None:
     match = _CHECKPOINT.match(path.name)
     return int(match.group(1)) if match and path.is_dir() else None
-
-
-# --------------------------------------------------------------------------- rng
-
-
-def capture_rng(generators: dict[str, torch.Generator] | None = None) -> dict[str, Any]:
-    """Every random state a run uses: python, numpy, torch CPU, torch CUDA, and named generators."""
-    version, internal, gauss = random.getstate()
-    numpy_state = np.random.get_state(legacy=False)
-    return {
-        "python": [version, list(internal), gauss],
-        "numpy": {
-            **numpy_state,
-            "state": {**numpy_state["state"], "key": numpy_state["state"]["key"].tolist()},
-        },
-        "torch": torch.get_rng_state(),
-        "cuda": list(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() else [],
-        "generators": {name: gen.get_state() for name, gen in (generators or {}).items()},
-    }
-
-
-def restore_rng(state: dict[str, Any], generators: dict[str, torch.Generator] | None = None) -> None:
-    """Put back what ``capture_rng`` captured; every named generator must be in the saved state."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    numpy_state = state["numpy"]
-    key = np.asarray(numpy_state["state"]["key"], dtype=np.uint32)
-    np.random.set_state({**numpy_state, "state": {**numpy_state["state"], "key": key}})
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
-    saved = state["generators"]
-    for name, gen in (generators or {}).items():
-        if name not in saved:
-            raise CheckpointError(
-                f"checkpoint RNG state has no generator {name!r} (saved: {sorted(saved)}): pass the same "
-                "generator names to capture_rng when saving and to restore_rng when resuming"
-            )
-        gen.set_state(saved[name])
-
-
-def _split_tensors(tree: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """JSON-able copy of ``tree`` whose tensors are moved into ``tensors`` (a placeholder stays)."""
-    if isinstance(tree, torch.Tensor):
-        tensors[prefix] = tree.detach().cpu().contiguous()
-        return {"__tensor__": prefix}
-    if isinstance(tree, dict):
-        return {key: _split_tensors(value, f"{prefix}.{key}", tensors) for key, value in tree.items()}
-    if isinstance(tree, list | tuple):
-        return [_split_tensors(value, f"{prefix}.{i}", tensors) for i, value in enumerate(tree)]
-    return tree
-
-
-def _join_tensors(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(tree, dict):
-        if set(tree) == {"__tensor__"}:
-            return tensors[tree["__tensor__"]]
-        return {key: _join_tensors(value, tensors) for key, value in tree.items()}
-    if isinstance(tree, list):
-        return [_join_tensors(value, tensors) for value in tree]
-    return tree
 
 
 # --------------------------------------------------------------------------- weights
@@ -261,7 +200,7 @@ def _write_contents(tmp: Path, step: int, state: FullState, scheduler, rng, hist
                 handle.flush()
                 os.fsync(handle.fileno())
     tensors: dict[str, torch.Tensor] = {}
-    _write_json(tmp / RNG_JSON, _split_tensors(rng, "rng", tensors))
+    _write_json(tmp / RNG_JSON, split_tensors(rng, "rng", tensors))
     save_file(tensors, tmp / RNG_TENSORS)
     _fsync_file(tmp / RNG_TENSORS)
     _write_json(tmp / HISTORY, history)
@@ -414,7 +353,7 @@ def load_checkpoint(
         saved = _load_state_dict(path / name)
         obj.load_state_dict(_shard_optimizer_state(obj, saved) if obj is optimizer else saved)
     tensors = load_file(path / RNG_TENSORS, device="cpu")
-    rng = _join_tensors(json.loads((path / RNG_JSON).read_text(encoding="utf-8")), tensors)
+    rng = join_tensors(json.loads((path / RNG_JSON).read_text(encoding="utf-8")), tensors)
     history = json.loads((path / HISTORY).read_text(encoding="utf-8"))
     lineage = json.loads((path / LINEAGE).read_text(encoding="utf-8"))
     step = json.loads((path / MARKER).read_text(encoding="utf-8"))["step"]

@@ -42,6 +42,7 @@ from grpo.seeding import derive_seed
 from grpo.train import checkpoint as ckpt
 from grpo.train import sharding
 from grpo.train.policy import Policy
+from grpo.train.rng_state import capture_rng, restore_rng
 from grpo.train.step import StepResult, build_training, grpo_step
 from grpo.train.task_mix import sample_step, shard
 
@@ -62,7 +63,7 @@ def resume(cfg: Config, policy: Policy) -> tuple[int, list[dict]]:
     restored = ckpt.load_checkpoint(
         latest, model=policy.model, optimizer=policy.optimizer, scheduler=policy.scheduler
     )
-    ckpt.restore_rng(restored.rng, {})
+    restore_rng(restored.rng, {})
     print(f"grpo: resuming from {latest} (step {restored.step})")
     return restored.step, list(restored.history)
 
@@ -137,7 +138,7 @@ def save_checkpoint(
             model=policy.model,
             optimizer=policy.optimizer,
             scheduler=policy.scheduler,
-            rng=ckpt.capture_rng({}),
+            rng=capture_rng({}),
             history=history,
             lineage=lineage,
             keep_last=cfg.checkpoint.keep_last,
