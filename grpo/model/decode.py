@@ -5,9 +5,9 @@ attention mask from the 2D one at every token, re-derives the inputs, checks sto
 objects. This loop runs the same computation with the mask prepared once per step by two tensor ops
 (``core.attention``), and is otherwise ``generate``'s sampling loop, step for step: the logits of
 the last position in fp32, the caller's processors then temperature, top-k and top-p (the order
-``generate`` applies them), ``softmax`` and ``torch.multinomial`` on the global generator (or
-argmax), the pad id after a row's stop token, and the loop ends when every row has stopped or
-``max_new_tokens`` are out. The key/value cache writes each token into room reserved once
+``generate`` applies them), ``softmax`` and ``torch.multinomial``'s draw on the global generator
+(``draws.draw_one``: the same draws, on a CPU in half the time) or argmax, the pad id after a row's
+stop token, and the loop ends when every row has stopped or ``max_new_tokens`` are out. The key/value cache writes each token into room reserved once
 (``ReservedLayer``) where ``generate``'s concatenates the whole cache again. Same generator, same
 draws: the tokens are those of ``generate`` (``tests/test_decode.py`` compares them, sampled and
 greedy, with and without a prefilled cache).
@@ -25,6 +25,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from grpo.config import SamplingConfig
 from grpo.core.attention import model_attention_mask
 from grpo.core.batching import position_ids_from_mask
+from grpo.model.draws import draw_one
 
 
 def warpers(sampling: SamplingConfig, greedy: bool) -> LogitsProcessorList:
@@ -118,7 +119,7 @@ def decode(
         if greedy:
             tokens = scores.argmax(dim=-1)
         else:
-            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            tokens = draw_one(torch.softmax(scores, dim=-1))
         tokens = torch.where(running, tokens, pad_id)  # [N]
         sequences = torch.cat([sequences, tokens[:, None]], dim=1)
         running &= ~torch.isin(tokens, stops)
