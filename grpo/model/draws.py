@@ -9,7 +9,7 @@ in the same state), and ``log1p`` over the whole tensor is vectorised, on every 
 
 Vectorised ``log1p`` and the serial one may differ in the last bit of the double. The float they round
 to differs only when the double lies within a few units of its last place of a float rounding
-midpoint; those few entries (about one in 10^8) are recomputed with the C library's ``log1p``
+midpoint; those few entries (about 3 in 10^8) are recomputed with the C library's ``log1p``
 (Python's ``math.log1p``, the serial kernel's). So every ``q`` is the float the serial kernel makes.
 
 A self-check at the first draw compares the two ways on a copy of the generator's state (a PyTorch
