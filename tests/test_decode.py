@@ -12,7 +12,7 @@ from transformers.cache_utils import DynamicLayer
 from grpo.config import SamplingConfig, config_from_dict
 from grpo.core.batching import left_pad
 from grpo.core.prefix import prefilled_cache
-from grpo.model import chat
+from grpo.model import chat, draws
 from grpo.model.decode import ReservedLayer, decode, reserve_room
 from grpo.model.lora import wrap_lora
 from grpo.model.sampling import build_logits_processors
@@ -73,7 +73,11 @@ def _decode(model, tokenizer, batch, sampling, eos, greedy, seed, prefilled):
 
 @pytest.mark.parametrize("prefilled", [False, True], ids=["plain-prefill", "shared-prefill"])
 @pytest.mark.parametrize("mode", [*SAMPLINGS, "greedy"])
-def test_decode_samples_generates_tokens(policy, tiny_tokenizer, mode, prefilled):
+def test_decode_samples_generates_tokens(policy, tiny_tokenizer, mode, prefilled, monkeypatch):
+    """Sampled rows go through ``draws.draw_one``'s own draws (not its fallback to ``multinomial``)."""
+    fast_draws = []
+    exponentials = draws._exponentials
+    monkeypatch.setattr(draws, "_exponentials", lambda shape: fast_draws.append(shape) or exponentials(shape))
     sampling = SAMPLINGS.get(mode, SAMPLINGS["plain"])
     greedy = mode == "greedy"
     eos = chat.end_of_turn_ids(tiny_tokenizer)
@@ -88,6 +92,7 @@ def test_decode_samples_generates_tokens(policy, tiny_tokenizer, mode, prefilled
         completions |= {tuple(row) for row in generated.tolist()}
         stopped += torch.isin(generated, torch.tensor(eos)).any(dim=1).tolist()
     assert len(completions) > 3, "completions vary (a real comparison)"
+    assert bool(fast_draws) != greedy, "sampling drew through draw_one's exponentials, greedy decoding did not"
     if not greedy:
         assert any(stopped) and not all(stopped), "some rows stop early, others run on (pad after stop)"
 

@@ -7,10 +7,10 @@ objects. This loop runs the same computation with the mask prepared once per ste
 the last position in fp32, the caller's processors then temperature, top-k and top-p (the order
 ``generate`` applies them), ``softmax`` and ``torch.multinomial``'s draw on the global generator
 (``draws.draw_one``: the same draws, on a CPU in half the time) or argmax, the pad id after a row's
-stop token, and the loop ends when every row has stopped or ``max_new_tokens`` are out. The key/value cache writes each token into room reserved once
-(``ReservedLayer``) where ``generate``'s concatenates the whole cache again. Same generator, same
-draws: the tokens are those of ``generate`` (``tests/test_decode.py`` compares them, sampled and
-greedy, with and without a prefilled cache).
+stop token, and the loop ends when every row has stopped or ``max_new_tokens`` are out. The
+key/value cache writes each token into room reserved once (``ReservedLayer``) where ``generate``'s
+concatenates the whole cache again. Same generator, same draws: the tokens are those of ``generate``
+(``tests/test_decode.py`` compares them, sampled and greedy, with and without a prefilled cache).
 """
 
 from __future__ import annotations
