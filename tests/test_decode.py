@@ -10,7 +10,8 @@ from transformers import GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
 from grpo.config import SamplingConfig, config_from_dict
-from grpo.core.batching import left_pad
+from grpo.core.batching import completion_mask, join_prompt_completion, left_pad
+from grpo.core.logprobs import score_completions
 from grpo.core.prefix import prefilled_cache
 from grpo.model import chat, draws
 from grpo.model.decode import ReservedLayer, decode, reserve_room
@@ -60,7 +61,7 @@ def _generate(model, tokenizer, batch, sampling, eos, greedy, seed):
                               generation_config=config, logits_processor=processors)
 
 
-def _decode(model, tokenizer, batch, sampling, eos, greedy, seed, prefilled):
+def _decode(model, tokenizer, batch, sampling, eos, greedy, seed, prefilled, entropy=False):
     processors, _ = build_logits_processors(batch.input_ids.shape[1], eos, sampling)
     cache = {}
     if prefilled:
@@ -68,7 +69,7 @@ def _decode(model, tokenizer, batch, sampling, eos, greedy, seed, prefilled):
         cache = {"past_key_values": prefilled_cache(model, *distinct, G)}
     torch.manual_seed(seed)
     return decode(model, batch.input_ids, batch.attention_mask, sampling, eos, tokenizer.pad_token_id,
-                  processors, greedy=greedy, **cache)
+                  processors, greedy=greedy, entropy=entropy, **cache)
 
 
 @pytest.mark.parametrize("prefilled", [False, True], ids=["plain-prefill", "shared-prefill"])
@@ -85,7 +86,7 @@ def test_decode_samples_generates_tokens(policy, tiny_tokenizer, mode, prefilled
     completions, stopped = set(), []
     for seed in (0, 1, 2):
         expected = _generate(policy, tiny_tokenizer, batch, sampling, eos, greedy, seed)
-        got = _decode(policy, tiny_tokenizer, batch, sampling, eos, greedy, seed, prefilled)
+        got = _decode(policy, tiny_tokenizer, batch, sampling, eos, greedy, seed, prefilled).sequences
         assert got.shape == expected.shape
         assert torch.equal(got, expected), f"seed {seed}: decode and generate sampled different tokens"
         generated = expected[:, batch.input_ids.shape[1]:]  # [N, C]
@@ -97,13 +98,40 @@ def test_decode_samples_generates_tokens(policy, tiny_tokenizer, mode, prefilled
         assert any(stopped) and not all(stopped), "some rows stop early, others run on (pad after stop)"
 
 
+@pytest.mark.parametrize("prefilled", [False, True], ids=["plain-prefill", "shared-prefill"])
+@pytest.mark.parametrize("mode", [*SAMPLINGS, "greedy"])
+def test_decode_entropy_is_the_scorers_entropy_of_the_generated_tokens(policy, tiny_tokenizer, mode, prefilled):
+    """The entropy the loop returns is ``score_completions``' entropy of the same ids: ``softmax(z / T)``
+    at each completion position (warpers, penalties and EOS suppression left out, as the scorer leaves
+    them), 0 after a row's stop token; the sampled tokens are those of a decode without it."""
+    sampling = SAMPLINGS.get(mode, SAMPLINGS["plain"])
+    greedy = mode == "greedy"
+    eos = chat.end_of_turn_ids(tiny_tokenizer)
+    batch = _prompts(tiny_tokenizer)
+    plain = _decode(policy, tiny_tokenizer, batch, sampling, eos, greedy, 0, prefilled)
+    got = _decode(policy, tiny_tokenizer, batch, sampling, eos, greedy, 0, prefilled, entropy=True)
+    assert plain.entropy is None and torch.equal(got.sequences, plain.sequences)
+    width = batch.input_ids.shape[1]
+    completions = got.sequences[:, width:]  # [N, C]
+    masks = completion_mask(completions, eos)
+    joined = join_prompt_completion(batch.input_ids, batch.attention_mask, completions, masks.mask)
+    with torch.no_grad():
+        scored = score_completions(policy, joined.input_ids, joined.attention_mask, completions.shape[1],
+                                   sampling.temperature)
+    assert got.entropy.shape == completions.shape and got.entropy.dtype == torch.float32
+    assert not masks.mask.all() and (got.entropy[~masks.mask] == 0).all(), "0 after a row's stop token"
+    inside = got.entropy[masks.mask]
+    assert (inside > 0.05).all(), "a real distribution at every generated token"
+    torch.testing.assert_close(inside, scored.entropy[masks.mask], rtol=0, atol=2e-5)
+
+
 def test_decode_stops_at_max_new_tokens_and_after_every_row_stopped(policy, tiny_tokenizer):
     eos = chat.end_of_turn_ids(tiny_tokenizer)
     batch = _prompts(tiny_tokenizer)
     sampling = SAMPLINGS["plain"].model_copy(update={"max_new_tokens": 2})
-    assert _decode(policy, tiny_tokenizer, batch, sampling, eos, False, 0, False).shape[1] == batch.input_ids.shape[1] + 2
+    assert _decode(policy, tiny_tokenizer, batch, sampling, eos, False, 0, False).sequences.shape[1] == batch.input_ids.shape[1] + 2
     forced = SAMPLINGS["plain"].model_copy(update={"max_new_tokens": 40})
-    out = _decode(policy, tiny_tokenizer, batch, forced, eos, False, 0, False)
+    out = _decode(policy, tiny_tokenizer, batch, forced, eos, False, 0, False).sequences
     completions = out[:, batch.input_ids.shape[1]:]  # [N, C]
     stop = torch.isin(completions, torch.tensor(eos))
     lengths = torch.where(stop.any(dim=1), stop.int().argmax(dim=1) + 1, forced.max_new_tokens)  # [N]

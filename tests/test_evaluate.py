@@ -35,6 +35,7 @@ from grpo.model.lora import wrap_lora
 from grpo.model.rollout import generate_rollout, stop_ids
 from grpo.model.tiny import build_tiny
 from grpo.provenance.lineage import StaleArtifactError, make_lineage, write_lineage
+from tests.weights import spread_weights
 
 SIZES = TinyModelConfig(
     vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -239,6 +240,38 @@ def test_evaluation_decodes_in_the_rollouts_precision(project, monkeypatch):
         evaluate_module.evaluate_model(model, tokenizer, records, cfg, progress=False)
         hook.remove()
         assert seen and set(seen) == {bf16 and autocast_enabled(torch.device("cpu"), True)}
+
+
+def test_sampled_entropy_is_the_scorers_entropy_of_the_sampled_tokens(project):
+    """The sampled mode's entropy, taken from the decode loop's own logits, is the token mean of what a
+    scoring pass (``score_inputs``: the same ids at the sampling temperature, I3/I10) gives for the
+    rollout evaluation sampled; ``entropy_sum`` refuses a rollout sampled without it."""
+    from grpo.data.prompts import render_records
+    from grpo.eval.evaluate import EvaluationError, entropy_sum, evaluate_model
+    from grpo.model.scoring import rollout_inputs, score_inputs
+    from grpo.seeding import derive_seed
+
+    tokenizer = load_tokenizer(paths.model_dir(project, "sft"), project.model)
+    model = load_model(paths.model_dir(project, "sft"), project.model).eval()
+    spread_weights(model, torch.Generator().manual_seed(0))  # completions that stop at different places
+    with torch.no_grad():
+        model.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("<|eot_id|>")] *= 3
+    cfg = project.model_copy(update={"grpo": project.grpo.model_copy(
+        update={"sampling": project.grpo.sampling.model_copy(update={"max_new_tokens": 12, "temperature": 0.7})})})
+    records = eval_records(cfg)[:3]
+    assert len(records) <= cfg.eval.batch_size  # one batch: its seed is the batch index 0's
+    got = evaluate_model(model, tokenizer, records, cfg, progress=False)["sampled"]["entropy"]
+    prompts = render_records(tokenizer, records, cfg.model.chat_template_kwargs)
+    args = (model, tokenizer, prompts, cfg.eval.samples_per_prompt, cfg.grpo.sampling,
+            stop_ids(model, tokenizer, cfg.model.extra_stop_tokens), derive_seed(cfg.seed, ("eval_batch", 0)))
+    sampled = generate_rollout(*args, shared_prefill=True)
+    inputs = rollout_inputs(sampled)
+    assert 0 < int(inputs.completion_mask.sum()) < inputs.completion_mask.numel(), "some rows stop early"
+    with torch.no_grad():
+        entropy = score_inputs(model, inputs).entropy[inputs.completion_mask]
+    assert got == pytest.approx(float(entropy.mean()), abs=1e-5) and got > 0.05
+    with pytest.raises(EvaluationError, match="with_entropy=True"):
+        entropy_sum(sampled)
 
 
 # ---------------------------------------------------------------------------- the stage

@@ -23,9 +23,9 @@ def prompts(tiny_tokenizer) -> list[list[int]]:
     return [render_prompt(tiny_tokenizer, messages) for messages in MESSAGES]
 
 
-def rollout(model, tokenizer, prompts, group_size=3, seed=0, greedy=False, sampling=SAMPLING):
+def rollout(model, tokenizer, prompts, group_size=3, seed=0, greedy=False, sampling=SAMPLING, with_entropy=False):
     return generate_rollout(model, tokenizer, prompts, group_size, sampling, stop_ids(model, tokenizer), seed,
-                            greedy=greedy)
+                            greedy=greedy, with_entropy=with_entropy)
 
 
 def test_row_i_belongs_to_prompt_i_over_group_size(tiny_model, tiny_tokenizer, prompts):
@@ -88,6 +88,9 @@ def test_select_groups_keeps_whole_groups_in_the_given_order(tiny_model, tiny_to
     picked = select_groups(out, [1, 0])
     assert torch.equal(picked.completion_ids, out.completion_ids[[2, 3, 0, 1]])
     assert picked.texts == [out.texts[i] for i in (2, 3, 0, 1)] and picked.group_size == 2
+    assert picked.entropy is None
+    measured = rollout(tiny_model, tiny_tokenizer, prompts, group_size=2, seed=3, with_entropy=True)
+    assert torch.equal(select_groups(measured, [1, 0]).entropy, measured.entropy[[2, 3, 0, 1]])
 
 
 def test_concat_pads_prompts_left_and_completions_right(tiny_model, tiny_tokenizer, prompts):
@@ -100,6 +103,12 @@ def test_concat_pads_prompts_left_and_completions_right(tiny_model, tiny_tokeniz
     assert torch.equal(both.prompt_ids[:2, -short.prompt_ids.shape[1]:], short.prompt_ids)
     assert not both.prompt_mask[:2, : width - short.prompt_ids.shape[1]].any()
     assert torch.equal(both.completion_mask.sum(dim=1), torch.cat([short.lengths, long.lengths]))
+    assert both.entropy is None
+    measured = [rollout(tiny_model, tiny_tokenizer, p, group_size=2, seed=s, with_entropy=True)
+                for p, s in ((prompts[:1], 4), (prompts[1:], 5))]
+    entropy = concat_rollouts(measured, tiny_tokenizer.pad_token_id).entropy
+    assert entropy.shape == both.completion_mask.shape and torch.equal(entropy != 0, both.completion_mask)
+    assert entropy.sum() == pytest.approx(float(measured[0].entropy.sum() + measured[1].entropy.sum()))
 
 
 def test_i3_the_rollout_keeps_the_generated_ids(tiny_model, tiny_tokenizer, prompts):

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -58,7 +57,6 @@ from grpo.locks import writes
 from grpo.model.device import make_accelerator, model_device
 from grpo.model.precision import bf16_autocast
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
-from grpo.model.scoring import rollout_inputs, score_inputs
 from grpo.model.stage_models import check_grpo, check_sft, load_base, load_grpo, load_sft
 from grpo.rewards import weighted_reward
 from grpo.seeding import derive_seed
@@ -95,15 +93,17 @@ def available_models(cfg: Config) -> tuple[list[str], dict[str, str]]:
 # --------------------------------------------------------------------------- generation
 
 
-@torch.no_grad()
-def entropy_sum(model: PreTrainedModel, rollout: Rollout) -> tuple[float, int]:
+def entropy_sum(rollout: Rollout) -> tuple[float, int]:
     """``(sum of token entropies, number of tokens)`` over the completion masks of ``rollout``.
 
-    Scored on the very generated ids (I3) at the temperature the rollout was sampled at (I10).
+    The entropy the decode loop took from the logits that drew each token (``with_entropy``): the
+    very generated ids (I3) at the temperature they were sampled at (I10), without a second pass.
     """
-    inputs = rollout_inputs(rollout, model_device(model))
-    entropy = score_inputs(model, inputs).entropy
-    return float(torch.where(inputs.completion_mask, entropy, 0.0).sum()), int(inputs.completion_mask.sum())
+    if rollout.entropy is None:
+        raise EvaluationError(
+            "entropy_sum: the rollout carries no entropy; sample it with generate_rollout(..., with_entropy=True)"
+        )
+    return float(rollout.entropy.sum()), int(rollout.completion_mask.sum())
 
 
 # --------------------------------------------------------------------------- metrics
@@ -208,8 +208,9 @@ def evaluate_model(
                     eos_ids,
                     seed=derive_seed(cfg.seed, ("eval_batch", index)),
                     shared_prefill=True,
+                    with_entropy=True,
                 )
-                sampled.add(rollout, entropy_sum(model, rollout))
+                sampled.add(rollout, entropy_sum(rollout))
     if texts is not None:
         texts.update(greedy=greedy.texts, **({"sampled": sampled.texts} if group else {}))
     results = {"greedy": task_metrics(greedy.texts, records, cfg) | greedy.length_stats()}

@@ -8,6 +8,7 @@ and including the first stop token. Decoded texts are for the rewards, never fed
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -48,6 +49,8 @@ class Rollout:
     group_size: int
     temperature: float  # the temperature the completions were sampled at: scoring divides by it (I10)
     processors: tuple[str, ...]  # what else shaped sampling but is not scored (``sampling_processors``)
+    entropy: torch.Tensor | None = None  # [N, C] fp32 entropy of softmax(z / T) at each generated token,
+    # from the decode loop's own logits, 0 outside the completion mask; only where asked (``with_entropy``)
 
 
 def stop_ids(
@@ -91,16 +94,20 @@ def generate_rollout(
     seed: int,
     greedy: bool = False,
     shared_prefill: bool = False,
+    with_entropy: bool = False,
 ) -> Rollout:
     """Sample ``group_size`` completions for every prompt (ids from ``chat.render_prompt``).
 
     ``greedy``: argmax decoding instead of sampling (evaluation), through the same stop ids,
     completion-only penalties, EOS suppression and masks (I4-I6). ``shared_prefill``: each prompt is
     prefilled once and its key/value cache repeated G times (``prefix.prefilled_cache``); the logits,
-    hence the sampled tokens, are those of a plain prefill.
+    hence the sampled tokens, are those of a plain prefill. ``with_entropy``: the rollout carries each
+    token's entropy under the sampling temperature (``Rollout.entropy``), taken from the logits that
+    drew it, so no scoring pass is needed for it.
     """
     return sample_rollout(
-        model, tokenizer, prompts, group_size, sampling, eos_ids, seed, greedy, shared_prefill
+        model, tokenizer, prompts, group_size, sampling, eos_ids, seed, greedy, shared_prefill,
+        with_entropy=with_entropy,
     )[0]
 
 
@@ -116,6 +123,7 @@ def sample_rollout(
     greedy: bool = False,
     shared_prefill: bool = False,
     keep_segments: Sequence[Hashable] | None = None,
+    with_entropy: bool = False,
 ) -> tuple[Rollout, tuple[PromptPrefill, ...]]:
     """``generate_rollout``, and with ``keep_segments`` (a label per prompt, e.g. its task) the
     prefill kept with its graph, one per label (``prefix.keep_prefills``), for the update's policy
@@ -141,7 +149,7 @@ def sample_rollout(
         torch.manual_seed(seed)
         if shared_prefill and not kept and prompt_width > 1:
             cache = {"past_key_values": prefilled_cache(model, *distinct, group_size)}
-        sequences = decode(
+        sequences, entropy = decode(
             model,
             prompt.input_ids.to(device),
             prompt.attention_mask.to(device),
@@ -150,12 +158,14 @@ def sample_rollout(
             tokenizer.pad_token_id,
             processors,
             greedy=greedy,
+            entropy=with_entropy,
             **cache,
         )
     model.train(was_training)
-    return rollout_from_sequences(
-        tokenizer, prompt, sequences, eos_ids, suppressor, group_size, sampling
-    ), kept
+    rollout = rollout_from_sequences(tokenizer, prompt, sequences, eos_ids, suppressor, group_size, sampling)
+    if entropy is not None:
+        rollout = dataclasses.replace(rollout, entropy=entropy.cpu())
+    return rollout, kept
 
 
 def rollout_from_sequences(
@@ -207,6 +217,7 @@ def select_groups(rollout: Rollout, groups: Sequence[int]) -> Rollout:
         group_size=g,
         temperature=rollout.temperature,
         processors=rollout.processors,
+        entropy=None if rollout.entropy is None else rollout.entropy[index],
     )
 
 
@@ -256,4 +267,7 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
         group_size=rollouts[0].group_size,
         temperature=rollouts[0].temperature,
         processors=rollouts[0].processors,
+        entropy=None
+        if any(r.entropy is None for r in rollouts)
+        else cat([_pad_to(r.entropy, c, 0, left=False) for r in rollouts]),
     )
