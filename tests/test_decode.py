@@ -61,7 +61,7 @@ def _generate(model, tokenizer, batch, sampling, eos, greedy, seed):
                               generation_config=config, logits_processor=processors)
 
 
-def _decode(model, tokenizer, batch, sampling, eos, greedy, seed, prefilled, entropy=False):
+def _decode(model, tokenizer, batch, sampling, eos, greedy, seed, prefilled, entropy=None):
     processors, _ = build_logits_processors(batch.input_ids.shape[1], eos, sampling)
     cache = {}
     if prefilled:
@@ -86,7 +86,7 @@ def test_decode_samples_generates_tokens(policy, tiny_tokenizer, mode, prefilled
     completions, stopped = set(), []
     for seed in (0, 1, 2):
         expected = _generate(policy, tiny_tokenizer, batch, sampling, eos, greedy, seed)
-        got = _decode(policy, tiny_tokenizer, batch, sampling, eos, greedy, seed, prefilled).sequences
+        got = _decode(policy, tiny_tokenizer, batch, sampling, eos, greedy, seed, prefilled)
         assert got.shape == expected.shape
         assert torch.equal(got, expected), f"seed {seed}: decode and generate sampled different tokens"
         generated = expected[:, batch.input_ids.shape[1]:]  # [N, C]
@@ -109,18 +109,21 @@ def test_decode_entropy_is_the_scorers_entropy_of_the_generated_tokens(policy, t
     eos = chat.end_of_turn_ids(tiny_tokenizer)
     batch = _prompts(tiny_tokenizer)
     plain = _decode(policy, tiny_tokenizer, batch, sampling, eos, greedy, 0, prefilled)
-    got = _decode(policy, tiny_tokenizer, batch, sampling, eos, greedy, 0, prefilled, entropy=True)
-    assert plain.entropy is None and torch.equal(got.sequences, plain.sequences)
+    columns = []
+    sequences = _decode(policy, tiny_tokenizer, batch, sampling, eos, greedy, 0, prefilled, entropy=columns)
+    assert torch.equal(sequences, plain)
     width = batch.input_ids.shape[1]
-    completions = got.sequences[:, width:]  # [N, C]
+    completions = sequences[:, width:]  # [N, C]
+    assert len(columns) == completions.shape[1] and all(c.shape == (len(plain),) for c in columns)
+    entropy = torch.stack(columns, dim=1)  # [N, C]
     masks = completion_mask(completions, eos)
     joined = join_prompt_completion(batch.input_ids, batch.attention_mask, completions, masks.mask)
     with torch.no_grad():
         scored = score_completions(policy, joined.input_ids, joined.attention_mask, completions.shape[1],
                                    sampling.temperature)
-    assert got.entropy.shape == completions.shape and got.entropy.dtype == torch.float32
-    assert not masks.mask.all() and (got.entropy[~masks.mask] == 0).all(), "0 after a row's stop token"
-    inside = got.entropy[masks.mask]
+    assert entropy.dtype == torch.float32
+    assert not masks.mask.all() and (entropy[~masks.mask] == 0).all(), "0 after a row's stop token"
+    inside = entropy[masks.mask]
     assert (inside > 0.05).all(), "a real distribution at every generated token"
     torch.testing.assert_close(inside, scored.entropy[masks.mask], rtol=0, atol=2e-5)
 
@@ -129,9 +132,9 @@ def test_decode_stops_at_max_new_tokens_and_after_every_row_stopped(policy, tiny
     eos = chat.end_of_turn_ids(tiny_tokenizer)
     batch = _prompts(tiny_tokenizer)
     sampling = SAMPLINGS["plain"].model_copy(update={"max_new_tokens": 2})
-    assert _decode(policy, tiny_tokenizer, batch, sampling, eos, False, 0, False).sequences.shape[1] == batch.input_ids.shape[1] + 2
+    assert _decode(policy, tiny_tokenizer, batch, sampling, eos, False, 0, False).shape[1] == batch.input_ids.shape[1] + 2
     forced = SAMPLINGS["plain"].model_copy(update={"max_new_tokens": 40})
-    out = _decode(policy, tiny_tokenizer, batch, forced, eos, False, 0, False).sequences
+    out = _decode(policy, tiny_tokenizer, batch, forced, eos, False, 0, False)
     completions = out[:, batch.input_ids.shape[1]:]  # [N, C]
     stop = torch.isin(completions, torch.tensor(eos))
     lengths = torch.where(stop.any(dim=1), stop.int().argmax(dim=1) + 1, forced.max_new_tokens)  # [N]

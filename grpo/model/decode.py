@@ -11,7 +11,7 @@ stop token, and the loop ends when every row has stopped or ``max_new_tokens`` a
 key/value cache writes each token into room reserved once (``ReservedLayer``) where ``generate``'s
 concatenates the whole cache again. Same generator, same draws: the tokens are those of ``generate``
 (``tests/test_decode.py`` compares them, sampled and greedy, with and without a prefilled cache).
-Asked for it, the loop also returns each generated token's entropy under the scorer's distribution
+Asked for it, the loop also hands back each generated token's entropy under the scorer's distribution
 (``softmax(z / T)`` of the same fp32 logits, ``core.logprobs.entropy_from_logits``): evaluation's
 entropy of the sampling policy without a second forward pass over the rollout.
 """
@@ -19,7 +19,6 @@ entropy of the sampling policy without a second forward pass over the rollout.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 from transformers import LogitsProcessorList, PreTrainedModel
@@ -84,12 +83,6 @@ def reserve_room(cache, tokens: int) -> None:
             layer.reserve = tokens
 
 
-class Decoded(NamedTuple):
-    sequences: torch.Tensor  # [N, P + C] prompt, then the completions, the pad id after a row's stop token
-    entropy: torch.Tensor | None  # [N, C] fp32 entropy of softmax(z / T) where each token was drawn, 0 after a
-    # row's stop token; None unless asked for
-
-
 @torch.no_grad()
 def decode(
     model: PreTrainedModel,
@@ -101,13 +94,15 @@ def decode(
     processors: LogitsProcessorList,  # completion-only processors (``sampling.build_logits_processors``)
     greedy: bool = False,
     past_key_values=None,  # a cache of every prompt column but the last (``prefix.prefilled_cache``)
-    entropy: bool = False,
-) -> Decoded:
+    entropy: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Sequences ``[N, P + C]`` as ``generate`` returns them: prompt, then the completions, the pad id
     after a row's first stop token; ``C`` is the longest completion (at most ``max_new_tokens``).
-    ``entropy``: also the entropy of ``softmax(z / sampling.temperature)`` of the logits each token was
-    drawn from, as ``score_completions`` defines it (the processors and warpers change which tokens
-    are drawn, not the scored distribution); 0 where a row had stopped."""
+
+    ``entropy``, when given, receives one ``[N]`` tensor per generated column: the entropy of
+    ``softmax(z / sampling.temperature)`` of the logits that column's tokens were drawn from, as
+    ``score_completions`` defines it (the processors and warpers change which tokens are drawn, not
+    the scored distribution); 0 for a row that had stopped."""
     rows = input_ids.shape[0]
     positions = position_ids_from_mask(attention_mask)  # [N, P]
     prefilled = 0 if past_key_values is None else input_ids.shape[1] - 1
@@ -117,7 +112,7 @@ def decode(
     stops = torch.as_tensor(list(eos_ids), device=input_ids.device)
     running = torch.ones(rows, dtype=torch.bool, device=input_ids.device)
     shape = LogitsProcessorList([*processors, *warpers(sampling, greedy)])
-    sequences, entropies = input_ids, []
+    sequences = input_ids
     for step in range(sampling.max_new_tokens):
         out = model(
             input_ids=step_ids,
@@ -131,8 +126,8 @@ def decode(
             reserve_room(out.past_key_values, sampling.max_new_tokens)
         past_key_values = out.past_key_values
         logits = out.logits[:, -1, :].to(dtype=torch.float32)  # [N, V]
-        if entropy:
-            entropies.append(torch.where(running, entropy_from_logits(logits / sampling.temperature), 0.0))
+        if entropy is not None:
+            entropy.append(torch.where(running, entropy_from_logits(logits / sampling.temperature), 0.0))
         scores = shape(sequences, logits)
         if greedy:
             tokens = scores.argmax(dim=-1)
@@ -146,4 +141,4 @@ def decode(
         step_ids = tokens[:, None]
         step_positions = step_positions[:, -1:] + 1
         mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
-    return Decoded(sequences, torch.stack(entropies, dim=1) if entropy else None)
+    return sequences

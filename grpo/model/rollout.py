@@ -149,7 +149,8 @@ def sample_rollout(
         torch.manual_seed(seed)
         if shared_prefill and not kept and prompt_width > 1:
             cache = {"past_key_values": prefilled_cache(model, *distinct, group_size)}
-        sequences, entropy = decode(
+        entropy = [] if with_entropy else None
+        sequences = decode(
             model,
             prompt.input_ids.to(device),
             prompt.attention_mask.to(device),
@@ -158,13 +159,13 @@ def sample_rollout(
             tokenizer.pad_token_id,
             processors,
             greedy=greedy,
-            entropy=with_entropy,
+            entropy=entropy,
             **cache,
         )
     model.train(was_training)
     rollout = rollout_from_sequences(tokenizer, prompt, sequences, eos_ids, suppressor, group_size, sampling)
-    if entropy is not None:
-        rollout = dataclasses.replace(rollout, entropy=entropy.cpu())
+    if with_entropy:
+        rollout = dataclasses.replace(rollout, entropy=torch.stack(entropy, dim=1).cpu())
     return rollout, kept
 
 
