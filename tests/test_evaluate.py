@@ -16,14 +16,17 @@ import torch
 
 from grpo import paths
 from grpo.config import Config, TinyModelConfig, config_from_dict
-from grpo.data.prompts import example_messages
+from grpo.data.prompts import example_messages, render_records
 from grpo.data.schema import LETTERS, make_record, record_line
 from grpo.data.select import balanced_records, eval_records
 from grpo.data.synthetic_fairness import generate_fairness
 from grpo.data.synthetic_grounded import generate_grounded
 from grpo.eval.compare import question_kind
 from grpo.eval.evaluate import (
+    EvaluationError,
     diversity_metrics,
+    entropy_sum,
+    evaluate_model,
     markdown_report,
     plot_run_entropy,
     run,
@@ -33,8 +36,10 @@ from grpo.model.chat import end_of_turn_ids, render_prompt
 from grpo.model.loading import load_model, load_tokenizer, save_model
 from grpo.model.lora import wrap_lora
 from grpo.model.rollout import generate_rollout, stop_ids
+from grpo.model.scoring import rollout_inputs, score_inputs
 from grpo.model.tiny import build_tiny
 from grpo.provenance.lineage import StaleArtifactError, make_lineage, write_lineage
+from grpo.seeding import derive_seed
 from tests.weights import spread_weights
 
 SIZES = TinyModelConfig(
@@ -246,11 +251,6 @@ def test_sampled_entropy_is_the_scorers_entropy_of_the_sampled_tokens(project):
     """The sampled mode's entropy, taken from the decode loop's own logits, is the token mean of what a
     scoring pass (``score_inputs``: the same ids at the sampling temperature, I3/I10) gives for the
     rollout evaluation sampled; ``entropy_sum`` refuses a rollout sampled without it."""
-    from grpo.data.prompts import render_records
-    from grpo.eval.evaluate import EvaluationError, entropy_sum, evaluate_model
-    from grpo.model.scoring import rollout_inputs, score_inputs
-    from grpo.seeding import derive_seed
-
     tokenizer = load_tokenizer(paths.model_dir(project, "sft"), project.model)
     model = load_model(paths.model_dir(project, "sft"), project.model).eval()
     spread_weights(model, torch.Generator().manual_seed(0))  # completions that stop at different places

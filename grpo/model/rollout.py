@@ -8,7 +8,6 @@ and including the first stop token. Decoded texts are for the rewards, never fed
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -163,10 +162,10 @@ def sample_rollout(
             **cache,
         )
     model.train(was_training)
-    rollout = rollout_from_sequences(tokenizer, prompt, sequences, eos_ids, suppressor, group_size, sampling)
-    if with_entropy:
-        rollout = dataclasses.replace(rollout, entropy=torch.stack(entropy, dim=1).cpu())
-    return rollout, kept
+    measured = torch.stack(entropy, dim=1) if with_entropy else None  # [N, C]
+    return rollout_from_sequences(
+        tokenizer, prompt, sequences, eos_ids, suppressor, group_size, sampling, entropy=measured
+    ), kept
 
 
 def rollout_from_sequences(
@@ -177,6 +176,7 @@ def rollout_from_sequences(
     suppressor: EosSuppressor,
     group_size: int,
     sampling: SamplingConfig,  # what sampled ``sequences``: recorded on the rollout for scoring (I10)
+    entropy: torch.Tensor | None = None,  # [N, C] the decode loop's entropy per generated token, if measured
 ) -> Rollout:
     """Cut the completions at the absolute prompt width (I4), mask them by position (I5), decode them."""
     completion_ids = completion_ids_from_generated(sequences.cpu(), prompt.input_ids.shape[1])
@@ -196,6 +196,7 @@ def rollout_from_sequences(
         group_size=group_size,
         temperature=sampling.temperature,
         processors=sampling_processors(sampling),
+        entropy=None if entropy is None else entropy.cpu(),
     )
 
 
