@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,11 @@ from grpo.cli import COMMANDS
 from grpo.config import Config, GrpoConfig, ModelConfig, config_from_dict
 from grpo.provenance import fingerprint, stages
 from grpo.provenance.fingerprint import (
+    RACY_NS,
     FingerprintError,
+    file_sha256_memo,
     import_closure,
+    memo_by_stat,
     semantic_hash,
     stage_fingerprint,
     write_fingerprints,
@@ -86,6 +91,62 @@ def test_a_string_that_is_not_a_docstring_counts():
 def test_syntax_error_names_the_file():
     with pytest.raises(FingerprintError, match="broken.py"):
         semantic_hash("def f(:\n", "broken.py")
+
+
+# --------------------------------------------------------------------------- memo_by_stat
+
+
+def _counting(reads):
+    def compute(path, *args):
+        reads.append((path.name, args))
+        return path.read_bytes() + repr(args).encode()
+
+    return compute
+
+
+def test_memo_by_stat_reads_an_aged_file_once_and_again_after_any_change(tmp_path):
+    reads = []
+    compute = _counting(reads)
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"aaaa")
+    _age([path])
+    assert memo_by_stat("t", path, compute) == b"aaaa()"
+    assert memo_by_stat("t", path, compute) == b"aaaa()"
+    assert len(reads) == 1
+    assert memo_by_stat("t", path, compute, "x") == b"aaaa('x',)"  # other arguments, another entry
+    assert len(reads) == 2
+    with path.open("r+b") as handle:  # edited in place, same size: the mtime moves
+        handle.write(b"b")
+    assert memo_by_stat("t", path, compute) == b"baaa()"
+    _age([path])
+    replacement = tmp_path / "new.bin"
+    replacement.write_bytes(b"cccc")
+    _age([replacement], 500)
+    os.replace(replacement, path)  # replaced as write_atomically does: a new inode, the same size
+    assert memo_by_stat("t", path, compute) == b"cccc()"
+    assert len(reads) == 4
+
+
+def test_memo_by_stat_reads_a_racily_fresh_file_every_time(tmp_path):
+    """A file modified within RACY_NS of the read may change again without moving its mtime."""
+    reads = []
+    path = tmp_path / "fresh.bin"
+    path.write_bytes(b"1")
+    assert time.time_ns() - path.stat().st_mtime_ns < RACY_NS
+    for _ in range(3):
+        memo_by_stat("t", path, _counting(reads))
+    assert len(reads) == 3
+    before = path.stat().st_mtime_ns
+    path.write_bytes(b"2")
+    os.utime(path, ns=(before, before))  # a change the timestamps cannot show
+    assert memo_by_stat("t", path, _counting(reads)) == b"2()"
+
+
+def test_file_sha256_memo_is_the_sha256_of_the_bytes(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"weights")
+    _age([path])
+    assert file_sha256_memo(path) == file_sha256_memo(path) == hashlib.sha256(b"weights").hexdigest()
 
 
 # --------------------------------------------------------------------------- import_closure
@@ -179,7 +240,12 @@ def test_every_real_stage_has_a_fingerprint_of_its_own_code():
     assert "grpo/core/multitask.py" in stage_fingerprint("grpo")["modules"]
     assert "grpo/core/multitask.py" not in stage_fingerprint("sft")["modules"]
     # A change to the monitor or the step reruns training, never evaluation.
-    for module in ("grpo/health/monitor.py", "grpo/train/step.py", "grpo/train/checkpoint.py", "grpo/checks/preflight.py"):
+    for module in (
+        "grpo/health/monitor.py",
+        "grpo/train/step.py",
+        "grpo/train/checkpoint.py",
+        "grpo/checks/preflight.py",
+    ):
         assert module not in stage_fingerprint("evaluate")["modules"], module
     assert "grpo/model/chat.py" in stage_fingerprint("sft")["modules"]
 
@@ -197,21 +263,34 @@ def test_preflight_reads_every_grpo_key_the_step_uses_and_the_rewards():
     pre-flight param, so a new precision, scoring path or loss reruns (and re-gates) the checks."""
     params = stages.get_stage("preflight").params
     unread = {"steps", "lr", "warmup_steps", "prompts_per_step", "fairness_fraction"}
-    assert set(stages.PREFLIGHT_GRPO_KEYS) == {f"grpo.{f}" for f in GrpoConfig.model_fields if f not in unread}
+    assert set(stages.PREFLIGHT_GRPO_KEYS) == {
+        f"grpo.{f}" for f in GrpoConfig.model_fields if f not in unread
+    }
     assert set(stages.PREFLIGHT_GRPO_KEYS) <= set(params) and "rewards" in params
     for key in ("grpo.bf16", "grpo.shared_prefix", "grpo.loss", "rewards"):
-        changed = {"grpo.bf16": {"grpo": {"bf16": True}}, "grpo.shared_prefix": {"grpo": {"shared_prefix": False}},
-                   "grpo.loss": {"grpo": {"loss": {"beta": 0.5}}},
-                   "rewards": {"rewards": {"weights": {"hallucination": 0.5}}}}[key]
-        assert params_hash(config_from_dict(changed), "preflight") != params_hash(config_from_dict({}), "preflight"), key
+        changed = {
+            "grpo.bf16": {"grpo": {"bf16": True}},
+            "grpo.shared_prefix": {"grpo": {"shared_prefix": False}},
+            "grpo.loss": {"grpo": {"loss": {"beta": 0.5}}},
+            "rewards": {"rewards": {"weights": {"hallucination": 0.5}}},
+        }[key]
+        assert params_hash(config_from_dict(changed), "preflight") != params_hash(
+            config_from_dict({}), "preflight"
+        ), key
     assert params_hash(config_from_dict({"grpo": {"steps": 7, "lr": 1e-4}}), "preflight") == params_hash(
-        config_from_dict({}), "preflight")
+        config_from_dict({}), "preflight"
+    )
 
 
 def test_bookkeeping_modules_are_in_no_stage_closure():
     bookkeeping = {f"{name.replace('.', '/')}.py" for name in stages.BOOKKEEPING_MODULES}
-    assert bookkeeping == {"grpo/provenance/stages.py", "grpo/provenance/fingerprint.py", "grpo/provenance/lineage.py",
-                           "grpo/provenance/gate.py", "grpo/config.py"}
+    assert bookkeeping == {
+        "grpo/provenance/stages.py",
+        "grpo/provenance/fingerprint.py",
+        "grpo/provenance/lineage.py",
+        "grpo/provenance/gate.py",
+        "grpo/config.py",
+    }
     for name in stages.STAGES:
         assert not bookkeeping & set(stage_fingerprint(name)["modules"]), name
 
@@ -267,6 +346,20 @@ def test_writer_reruns_exactly_the_stages_a_change_touches(two_stages, tmp_path)
     assert write_fingerprints(config_from_dict({}), out, two_stages) == ["a", "b"]
 
 
+def test_stage_fingerprint_follows_aged_modules_edited_within_one_process(two_stages):
+    """Each module's hash and imports are remembered per process (``memo_by_stat``); an edit of its
+    body or of its imports still moves the fingerprint."""
+    _write(two_stages, "pkg/extra.py", "E = 1\n")
+    _age(list(two_stages.rglob("*.py")))
+    first = stage_fingerprint("a", two_stages)
+    assert stage_fingerprint("a", two_stages) == first
+    _write(two_stages, "pkg/shared.py", "S = 2\n")
+    second = stage_fingerprint("a", two_stages)
+    assert second["fingerprint"] != first["fingerprint"]
+    _write(two_stages, "pkg/a_only.py", "from pkg import shared, extra\nA = 1  # first\n")
+    assert "pkg/extra.py" in stage_fingerprint("a", two_stages)["modules"]
+
+
 def test_written_file_is_deterministic_sorted_json(two_stages, tmp_path):
     out = tmp_path / "fingerprints"
     write_fingerprints(config_from_dict({}), out, two_stages)
@@ -304,8 +397,16 @@ def test_a_changed_raw_dataset_file_reruns_prepare_alone(tmp_path, monkeypatch):
     shutil.copytree(ROOT / "tests" / "fixtures" / "bbq", raw)
     halueval = tmp_path / "qa_data.json"
     shutil.copy(ROOT / "tests" / "fixtures" / "halueval_qa.json", halueval)
-    cfg = config_from_dict({"data": {"fairness_source": "bbq", "fairness_path": str(raw),
-                                     "hallucination_source": "halueval", "hallucination_path": str(halueval)}})
+    cfg = config_from_dict(
+        {
+            "data": {
+                "fairness_source": "bbq",
+                "fairness_path": str(raw),
+                "hallucination_source": "halueval",
+                "hallucination_path": str(halueval),
+            }
+        }
+    )
     monkeypatch.chdir(tmp_path)
     out = tmp_path / fingerprint.FINGERPRINT_DIR
 
@@ -318,7 +419,9 @@ def test_a_changed_raw_dataset_file_reruns_prepare_alone(tmp_path, monkeypatch):
     assert {Path(f).name for f in first["data.fairness_path"]} == {p.name for p in raw.iterdir()}
     assert list(first["data.hallucination_path"]) == [halueval.as_posix()]
     edits = [
-        lambda: (raw / "Age.jsonl").write_text((raw / "Age.jsonl").read_text().replace('"label": 0', '"label": 1', 1)),
+        lambda: (raw / "Age.jsonl").write_text(
+            (raw / "Age.jsonl").read_text().replace('"label": 0', '"label": 1', 1)
+        ),
         lambda: (raw / "Extra.jsonl").write_text("{}\n"),
         lambda: (raw / "Extra.jsonl").unlink(),
         lambda: halueval.write_text(halueval.read_text() + "\n"),

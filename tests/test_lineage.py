@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -173,6 +175,22 @@ def test_dir_hash_ignores_lineage_and_sees_content_and_names(tmp_path):
     assert dir_hash(folder) == before
     (folder / "sub/b.bin").rename(folder / "sub/c.bin")
     assert dir_hash(folder) != before
+
+
+def test_dir_hash_sees_an_aged_weight_file_edited_in_place_within_one_process(tmp_path):
+    """The lineage checks of one stage remember the hashes of unchanged files (``files.memo_by_stat``);
+    a weight edited in place after an earlier check must still change the hash."""
+    folder = tmp_path / "model"
+    weights = _write(folder / "model.safetensors", "0123456789")
+    hour_ago = time.time_ns() - 3600 * 1_000_000_000
+    os.utime(weights, ns=(hour_ago, hour_ago))
+    before = dir_hash(folder)
+    assert dir_hash(folder) == before
+    with weights.open("r+b") as handle:
+        handle.seek(5)
+        handle.write(b"X")
+    assert dir_hash(folder) != before
+    assert dir_hash(weights) != dir_hash(_write(tmp_path / "old", "0123456789"))
 
 
 def test_dir_hash_of_a_file_and_of_nothing(tmp_path):

@@ -14,9 +14,10 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from grpo.config import Config
 from grpo.errors import GrpoError
@@ -33,8 +34,46 @@ HISTORY_DIR = "history"
 _DOCSTRING_OWNERS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
+RACY_NS = 2_000_000_000
+"""A file modified less than this before it was read is read again next time (``memo_by_stat``)."""
+
+_T = TypeVar("_T")
+_MEMO: dict[tuple[Any, ...], Any] = {}
+
+
 class FingerprintError(GrpoError):
     """A project module cannot be parsed, so its meaning cannot be hashed."""
+
+
+# --------------------------------------------------------------------------- per file, remembered
+
+
+def memo_by_stat(kind: str, path: Path, compute: Callable[..., _T], *args: Any) -> _T:
+    """``compute(path, *args)``, computed once per process while the file keeps its inode, size and mtime.
+
+    The lineage checks of one stage hash the same model folders and parse the same modules many times
+    over; this reads each file once. An entry is kept only when the file was last modified more than
+    ``RACY_NS`` before it was read (git's "racily clean" rule): a file changed again within the file
+    system's timestamp granularity after that read could keep its mtime, so it is read anew each time
+    until it has aged.
+    """
+    path = Path(path)
+    before = path.stat()
+    key = (kind, str(path.resolve()), before.st_ino, before.st_size, before.st_mtime_ns, *args)
+    if key in _MEMO:
+        return _MEMO[key]
+    read_at = time.time_ns()
+    value = compute(path, *args)
+    after = path.stat()
+    unchanged = (after.st_ino, after.st_size, after.st_mtime_ns) == key[2:5]
+    if unchanged and read_at - after.st_mtime_ns > RACY_NS:
+        _MEMO[key] = value
+    return value
+
+
+def file_sha256_memo(path: Path) -> str:
+    """``file_sha256`` through ``memo_by_stat``: an unchanged file is hashed once per process."""
+    return memo_by_stat("sha256", path, file_sha256)
 
 
 # --------------------------------------------------------------------------- semantic hash
@@ -132,6 +171,17 @@ def imported_names(source: str, module: str, is_package: bool, filename: str = "
     return {name for name in names if name}
 
 
+def _file_imports(path: Path, module: str) -> tuple[str, ...]:
+    """``imported_names`` of the module file ``path`` (``memo_by_stat`` keeps it per file version)."""
+    source = path.read_text(encoding="utf-8")
+    return tuple(sorted(imported_names(source, module, path.name == "__init__.py", str(path))))
+
+
+def _file_hash(path: Path) -> str:
+    """``semantic_hash`` of the module file ``path`` (``memo_by_stat`` keeps it per file version)."""
+    return semantic_hash(path.read_text(encoding="utf-8"), str(path))
+
+
 def _ancestors(name: str) -> list[str]:
     """``a.b.c`` -> ``["a", "a.b"]``: importing a module runs its packages' ``__init__.py``."""
     parts = name.split(".")
@@ -171,8 +221,7 @@ def import_closure(
         if path is None:
             continue
         files.add(path)
-        source = path.read_text(encoding="utf-8")
-        queue.extend(imported_names(source, name, path.name == "__init__.py", str(path)))
+        queue.extend(memo_by_stat("imports", path, _file_imports, name))
     return sorted(files)
 
 
@@ -184,7 +233,7 @@ def stage_fingerprint(stage: str, root: Path | None = None) -> dict[str, Any]:
     root = Path(root) if root is not None else PROJECT_ROOT
     spec = stages.get_stage(stage)
     modules = {
-        path.relative_to(root).as_posix(): semantic_hash(path.read_text(encoding="utf-8"), str(path))
+        path.relative_to(root).as_posix(): memo_by_stat("semantic", path, _file_hash)
         for path in import_closure(spec.entry_modules, root, exclude=stages.BOOKKEEPING_MODULES)
     }
     combined = hashlib.sha256(

@@ -19,9 +19,9 @@ from typing import Any
 
 from grpo.config import Config, config_to_dict
 from grpo.errors import GrpoError
-from grpo.files import file_sha256, write_json
+from grpo.files import write_json
 from grpo.provenance import stages
-from grpo.provenance.fingerprint import stage_fingerprint
+from grpo.provenance.fingerprint import file_sha256_memo, stage_fingerprint
 
 LINEAGE_FILE = "lineage.json"
 
@@ -79,7 +79,7 @@ def dir_hash(path: Path) -> str:
     """
     path = Path(path)
     if path.is_file():
-        return file_sha256(path)
+        return file_sha256_memo(path)
     if not path.is_dir():
         raise MissingInputError(f"{path} does not exist: run the stage that writes it first (`dvc repro`)")
     digest = hashlib.sha256()
@@ -87,7 +87,7 @@ def dir_hash(path: Path) -> str:
         Path(folder) / name for folder, _, names in os.walk(path) for name in names if name != LINEAGE_FILE
     ]
     for file in sorted(files, key=lambda f: f.relative_to(path).as_posix()):
-        digest.update(f"{file.relative_to(path).as_posix()}\0{file_sha256(file)}\n".encode())
+        digest.update(f"{file.relative_to(path).as_posix()}\0{file_sha256_memo(file)}\n".encode())
     return digest.hexdigest()
 
 
