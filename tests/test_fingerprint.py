@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -15,11 +13,8 @@ from grpo.cli import COMMANDS
 from grpo.config import Config, GrpoConfig, ModelConfig, config_from_dict
 from grpo.provenance import fingerprint, stages
 from grpo.provenance.fingerprint import (
-    RACY_NS,
     FingerprintError,
-    file_sha256_memo,
     import_closure,
-    memo_by_stat,
     semantic_hash,
     stage_fingerprint,
     write_fingerprints,
@@ -91,62 +86,6 @@ def test_a_string_that_is_not_a_docstring_counts():
 def test_syntax_error_names_the_file():
     with pytest.raises(FingerprintError, match="broken.py"):
         semantic_hash("def f(:\n", "broken.py")
-
-
-# --------------------------------------------------------------------------- memo_by_stat
-
-
-def _counting(reads):
-    def compute(path, *args):
-        reads.append((path.name, args))
-        return path.read_bytes() + repr(args).encode()
-
-    return compute
-
-
-def test_memo_by_stat_reads_an_aged_file_once_and_again_after_any_change(tmp_path):
-    reads = []
-    compute = _counting(reads)
-    path = tmp_path / "w.bin"
-    path.write_bytes(b"aaaa")
-    _age([path])
-    assert memo_by_stat("t", path, compute) == b"aaaa()"
-    assert memo_by_stat("t", path, compute) == b"aaaa()"
-    assert len(reads) == 1
-    assert memo_by_stat("t", path, compute, "x") == b"aaaa('x',)"  # other arguments, another entry
-    assert len(reads) == 2
-    with path.open("r+b") as handle:  # edited in place, same size: the mtime moves
-        handle.write(b"b")
-    assert memo_by_stat("t", path, compute) == b"baaa()"
-    _age([path])
-    replacement = tmp_path / "new.bin"
-    replacement.write_bytes(b"cccc")
-    _age([replacement], 500)
-    os.replace(replacement, path)  # replaced as write_atomically does: a new inode, the same size
-    assert memo_by_stat("t", path, compute) == b"cccc()"
-    assert len(reads) == 4
-
-
-def test_memo_by_stat_reads_a_racily_fresh_file_every_time(tmp_path):
-    """A file modified within RACY_NS of the read may change again without moving its mtime."""
-    reads = []
-    path = tmp_path / "fresh.bin"
-    path.write_bytes(b"1")
-    assert time.time_ns() - path.stat().st_mtime_ns < RACY_NS
-    for _ in range(3):
-        memo_by_stat("t", path, _counting(reads))
-    assert len(reads) == 3
-    before = path.stat().st_mtime_ns
-    path.write_bytes(b"2")
-    os.utime(path, ns=(before, before))  # a change the timestamps cannot show
-    assert memo_by_stat("t", path, _counting(reads)) == b"2()"
-
-
-def test_file_sha256_memo_is_the_sha256_of_the_bytes(tmp_path):
-    path = tmp_path / "f"
-    path.write_bytes(b"weights")
-    _age([path])
-    assert file_sha256_memo(path) == file_sha256_memo(path) == hashlib.sha256(b"weights").hexdigest()
 
 
 # --------------------------------------------------------------------------- import_closure
@@ -288,6 +227,7 @@ def test_bookkeeping_modules_are_in_no_stage_closure():
         "grpo/provenance/stages.py",
         "grpo/provenance/fingerprint.py",
         "grpo/provenance/lineage.py",
+        "grpo/provenance/file_memo.py",
         "grpo/provenance/gate.py",
         "grpo/config.py",
     }

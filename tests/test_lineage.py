@@ -178,7 +178,7 @@ def test_dir_hash_ignores_lineage_and_sees_content_and_names(tmp_path):
 
 
 def test_dir_hash_sees_an_aged_weight_file_edited_in_place_within_one_process(tmp_path):
-    """The lineage checks of one stage remember the hashes of unchanged files (``files.memo_by_stat``);
+    """The lineage checks of one stage remember the hashes of unchanged files (``file_memo.memo_by_stat``);
     a weight edited in place after an earlier check must still change the hash."""
     folder = tmp_path / "model"
     weights = _write(folder / "model.safetensors", "0123456789")

@@ -105,7 +105,15 @@ def generate_rollout(
     drew it, so no scoring pass is needed for it.
     """
     return sample_rollout(
-        model, tokenizer, prompts, group_size, sampling, eos_ids, seed, greedy, shared_prefill,
+        model,
+        tokenizer,
+        prompts,
+        group_size,
+        sampling,
+        eos_ids,
+        seed,
+        greedy,
+        shared_prefill,
         with_entropy=with_entropy,
     )[0]
 

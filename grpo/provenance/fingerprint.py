@@ -14,15 +14,15 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from grpo.config import Config
 from grpo.errors import GrpoError
 from grpo.files import file_sha256, write_text
 from grpo.provenance import stages
+from grpo.provenance.file_memo import memo_by_stat
 
 # The folder that holds the ``grpo`` package: the code that is running is the code fingerprinted.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -34,46 +34,8 @@ HISTORY_DIR = "history"
 _DOCSTRING_OWNERS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
-RACY_NS = 2_000_000_000
-"""A file modified less than this before it was read is read again next time (``memo_by_stat``)."""
-
-_T = TypeVar("_T")
-_MEMO: dict[tuple[Any, ...], Any] = {}
-
-
 class FingerprintError(GrpoError):
     """A project module cannot be parsed, so its meaning cannot be hashed."""
-
-
-# --------------------------------------------------------------------------- per file, remembered
-
-
-def memo_by_stat(kind: str, path: Path, compute: Callable[..., _T], *args: Any) -> _T:
-    """``compute(path, *args)``, computed once per process while the file keeps its inode, size and mtime.
-
-    The lineage checks of one stage hash the same model folders and parse the same modules many times
-    over; this reads each file once. An entry is kept only when the file was last modified more than
-    ``RACY_NS`` before it was read (git's "racily clean" rule): a file changed again within the file
-    system's timestamp granularity after that read could keep its mtime, so it is read anew each time
-    until it has aged.
-    """
-    path = Path(path)
-    before = path.stat()
-    key = (kind, str(path.resolve()), before.st_ino, before.st_size, before.st_mtime_ns, *args)
-    if key in _MEMO:
-        return _MEMO[key]
-    read_at = time.time_ns()
-    value = compute(path, *args)
-    after = path.stat()
-    unchanged = (after.st_ino, after.st_size, after.st_mtime_ns) == key[2:5]
-    if unchanged and read_at - after.st_mtime_ns > RACY_NS:
-        _MEMO[key] = value
-    return value
-
-
-def file_sha256_memo(path: Path) -> str:
-    """``file_sha256`` through ``memo_by_stat``: an unchanged file is hashed once per process."""
-    return memo_by_stat("sha256", path, file_sha256)
 
 
 # --------------------------------------------------------------------------- semantic hash

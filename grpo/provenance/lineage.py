@@ -21,7 +21,8 @@ from grpo.config import Config, config_to_dict
 from grpo.errors import GrpoError
 from grpo.files import write_json
 from grpo.provenance import stages
-from grpo.provenance.fingerprint import file_sha256_memo, stage_fingerprint
+from grpo.provenance.file_memo import file_sha256_memo
+from grpo.provenance.fingerprint import stage_fingerprint
 
 LINEAGE_FILE = "lineage.json"
 

@@ -37,6 +37,7 @@ BOOKKEEPING_MODULES: tuple[str, ...] = (
     "grpo.provenance.stages",
     "grpo.provenance.fingerprint",
     "grpo.provenance.lineage",
+    "grpo.provenance.file_memo",
     "grpo.provenance.gate",
     "grpo.config",
 )
