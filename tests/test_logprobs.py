@@ -133,6 +133,18 @@ def test_score_completions_shapes_and_gradient(tiny_model, tiny_tokenizer):
     assert tiny_model.lm_head.weight.grad is not None and tiny_model.lm_head.weight.grad.abs().sum() > 0
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_score_completions_logprobs_only_are_the_full_scorings_bit_for_bit(tiny_model, tiny_tokenizer, temperature):
+    """The reference and old log-probs are scored without entropy or statistics; they must be the very
+    numbers a full scoring (the update's pass) gives, or the ratio and KL of step 0 are not 1 and 0."""
+    input_ids, attention_mask, _, _ = completion_batch(tiny_tokenizer)
+    full = score_completions(tiny_model, input_ids, attention_mask, WIDTH, temperature)
+    alone = score_completions(tiny_model, input_ids, attention_mask, WIDTH, temperature, logprobs_only=True)
+    assert torch.equal(alone.logprobs, full.logprobs)
+    assert alone.entropy is None and alone.logits_stats == {}
+
+
 def test_score_completions_rejects_bad_width_and_temperature(tiny_model, tiny_tokenizer):
     input_ids, attention_mask, _, _ = completion_batch(tiny_tokenizer)
     with pytest.raises(ScoringError, match="completion_width"):

@@ -30,7 +30,7 @@ def _fresh_gap(s: Gated, model: torch.nn.Module, batch: ScoredBatch) -> float:
     part as the step scores its reference (the same forwards: in any precision the SFT weights agree
     exactly, where a model that is not them differs by far more)."""
     model.to(batch.inputs.input_ids.device).eval()
-    other = score_parts(s.ctx, batch.inputs, batch.rows, adapter=True, model=model).logprobs
+    other = score_parts(s.ctx, batch.inputs, batch.rows, adapter=True, model=model)
     return float((batch.ref_logprobs - other).abs()[batch.completion_mask].max())
 
 

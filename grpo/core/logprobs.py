@@ -29,8 +29,9 @@ class ScoringError(GrpoError, ValueError):
 
 class Scored(NamedTuple):
     logprobs: torch.Tensor  # [B, C] fp32, log p_T(completion token), with grad
-    entropy: torch.Tensor  # [B, C] fp32, entropy of p_T at each completion position, with grad
+    entropy: torch.Tensor | None  # [B, C] fp32, entropy of p_T at each completion position, with grad
     logits_stats: dict[str, float]  # logits/max, logits/top1_gap, logits/top5_mass, logits/max_prob (no grad)
+    # (``entropy`` None and no statistics when scored with ``logprobs_only``)
 
 
 def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -131,6 +132,7 @@ def score_completions(
     shared_prefix: bool = False,
     prefills: Sequence[PromptPrefill] = (),
     segments: Sequence[Hashable] | None = None,
+    logprobs_only: bool = False,
 ) -> Scored:
     """Log-probs and entropy of the last ``C`` tokens under ``softmax(z / T)``.
 
@@ -143,6 +145,9 @@ def score_completions(
     ``prefills`` (the rollout's kept prefills of these prompts) without running the prompts at all;
     ``segments`` (a label per row, its task): the prompts are prefilled one forward per segment, as the
     rollout keeps them, so every pass over the same rows computes alike.
+    ``logprobs_only``: the log-probs alone (entropy None, no statistics), the very numbers of a full
+    scoring: the reference and old log-probs need nothing else, and the entropy and statistics cost
+    several passes over the ``[B, C, V]`` logits.
     """
     width = input_ids.shape[1]
     if not 1 <= completion_width < width:
@@ -160,6 +165,8 @@ def score_completions(
     logits = raw / temperature  # [B, C, V], the sampling distribution (I10)
     completion_ids = input_ids[:, -completion_width:]  # [B, C]
     logprobs = selective_log_softmax(logits, completion_ids)  # [B, C]
+    if logprobs_only:
+        return Scored(logprobs, None, {})
     entropy = entropy_from_logits(logits, chunk_size)  # [B, C]
     stats = logits_stats(logits, attention_mask[:, -completion_width:])
     return Scored(logprobs, entropy, stats)

@@ -64,13 +64,15 @@ def score_inputs(
     shared_prefix: bool = False,
     prefills: Sequence[PromptPrefill] = (),
     segments: Sequence[Hashable] | None = None,
+    logprobs_only: bool = False,
 ) -> Scored:
     """Log-probs and entropy of the completions under ``softmax(z / inputs.temperature)``.
 
     ``adapter=False`` scores the reference (I9): the same peft model with its LoRA adapter disabled.
     ``shared_prefix``: each distinct prompt runs once and its completions against its cache (exact);
     ``prefills``: the rollout's kept prefills of the prompts stand in for that prompt pass (``core.prefix``);
-    ``segments``: a label per row (its task), one prefill forward each (``core.prefix.shared_prefix_logits``).
+    ``segments``: a label per row (its task), one prefill forward each (``core.prefix.shared_prefix_logits``);
+    ``logprobs_only``: the log-probs alone, the same numbers (``core.logprobs.score_completions``).
     """
     context = contextlib.nullcontext() if adapter else adapter_disabled(model)
     with context:
@@ -83,6 +85,7 @@ def score_inputs(
             shared_prefix=shared_prefix,
             prefills=prefills,
             segments=segments,
+            logprobs_only=logprobs_only,
         )
 
 
@@ -92,14 +95,24 @@ def score_reference(
     reference: torch.nn.Module | None = None,
     shared_prefix: bool = False,
     segments: Sequence[Hashable] | None = None,
+    logprobs_only: bool = False,
 ) -> Scored:
     """The reference's log-probs and entropy (I9): ``reference`` (the frozen SFT copy that full
     fine-tuning keeps) when given, else ``model`` with its LoRA adapter disabled."""
     if reference is not None:
-        return score_inputs(reference, inputs, shared_prefix=shared_prefix, segments=segments)
+        return score_inputs(
+            reference, inputs, shared_prefix=shared_prefix, segments=segments, logprobs_only=logprobs_only
+        )
     if not hasattr(model, "disable_adapter"):
         raise ScoringError(
             f"the reference of a {type(model).__name__} without a LoRA adapter is a frozen copy of the SFT "
             "model, and none was given: pass train.policy.build_policy's `reference` (model.lora.enabled: false)"
         )
-    return score_inputs(model, inputs, adapter=False, shared_prefix=shared_prefix, segments=segments)
+    return score_inputs(
+        model,
+        inputs,
+        adapter=False,
+        shared_prefix=shared_prefix,
+        segments=segments,
+        logprobs_only=logprobs_only,
+    )

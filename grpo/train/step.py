@@ -328,8 +328,8 @@ def prepare_batch(step: Step, sampled: Draw) -> ScoredBatch:
     }
     rows = {t: r for t, r in rows.items() if len(r)}
     # Scored part by part as the update scores (I8): where the weights are the same, the numbers are too.
-    old = score_parts(step, inputs, rows, adapter=True).logprobs if step.cfg.grpo.num_iterations > 1 else None
-    ref = score_parts(step, inputs, rows, adapter=False).logprobs if step.cfg.grpo.loss.beta > 0 else None
+    old = score_parts(step, inputs, rows, adapter=True) if step.cfg.grpo.num_iterations > 1 else None
+    ref = score_parts(step, inputs, rows, adapter=False) if step.cfg.grpo.loss.beta > 0 else None
     weights = None if sampled.is_weights is None else sampled.is_weights.to(device)
     return ScoredBatch(
         inputs,

@@ -92,14 +92,14 @@ def score_parts(
     rows: dict[str, torch.Tensor],
     adapter: bool,
     model: torch.nn.Module | None = None,
-) -> Scored:
-    """The policy's (``adapter``) or the reference's log-probs and entropy of every row [N, C], scored part
+) -> torch.Tensor:
+    """The policy's (``adapter``) or the reference's log-probs of every row [N, C], scored part
     by part exactly as the update scores them (``parts``, ``part_rows``, one prefill forward per task):
     the stored old and reference log-probs are then the very numbers the update's pass gives where the
     weights are the same (ratio 1 and KL 0 at the start, bit for bit, in any precision). ``model``:
-    another model scored the same way (the gate compares a fresh load of the SFT weights)."""
+    another model scored the same way (the gate compares a fresh load of the SFT weights). Log-probs
+    only: the entropy and logit statistics over the ``[N, C, V]`` logits are the update's to compute."""
     logprobs = torch.zeros(inputs.completion_mask.shape, device=inputs.completion_mask.device)
-    entropy = torch.zeros_like(logprobs)
     for subset, micro in parts(step):
         found = part_rows(step, rows, subset, micro)
         if not found:
@@ -109,7 +109,11 @@ def score_parts(
         with torch.no_grad(), step.autocast():
             if adapter or model is not None:
                 scored = score_inputs(
-                    model or step.model, inputs.rows(idx), shared_prefix=step.shares_prefix, segments=segments
+                    model or step.model,
+                    inputs.rows(idx),
+                    shared_prefix=step.shares_prefix,
+                    segments=segments,
+                    logprobs_only=True,
                 )
             else:  # I9: the frozen SFT copy (full fine-tuning) or the adapter disabled (LoRA)
                 scored = score_reference(
@@ -118,9 +122,10 @@ def score_parts(
                     step.reference,
                     shared_prefix=step.shares_prefix,
                     segments=segments,
+                    logprobs_only=True,
                 )
-        logprobs[idx], entropy[idx] = scored.logprobs.float(), scored.entropy.float()
-    return Scored(logprobs, entropy, {})
+        logprobs[idx] = scored.logprobs.float()
+    return logprobs
 
 
 def _share(batch: ScoredBatch, totals: Totals, task: str, part: torch.Tensor, loss_type: str) -> float:
