@@ -77,6 +77,15 @@ def test_entropy_chunked_equals_unchunked_and_manual():
     assert chunked.shape == (2, 9)
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=0)
     torch.testing.assert_close(chunked, manual, atol=1e-5, rtol=0)
+    # Every chunk's gradient reaches its own rows (18 positions in chunks of 4: the last one short).
+    weights = torch.linspace(-1, 1, 18).reshape(2, 9)
+    grads = []
+    for size in (4, 10_000):
+        leaf = logits.clone().requires_grad_()
+        (entropy_from_logits(leaf, chunk_size=size) * weights).sum().backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=0)
+    assert (grads[0].abs().sum(-1) > 0).all()
 
 
 def test_entropy_of_uniform_is_log_v_and_huge_logits_stay_finite():

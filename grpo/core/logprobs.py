@@ -66,8 +66,10 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SI
         raise ScoringError(f"entropy_from_logits: chunk_size must be >= 1 (got {chunk_size}); use e.g. 128")
     flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
     chunks = []
-    for start in range(0, flat.shape[0], chunk_size):
-        z = flat[start : start + chunk_size].float()  # [n, V]
+    # ``split``, not slicing: the backward of a slice is a zero tensor of the whole [N, V] per chunk,
+    # split's is one concatenation of the chunks' gradients (the same numbers).
+    for rows in torch.split(flat, chunk_size):
+        z = rows.float()  # [n, V]
         log_probs = torch.log_softmax(z, dim=-1)
         chunks.append(-(log_probs.exp() * log_probs).sum(dim=-1))
     entropy = torch.cat(chunks) if chunks else flat.new_zeros(0, dtype=torch.float32)
