@@ -88,6 +88,38 @@ def test_the_head_is_fp32_under_bf16_autocast_and_keeps_its_weights(tiny_model, 
     assert isinstance(copy.deepcopy(tiny_model).get_output_embeddings(), Fp32Head)
 
 
+def test_the_heads_backward_runs_at_the_bodys_precision(tiny_model):
+    """Fp32Head's backward: without autocast the fp32 product; under bf16 autocast the gradients of the
+    hidden states and of a trainable head's weights are bf16 products of the fp32 logits' gradient (as
+    every other layer's backward), the forward's fp32 logits bit for bit those of a plain fp32 head."""
+    head = copy.deepcopy(tiny_model.get_output_embeddings())
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 5, head.in_features)
+    grad = torch.randn(3, 5, head.out_features)
+
+    def run(autocast: bool):
+        x, weight = hidden.clone().requires_grad_(True), head.weight
+        weight.grad = None
+        with bf16_autocast(CPU, bf16=autocast, force=autocast):
+            logits = head(x)
+        logits.backward(grad)
+        return logits, x.grad, weight.grad
+
+    fp32_logits, fp32_hidden, fp32_weight = run(autocast=False)
+    assert torch.allclose(fp32_hidden, grad @ head.weight.detach(), atol=1e-5)
+    low_logits, low_hidden, low_weight = run(autocast=True)
+    assert torch.equal(low_logits, fp32_logits) and low_logits.dtype == torch.float32
+    g = grad.bfloat16()
+    assert low_hidden.dtype == torch.float32
+    assert torch.equal(low_hidden, (g @ head.weight.detach().bfloat16()).float())
+    assert torch.equal(low_weight, (g.reshape(15, -1).T @ hidden.reshape(15, -1).bfloat16()).float())
+    assert not torch.equal(low_hidden, fp32_hidden)
+    assert torch.allclose(low_hidden, fp32_hidden, rtol=2e-2, atol=2e-2 * float(fp32_hidden.abs().max()))
+    assert torch.allclose(low_weight, fp32_weight, rtol=2e-2, atol=2e-2 * float(fp32_weight.abs().max()))
+    with torch.no_grad(), bf16_autocast(CPU, bf16=True, force=True):
+        assert torch.equal(head(hidden), fp32_logits)
+
+
 def test_bf16_step_keeps_fp32_master_weights_and_optimizer_state(tiny_model, tiny_tokenizer):
     """The stated choice: bf16 compute, fp32 weights, gradients and Adam moments; the loss is close."""
     batch = _batch(tiny_tokenizer)

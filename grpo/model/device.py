@@ -15,6 +15,7 @@ import torch
 from accelerate import Accelerator
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+NEVER = -1  # as M_TRIM_THRESHOLD's value: never hand freed heap back (mallopt(3))
 
 
 def make_accelerator() -> Accelerator:
@@ -26,13 +27,16 @@ def make_accelerator() -> Accelerator:
     return Accelerator(cpu=not on_gpu)
 
 
-def retain_freed_memory(mmap_below: int = 256 << 20, trim_above: int = 1 << 30) -> bool:
-    """Have glibc's malloc serve blocks below ``mmap_below`` bytes from its heap, and keep up to
-    ``trim_above`` bytes of freed heap, instead of mapping large blocks fresh and returning freed memory
-    to the system. A CPU training step allocates and frees the same activations every step; by default
-    each of them is memory the kernel must fault in page by page again (the keys, values and
+def retain_freed_memory(mmap_below: int = 256 << 20, trim_above: int = NEVER) -> bool:
+    """Have glibc's malloc serve blocks below ``mmap_below`` bytes from its heap, and keep the freed heap
+    (up to ``trim_above`` bytes of it; by default all), instead of mapping large blocks fresh and returning
+    freed memory to the system. A CPU training step allocates and frees the same activations every step;
+    by default each of them is memory the kernel must fault in page by page again (the keys, values and
     activations of a kept prefill, live across the step, made this 12 % of a GRPO step on the
-    embedded model). The memory stays the process's, so its resident size is the peak of a step.
+    embedded model). A finite ``trim_above`` is not enough: whenever the free top of the heap passes
+    it, glibc hands back all of it at once, and a step whose peak and trough differ by more (SmolLM2's
+    update frees several 200 MB logit tensors together) faults in those gigabytes again every step.
+    The memory stays the process's, so its resident size is the peak of a step.
     Returns False (and changes nothing) where the C library is not glibc."""
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt

@@ -107,17 +107,51 @@ def frozen_linears_in_bf16(models: list[torch.nn.Module], on: bool) -> Iterator[
             param.data = data
 
 
+class _HeadProduct(torch.autograd.Function):
+    """``F.linear(hidden, weight, bias)`` in fp32, its backward's two products in ``low`` (autocast's dtype)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, low):
+        ctx.save_for_backward(hidden, weight)
+        ctx.low = low
+        return torch.nn.functional.linear(hidden, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        grad_low = grad.to(ctx.low)  # [..., V]
+        grad_hidden = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = (grad_low @ weight.to(ctx.low)).to(hidden.dtype)  # [..., H]
+        if ctx.needs_input_grad[1]:
+            rows = grad_low.reshape(-1, grad_low.shape[-1])
+            grad_weight = (rows.T @ hidden.reshape(-1, hidden.shape[-1]).to(ctx.low)).to(weight.dtype)  # [V, H]
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(dim=0)
+        return grad_hidden, grad_weight, grad_bias, None
+
+
 class Fp32Head(torch.nn.Linear):
     """The LM head computed in fp32 whatever the autocast: ``F.linear`` of the fp32 hidden states and the
     fp32 weights (cast per call when the model holds bf16 weights), so logits, log-softmax and entropy
     carry fp32 digits. Under bf16 autocast a bf16 head rounds every logit to 8 mantissa bits: on
     SmolLM2 (logits up to ~40) two scorings of the same ids then differ by up to 0.4 nats, more than
     the clip range of the ratio (the fix TRL's ``cast_lm_head_to_fp32`` and MiniMax-M1, arXiv 2506.13585,
-    apply). The body keeps its bf16 matmuls: only the head's ``V x H`` product runs in fp32."""
+    apply). The body keeps its bf16 matmuls: only the head's ``V x H`` product runs in fp32.
+
+    The backward runs at the body's precision: under autocast the gradients of the hidden states (and of
+    a trainable head's weights) are products in autocast's dtype, as every other layer's backward is,
+    from the fp32 gradient of the fp32 logits. Forward numbers are the same either way; the backward's
+    fp32 ``[N, V] x [V, H]`` product would be the update's largest matmul (on SmolLM2 about 2.6 times
+    the bf16 one), and the gradient enters the body's bf16 backward next anyway."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device_type=hidden.device.type, enabled=False):
+        kind = hidden.device.type
+        low = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        with torch.autocast(device_type=kind, enabled=False):
             bias = None if self.bias is None else self.bias.float()
+            if low is not None and torch.is_grad_enabled():
+                return _HeadProduct.apply(hidden.float(), self.weight.float(), bias, low)
             return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
 
 
