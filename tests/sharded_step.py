@@ -8,6 +8,7 @@ which is what data parallelism averages). Run by tests/test_sharding.py.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -75,7 +76,13 @@ def main(strategy: str, out: str) -> None:
         with open(out, "w") as handle:
             json.dump({"max_abs_diff": diff, "max_update": moved, "sharded": sharded, "world": world,
                        "names_match": sorted(got) == sorted(want)}, handle)
-    dist.destroy_process_group()
+    dist.barrier()  # both ranks are done and rank 0's result is on disk
+    # Exit without tearing the process group down: torch's ~ProcessGroupGloo can deadlock with its own
+    # run-loop thread (the destructor holds the GIL and waits on the loop's mutex, the loop waits for the
+    # GIL to drop a Python object of a finished work), which hung this script in 2 of 2 full test runs.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -39,17 +39,22 @@ def test_retained_memory_is_not_faulted_in_again_at_every_allocation():
 
 
 TROUGH = """
-import resource, sys, torch
+import ctypes, resource, sys
 from grpo.model.device import retain_freed_memory
 assert retain_freed_memory(**({"trim_above": int(sys.argv[1])} if sys.argv[1] != "default" else {}))
-def peak():  # six 200 MB blocks live at once, then all freed: the heap's top is 1.2 GB of free memory
-    blocks = [torch.ones(50 << 20) for _ in range(6)]
-    del blocks
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+SIZE = 200 << 20  # malloc's own blocks, as torch's CPU allocator takes them, without Python objects between
+def peak():  # six 200 MB blocks live at once, written, then all freed: the heap's top is 1.2 GB of free memory
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [libc.malloc(SIZE) for _ in range(6)]
+    for block in blocks:
+        ctypes.memset(block, 1, SIZE)
+    for block in reversed(blocks):
+        libc.free(block)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 peak()
-peak()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-peak()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(min(peak() for _ in range(3)))
 """
 
 
@@ -64,7 +69,7 @@ def test_a_step_whose_trough_frees_more_than_a_trim_threshold_keeps_its_memory()
         return int(done.stdout.strip().splitlines()[-1])
 
     assert faults(str(1 << 30)) >= 6 * 51200 * 0.9  # the case is real: a 1 GB threshold re-faults every block
-    assert faults("default") < 6 * 51200 * 0.05
+    assert faults("default") < 51200 * 0.5
 
 
 def test_make_accelerator_on_cpu_retains_freed_memory(monkeypatch):
