@@ -118,6 +118,10 @@ def test_the_heads_backward_runs_at_the_bodys_precision(tiny_model):
     assert torch.allclose(low_weight, fp32_weight, rtol=2e-2, atol=2e-2 * float(fp32_weight.abs().max()))
     with torch.no_grad(), bf16_autocast(CPU, bf16=True, force=True):
         assert torch.equal(head(hidden), fp32_logits)
+    biased = Fp32Head(head.in_features, head.out_features, bias=True)  # a head with a bias: its gradient
+    with bf16_autocast(CPU, bf16=True, force=True):  # is the fp32 sum of the logits' gradient over positions
+        biased(hidden).backward(grad)
+    assert torch.allclose(biased.bias.grad, grad.sum(dim=(0, 1)), atol=1e-5)
 
 
 def test_bf16_step_keeps_fp32_master_weights_and_optimizer_state(tiny_model, tiny_tokenizer):
