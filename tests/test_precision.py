@@ -16,6 +16,7 @@ from grpo.model.chat import render_sft
 from grpo.model.loading import load_model, save_model
 from grpo.model.lora import wrap_lora
 from grpo.model.precision import (
+    ONEDNN_MIN_WEIGHTS,
     Fp32Head,
     apply_memory_settings,
     autocast_enabled,
@@ -24,7 +25,9 @@ from grpo.model.precision import (
     cpu_has_native_bf16,
     describe,
     fp32_head,
+    fp32_product,
     frozen_linears_in_bf16,
+    onednn_product,
 )
 from grpo.train.causal_lm import sft_loss
 
@@ -122,6 +125,47 @@ def test_the_heads_backward_runs_at_the_bodys_precision(tiny_model):
     with bf16_autocast(CPU, bf16=True, force=True):  # is the fp32 sum of the logits' gradient over positions
         biased(hidden).backward(grad)
     assert torch.allclose(biased.bias.grad, grad.sum(dim=(0, 1)), atol=1e-5)
+
+
+def test_the_cpu_heads_product_is_fp32_and_each_rows_own(monkeypatch):
+    """``fp32_product`` (the head's product; oneDNN's for a large head on a CPU): fp32 precision against a
+    float64 product, not a bf16 rounding; a row's logits the same whichever other rows share its batch
+    (2 or more), as the decode loop and the scorer batch them; with oneDNN off, ``F.linear`` itself; and
+    without autocast the head's gradients those of a plain fp32 ``nn.Linear``. A small head (the embedded
+    model's) is ``F.linear`` throughout."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(16384, 96) * 0.05, torch.randn(16384)
+    hidden = torch.randn(200, 96)
+    assert weight.numel() >= ONEDNN_MIN_WEIGHTS
+    assert onednn_product(hidden, weight) == torch.backends.mkldnn.is_available()
+    logits = fp32_product(hidden, weight, bias)
+    exact = hidden.double() @ weight.double().T + bias.double()
+    scale = float(exact.abs().max())
+    assert logits.dtype == torch.float32 and float((logits.double() - exact).abs().max()) < 1e-6 * scale * 8
+    rounded = torch.nn.functional.linear(hidden.bfloat16(), weight.bfloat16(), bias.bfloat16())
+    assert float((rounded.double() - exact).abs().max()) > 1e-3 * scale  # what the head must not be
+    generator = torch.Generator().manual_seed(1)
+    for rows in (2, 3, 8, 31, 32, 64, 150):
+        pick = torch.randperm(200, generator=generator)[:rows]
+        assert torch.equal(fp32_product(hidden[pick], weight, bias), logits[pick]), rows
+    stacked = hidden.view(8, 25, 96)
+    assert torch.equal(fp32_product(stacked, weight, bias), logits.view(8, 25, -1))
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.backends.mkldnn, "enabled", False)
+        assert not onednn_product(hidden, weight)
+        assert torch.equal(fp32_product(hidden, weight, bias), torch.nn.functional.linear(hidden, weight, bias))
+    assert not onednn_product(hidden, weight[:4096])  # a small head: MKL's product
+
+    head = Fp32Head(96, 16384, bias=True)
+    plain = torch.nn.Linear(96, 16384, bias=True)
+    plain.load_state_dict(head.state_dict())
+    grad = torch.randn(8, 25, 16384)
+    for layer in (head, plain):
+        x = stacked.clone().requires_grad_(True)
+        layer(x).backward(grad)
+        layer.x_grad = x.grad
+    assert torch.equal(head.x_grad, plain.x_grad)
+    assert torch.equal(head.weight.grad, plain.weight.grad) and torch.equal(head.bias.grad, plain.bias.grad)
 
 
 def test_bf16_step_keeps_fp32_master_weights_and_optimizer_state(tiny_model, tiny_tokenizer):

@@ -107,14 +107,51 @@ def frozen_linears_in_bf16(models: list[torch.nn.Module], on: bool) -> Iterator[
             param.data = data
 
 
+ONEDNN_MIN_WEIGHTS = 1 << 20
+"""Weights (``V x H``) from which ``fp32_product`` multiplies through oneDNN: about 2-3 times MKL's speed
+from here up on a 2-core AVX-512 CPU (measured 1M to 136M at 4, 32 and 256 rows), a wash below, where
+oneDNN's fixed cost per call is the larger part (the embedded model's head has 77k)."""
+
+
+def onednn_product(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``fp32_product`` multiplies these through oneDNN: fp32 on a CPU, a head of at least
+    ``ONEDNN_MIN_WEIGHTS`` weights, and this PyTorch's oneDNN linear kernel present and on. It depends on
+    the weight alone, so every pass of a model runs the same kernel."""
+    return (
+        hidden.device.type == "cpu"
+        and hidden.dtype == weight.dtype == torch.float32
+        and weight.numel() >= ONEDNN_MIN_WEIGHTS
+        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.enabled
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def fp32_product(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(hidden, weight, bias)`` of fp32 tensors; a large head on a CPU through oneDNN's fp32
+    matmul (``onednn_product``).
+
+    ``F.linear`` multiplies fp32 on a CPU with MKL's sgemm, which runs a vocabulary-wide product of a
+    few rows well below the cores' fp32 rate (SmolLM2's ``[32, 576] x [576, 49152]`` at about 105
+    GFLOP/s); oneDNN's fp32 kernel computes the same product 2-3 times as fast. Both accumulate in fp32,
+    in different orders: the logits differ in the last bits (about 1e-6 of their scale), never by a
+    bf16 rounding. A row's logits do not depend on the other rows of the batch once it has two or more
+    (``tests/test_precision.py``). oneDNN's kernel has no autograd: with gradients, ``Fp32Head`` runs
+    it inside ``_HeadProduct``. Otherwise ``F.linear`` itself."""
+    if onednn_product(hidden, weight):
+        return torch.ops.mkldnn._linear_pointwise(hidden, weight, bias, "none", [], "")
+    return torch.nn.functional.linear(hidden, weight, bias)
+
+
 class _HeadProduct(torch.autograd.Function):
-    """``F.linear(hidden, weight, bias)`` in fp32, its backward's two products in ``low`` (autocast's dtype)."""
+    """``fp32_product(hidden, weight, bias)``, its backward's two products in ``low`` (autocast's dtype
+    under autocast, else fp32: then the products of ``F.linear``'s own backward)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, low):
         ctx.save_for_backward(hidden, weight)
         ctx.low = low
-        return torch.nn.functional.linear(hidden, weight, bias)
+        return fp32_product(hidden, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -122,7 +159,8 @@ class _HeadProduct(torch.autograd.Function):
         grad_low = grad.to(ctx.low)  # [..., V]
         grad_hidden = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_hidden = (grad_low @ weight.to(ctx.low)).to(hidden.dtype)  # [..., H]
+            grad_hidden = (grad_low.reshape(-1, grad_low.shape[-1]) @ weight.to(ctx.low)).to(hidden.dtype)
+            grad_hidden = grad_hidden.reshape(hidden.shape)  # [..., H]
         if ctx.needs_input_grad[1]:
             rows = grad_low.reshape(-1, grad_low.shape[-1])
             grad_weight = (rows.T @ hidden.reshape(-1, hidden.shape[-1]).to(ctx.low)).to(weight.dtype)  # [V, H]
@@ -132,27 +170,31 @@ class _HeadProduct(torch.autograd.Function):
 
 
 class Fp32Head(torch.nn.Linear):
-    """The LM head computed in fp32 whatever the autocast: ``F.linear`` of the fp32 hidden states and the
-    fp32 weights (cast per call when the model holds bf16 weights), so logits, log-softmax and entropy
-    carry fp32 digits. Under bf16 autocast a bf16 head rounds every logit to 8 mantissa bits: on
-    SmolLM2 (logits up to ~40) two scorings of the same ids then differ by up to 0.4 nats, more than
-    the clip range of the ratio (the fix TRL's ``cast_lm_head_to_fp32`` and MiniMax-M1, arXiv 2506.13585,
-    apply). The body keeps its bf16 matmuls: only the head's ``V x H`` product runs in fp32.
+    """The LM head computed in fp32 whatever the autocast: the product of the fp32 hidden states and the
+    fp32 weights (cast per call when the model holds bf16 weights; ``fp32_product``: a large head's through
+    oneDNN on a CPU), so logits, log-softmax and entropy carry fp32 digits. Under bf16 autocast a bf16 head
+    rounds every logit to 8 mantissa bits: on SmolLM2 (logits up to ~40) two scorings of the same ids
+    then differ by up to 0.4 nats, more than the clip range of the ratio (the fix TRL's
+    ``cast_lm_head_to_fp32`` and MiniMax-M1, arXiv 2506.13585, apply). The body keeps its bf16 matmuls:
+    only the head's ``V x H`` product runs in fp32.
 
     The backward runs at the body's precision: under autocast the gradients of the hidden states (and of
     a trainable head's weights) are products in autocast's dtype, as every other layer's backward is,
-    from the fp32 gradient of the fp32 logits. Forward numbers are the same either way; the backward's
-    fp32 ``[N, V] x [V, H]`` product would be the update's largest matmul (on SmolLM2 about 2.6 times
-    the bf16 one), and the gradient enters the body's bf16 backward next anyway."""
+    from the fp32 gradient of the fp32 logits; without autocast they are fp32 products. Forward numbers
+    are the same either way; the backward's fp32 ``[N, V] x [V, H]`` product would be the update's
+    largest matmul (on SmolLM2 about 2.6 times the bf16 one), and the gradient enters the body's bf16
+    backward next anyway."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         kind = hidden.device.type
         low = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
         with torch.autocast(device_type=kind, enabled=False):
+            hidden, weight = hidden.float(), self.weight.float()
             bias = None if self.bias is None else self.bias.float()
-            if low is not None and torch.is_grad_enabled():
-                return _HeadProduct.apply(hidden.float(), self.weight.float(), bias, low)
-            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+            tracked = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+            if tracked and (low is not None or onednn_product(hidden, weight)):
+                return _HeadProduct.apply(hidden, weight, bias, low or torch.float32)
+            return fp32_product(hidden, weight, bias)  # F.linear's own autograd where it is F.linear
 
 
 def fp32_head(model: torch.nn.Module) -> torch.nn.Module:
