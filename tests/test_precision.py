@@ -134,8 +134,8 @@ def test_the_cpu_heads_product_is_fp32_and_each_rows_own(monkeypatch):
     without autocast the head's gradients those of a plain fp32 ``nn.Linear``. A small head (the embedded
     model's) is ``F.linear`` throughout."""
     torch.manual_seed(0)
-    weight, bias = torch.randn(16384, 96) * 0.05, torch.randn(16384)
-    hidden = torch.randn(200, 96)
+    weight, bias = torch.randn(2048, 576) * 0.05, torch.randn(2048)  # SmolLM2's hidden width
+    hidden = torch.randn(200, 576)
     assert weight.numel() >= ONEDNN_MIN_WEIGHTS
     assert onednn_product(hidden, weight) == torch.backends.mkldnn.is_available()
     logits = fp32_product(hidden, weight, bias)
@@ -148,24 +148,29 @@ def test_the_cpu_heads_product_is_fp32_and_each_rows_own(monkeypatch):
     for rows in (2, 3, 8, 31, 32, 64, 150):
         pick = torch.randperm(200, generator=generator)[:rows]
         assert torch.equal(fp32_product(hidden[pick], weight, bias), logits[pick]), rows
-    stacked = hidden.view(8, 25, 96)
+    stacked = hidden.view(8, 25, 576)
     assert torch.equal(fp32_product(stacked, weight, bias), logits.view(8, 25, -1))
     with monkeypatch.context() as patched:
         patched.setattr(torch.backends.mkldnn, "enabled", False)
         assert not onednn_product(hidden, weight)
         assert torch.equal(fp32_product(hidden, weight, bias), torch.nn.functional.linear(hidden, weight, bias))
-    assert not onednn_product(hidden, weight[:4096])  # a small head: MKL's product
+    assert not onednn_product(hidden, weight[:1024])  # a small head: MKL's product
 
-    head = Fp32Head(96, 16384, bias=True)
-    plain = torch.nn.Linear(96, 16384, bias=True)
+    head = Fp32Head(576, 2048, bias=True)
+    plain = torch.nn.Linear(576, 2048, bias=True)
     plain.load_state_dict(head.state_dict())
-    grad = torch.randn(8, 25, 16384)
+    grad = torch.randn(8, 25, 2048)
     for layer in (head, plain):
         x = stacked.clone().requires_grad_(True)
         layer(x).backward(grad)
         layer.x_grad = x.grad
     assert torch.equal(head.x_grad, plain.x_grad)
     assert torch.equal(head.weight.grad, plain.weight.grad) and torch.equal(head.bias.grad, plain.bias.grad)
+    # The head a model runs multiplies through ``fp32_product``, with and without grad (at this width its
+    # bits differ from MKL's ``F.linear``, so a head that bypassed it would fail here).
+    with torch.no_grad():
+        assert torch.equal(head(stacked), fp32_product(stacked, head.weight, head.bias))
+    assert torch.equal(head(stacked), fp32_product(stacked, head.weight, head.bias))
 
 
 def test_bf16_step_keeps_fp32_master_weights_and_optimizer_state(tiny_model, tiny_tokenizer):
