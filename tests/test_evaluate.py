@@ -216,7 +216,7 @@ def test_evaluate_model_stops_on_the_trainers_stop_ids(project, monkeypatch):
     class Seen(Exception):
         pass
 
-    def spy(model, tokenizer, prompts, group_size, sampling, eos_ids, seed, greedy=False, shared_prefill=False):
+    def spy(model, tokenizer, prompts, group_size, sampling, eos_ids, seed, greedy=False, shared_prefill=False, **kwargs):
         seen.append(list(eos_ids))
         raise Seen  # the stop ids are all this test needs
 
@@ -272,6 +272,34 @@ def test_sampled_entropy_is_the_scorers_entropy_of_the_sampled_tokens(project):
     assert got == pytest.approx(float(entropy.mean()), abs=1e-5) and got > 0.05
     with pytest.raises(EvaluationError, match="with_entropy=True"):
         entropy_sum(sampled)
+
+
+def test_evaluation_samples_from_its_greedy_pass_with_the_numbers_of_their_own_prefill(project, monkeypatch):
+    """Each batch's samples start from its greedy pass over the prompts (``decode.PromptPass``) where that
+    is their own prefill's cache bit for bit: the replies, the entropy and every metric are those of an
+    evaluation that prefills the samples itself, in fp32 and under the rollout's bf16."""
+    import grpo.eval.evaluate as evaluate_module
+    from grpo.model.decode import PromptPass
+
+    tokenizer = load_tokenizer(paths.model_dir(project, "sft"), project.model)
+    model = load_model(paths.model_dir(project, "sft"), project.model).eval()
+    spread_weights(model, torch.Generator().manual_seed(0))
+    records = eval_records(project)[:5]
+    import grpo.model.rollout as rollout_module
+
+    prefills = {True: 0, False: 0}
+    prefilled_cache = rollout_module.prefilled_cache
+    for bf16 in (False, True):
+        cfg = project.model_copy(update={"grpo": project.grpo.model_copy(update={"bf16": bf16})})
+        runs = []
+        for share in (True, False):
+            monkeypatch.setattr(evaluate_module, "PromptPass", PromptPass if share else lambda: None)
+            monkeypatch.setattr(rollout_module, "prefilled_cache", lambda *a, share=share: (
+                prefills.__setitem__(share, prefills[share] + 1) or prefilled_cache(*a)))
+            texts = {}
+            runs.append((evaluate_model(model, tokenizer, records, cfg, progress=False, texts=texts), texts))
+        assert runs[0] == runs[1], f"bf16={bf16}: sharing the greedy pass changed the evaluation"
+    assert prefills[True] < prefills[False], f"a greedy pass stood in for a prefill (a real comparison): {prefills}"
 
 
 # ---------------------------------------------------------------------------- the stage

@@ -54,6 +54,7 @@ from grpo.eval.metrics import (
 from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy, plot_eval_comparison
 from grpo.files import write_atomically
 from grpo.locks import writes
+from grpo.model.decode import PromptPass
 from grpo.model.device import make_accelerator, model_device
 from grpo.model.precision import bf16_autocast
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
@@ -195,20 +196,22 @@ def evaluate_model(
     for index, start in enumerate(tqdm(starts, desc=desc, disable=not progress)):
         batch = prompts[start : start + size]
         # The rollout's precision (grpo.bf16), each prompt's prefill shared by its samples (the same tokens).
+        # The samples start from the greedy pass's keys and values where they are their prefill's very numbers.
+        prompt_pass = PromptPass() if group else None
         with bf16_autocast(model_device(model), cfg.grpo.bf16):
-            greedy.add(generate_rollout(model, tokenizer, batch, 1, sampling, eos_ids, cfg.seed, greedy=True))
+            args = (model, tokenizer, batch)
+            greedy.add(generate_rollout(*args, 1, sampling, eos_ids, cfg.seed, greedy=True, prompt_pass=prompt_pass))
             if group:
                 # Seeded by batch index, not by model: every model draws from the same random stream.
                 rollout = generate_rollout(
-                    model,
-                    tokenizer,
-                    batch,
+                    *args,
                     group,
                     sampling,
                     eos_ids,
                     seed=derive_seed(cfg.seed, ("eval_batch", index)),
                     shared_prefill=True,
                     with_entropy=True,
+                    prompt_pass=prompt_pass,
                 )
                 sampled.add(rollout, entropy_sum(rollout))
     if texts is not None:

@@ -18,6 +18,7 @@ entropy of the sampling policy without a second forward pass over the rollout.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -30,6 +31,7 @@ from grpo.core.attention import model_attention_mask
 from grpo.core.batching import position_ids_from_mask
 from grpo.core.logprobs import entropy_from_logits
 from grpo.model.draws import draw_one
+from grpo.model.kernels import PrefixWatch, rows_independent, watch_prefix
 
 
 def warpers(sampling: SamplingConfig, greedy: bool) -> LogitsProcessorList:
@@ -83,6 +85,50 @@ def reserve_room(cache, tokens: int) -> None:
             layer.reserve = tokens
 
 
+class PromptPass:
+    """The keys and values of a decode's pass over whole prompts, for a second decode of the same prompts
+    whose cache holds every prompt column but the last (``prefix.prefilled_cache``: evaluation samples its
+    prompts after decoding them greedily). Handed to ``decode`` as ``prompt_pass``, it keeps the first pass's
+    cache and watches its attention (``kernels.PrefixWatch``); ``prefilled`` gives the second decode's cache
+    where it is bit for bit the one ``prefilled_cache`` computes, and ``None`` otherwise."""
+
+    def __init__(self) -> None:
+        self.watch = PrefixWatch()
+        self.prompt_ids: torch.Tensor | None = None  # [n, P] the prompts of the pass
+        self.prompt_mask: torch.Tensor | None = None
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (keys, values) [n, heads, P, d]
+        self.cache_class: type | None = None
+
+    def keep(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache) -> None:
+        """Keep the cache of the pass over ``prompt_ids`` [n, P] (a ``DynamicCache``'s layers)."""
+        self.prompt_ids, self.prompt_mask = prompt_ids, prompt_mask
+        self.layers = [(layer.keys, layer.values) for layer in getattr(cache, "layers", ())]
+        self.cache_class = type(cache)
+
+    def prefilled(
+        self, model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, repeats: int
+    ):
+        """``prefix.prefilled_cache(model, prompt_ids, prompt_mask, repeats)`` from the kept pass, or ``None``
+        where that would not be its very numbers: other prompts, an attention the watch did not see at every
+        layer or saw move, or linear layers whose rows depend on the row count (``kernels.rows_independent``)."""
+        n, width = prompt_ids.shape
+        same = (
+            self.prompt_ids is not None
+            and self.prompt_ids.shape == prompt_ids.shape
+            and torch.equal(self.prompt_ids, prompt_ids)
+            and torch.equal(self.prompt_mask, prompt_mask)
+        )
+        if not (same and width > 1 and self.watch.equal and self.watch.calls == len(self.layers) > 0):
+            return None
+        if not rows_independent(model, n * width, n * (width - 1)):
+            return None
+        cache = self.cache_class(
+            [(k[..., :-1, :], v[..., :-1, :]) for k, v in self.layers], config=model.config
+        )
+        cache.batch_repeat_interleave(repeats)
+        return cache
+
+
 @torch.no_grad()
 def decode(
     model: PreTrainedModel,
@@ -95,6 +141,7 @@ def decode(
     greedy: bool = False,
     past_key_values=None,  # a cache of every prompt column but the last (``prefix.prefilled_cache``)
     entropy: list[torch.Tensor] | None = None,
+    prompt_pass: PromptPass | None = None,
 ) -> torch.Tensor:
     """Sequences ``[N, P + C]`` as ``generate`` returns them: prompt, then the completions, the pad id
     after a row's first stop token; ``C`` is the longest completion (at most ``max_new_tokens``).
@@ -102,7 +149,10 @@ def decode(
     ``entropy``, when given, receives one ``[N]`` tensor per generated column: the entropy of
     ``softmax(z / sampling.temperature)`` of the logits that column's tokens were drawn from, as
     ``score_completions`` defines it (the processors and warpers change which tokens are drawn, not
-    the scored distribution); 0 for a row that had stopped."""
+    the scored distribution); 0 for a row that had stopped.
+
+    ``prompt_pass``, when given (and no ``past_key_values``), keeps the first step's pass over the whole
+    prompts and checks it (``PromptPass``)."""
     rows = input_ids.shape[0]
     positions = position_ids_from_mask(attention_mask)  # [N, P]
     prefilled = 0 if past_key_values is None else input_ids.shape[1] - 1
@@ -113,16 +163,20 @@ def decode(
     running = torch.ones(rows, dtype=torch.bool, device=input_ids.device)
     shape = LogitsProcessorList([*processors, *warpers(sampling, greedy)])
     sequences = input_ids
+    watching = prompt_pass is not None and past_key_values is None
     for step in range(sampling.max_new_tokens):
-        out = model(
-            input_ids=step_ids,
-            attention_mask=model_attention_mask(model, mask, step_ids.shape[1]),
-            position_ids=step_positions,
-            past_key_values=past_key_values,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with watch_prefix(prompt_pass.watch) if watching and step == 0 else contextlib.nullcontext():
+            out = model(
+                input_ids=step_ids,
+                attention_mask=model_attention_mask(model, mask, step_ids.shape[1]),
+                position_ids=step_positions,
+                past_key_values=past_key_values,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         if step == 0:
+            if watching:
+                prompt_pass.keep(input_ids, attention_mask, out.past_key_values)
             reserve_room(out.past_key_values, sampling.max_new_tokens)
         past_key_values = out.past_key_values
         logits = out.logits[:, -1, :].to(dtype=torch.float32)  # [N, V]

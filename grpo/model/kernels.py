@@ -17,11 +17,20 @@ at prompt lengths on SmolLM2 (a third of a GRPO update), the forward costs the s
 queries and keys arrive in fp32 anyway (the rotary embedding computes in the residual stream's
 dtype), so fp32 attention is both faster and more exact. Every pass (decode, prefill, reference,
 update) runs the same kernel in the same precision.
+
+``PrefixWatch`` and ``rows_independent`` say when a pass over whole prompts holds, bit for bit, the keys
+and values a pass over the same prompts without their last column would compute (evaluation's samples
+then reuse its greedy pass: ``decode.PromptPass``). The linear layers compute each row alone on CPU, but
+the CPU flash kernel's blocking of a query block and of the threads' work follows the lengths, so for some
+widths a query's attention output moves in its last bits when the sequence is one column shorter: the
+watch runs each layer's attention over the shortened prompts too and compares.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 from transformers import AttentionInterface
@@ -29,6 +38,29 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 GROUPED_SDPA = "sdpa_grouped"
+
+
+class PrefixWatch:
+    """Filled by a forward pass run inside ``watch_prefix``: how many attention calls over whole sequences
+    (queries as long as the keys) it saw, and whether each gave, for every query but the last, the outputs
+    of the same call on the sequences without their last column."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.equal = True
+
+
+_WATCH: ContextVar[PrefixWatch | None] = ContextVar("prefix_watch", default=None)
+
+
+@contextlib.contextmanager
+def watch_prefix(watch: PrefixWatch) -> Iterator[PrefixWatch]:
+    """Let ``sdpa_grouped_forward`` check ``watch``'s claim for the passes run inside the block."""
+    token = _WATCH.set(watch)
+    try:
+        yield watch
+    finally:
+        _WATCH.reset(token)
 
 
 def sdpa_grouped_forward(
@@ -43,6 +75,32 @@ def sdpa_grouped_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """-> ([B, Q, H, D], None), as ``sdpa_attention_forward``."""
+    out = _attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    watch = _WATCH.get()
+    if watch is not None and query.shape[-2] == key.shape[-2] > 1:
+        mask = attention_mask
+        if mask is not None and mask.ndim == 4:
+            mask = mask[:, :, :-1, : key.shape[-2] - 1]
+        shorter = _attend(
+            module,
+            query[..., :-1, :],
+            key[..., :-1, :],
+            value[..., :-1, :],
+            mask,
+            dropout,
+            scaling,
+            is_causal,
+            **kwargs,
+        )
+        watch.calls += 1
+        watch.equal = (
+            watch.equal and mask is not None and mask.ndim == 4 and torch.equal(out[:, :-1], shorter)
+        )
+    return out, None
+
+
+def _attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs) -> torch.Tensor:
+    """The attention itself (the module docstring says how) -> [B, Q, H, D]."""
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     if query.device.type != "cpu" or attention_mask is None or not grouped:
         return sdpa_attention_forward(
@@ -55,7 +113,7 @@ def sdpa_grouped_forward(
             scaling=scaling,
             is_causal=is_causal,
             **kwargs,
-        )
+        )[0]
     if attention_mask.ndim == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     autocast = torch.is_autocast_enabled("cpu")
@@ -72,7 +130,7 @@ def sdpa_grouped_forward(
         )
     if autocast:
         out = out.to(torch.get_autocast_dtype("cpu"))
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(GROUPED_SDPA, sdpa_grouped_forward)
@@ -83,3 +141,32 @@ def attention_kernel(attn_implementation: str) -> str:
     """The implementation to load a model with for ``model.attn_implementation``: ``sdpa`` becomes
     ``sdpa_grouped`` (the same attention), the others stay as named."""
     return GROUPED_SDPA if attn_implementation == "sdpa" else attn_implementation
+
+
+_INDEPENDENT: dict[tuple, bool] = {}
+
+
+def rows_independent(model: torch.nn.Module, rows: int, fewer: int) -> bool:
+    """Whether every linear layer of ``model`` but its output head, under the autocast in force, gives the
+    first ``fewer`` rows of a ``rows``-row product exactly as a product of those rows alone. A matmul kernel
+    picks its blocking by shape: CPU bf16 products and fp32 ones of a dozen rows or more compute each row
+    alone, while fp32 products of a few rows take other kernels. Tried once per weight shape and row
+    counts, on random rows (the kernel's choice depends on the shapes, not the values)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if get_head is not None else None
+    linears = {}
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear) and layer is not head:
+            linears.setdefault((tuple(layer.weight.shape), layer.weight.dtype, layer.bias is not None), layer)
+    device = next(model.parameters()).device
+    autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
+    verdict = True
+    for (shape, dtype, biased), layer in linears.items():
+        key = (shape, dtype, biased, rows, fewer, device.type, autocast)
+        if key not in _INDEPENDENT:
+            gen = torch.Generator(device=device).manual_seed(0)
+            hidden = torch.randn(rows, shape[1], generator=gen, device=device).to(dtype)
+            with torch.no_grad():
+                _INDEPENDENT[key] = torch.equal(layer(hidden)[:fewer], layer(hidden[:fewer]))
+        verdict = verdict and _INDEPENDENT[key]
+    return verdict

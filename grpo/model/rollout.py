@@ -20,7 +20,7 @@ from grpo.core.batching import PaddedBatch, completion_ids_from_generated, compl
 from grpo.core.prefix import PromptPrefill, decode_cache, keep_prefills, prefilled_cache
 from grpo.errors import GrpoError
 from grpo.model.chat import end_of_turn_ids
-from grpo.model.decode import decode
+from grpo.model.decode import PromptPass, decode
 from grpo.model.precision import cast_frozen_weights_once
 from grpo.model.sampling import EosSuppressor, build_logits_processors
 
@@ -94,6 +94,7 @@ def generate_rollout(
     greedy: bool = False,
     shared_prefill: bool = False,
     with_entropy: bool = False,
+    prompt_pass: PromptPass | None = None,
 ) -> Rollout:
     """Sample ``group_size`` completions for every prompt (ids from ``chat.render_prompt``).
 
@@ -102,7 +103,9 @@ def generate_rollout(
     prefilled once and its key/value cache repeated G times (``prefix.prefilled_cache``); the logits,
     hence the sampled tokens, are those of a plain prefill. ``with_entropy``: the rollout carries each
     token's entropy under the sampling temperature (``Rollout.entropy``), taken from the logits that
-    drew it, so no scoring pass is needed for it.
+    drew it, so no scoring pass is needed for it. ``prompt_pass``: a pass over these prompts shared by two
+    calls (``decode.PromptPass``): a call without ``shared_prefill`` keeps its pass over the whole prompts,
+    a later call with it starts from that pass where the numbers are those of its own prefill.
     """
     return sample_rollout(
         model,
@@ -115,6 +118,7 @@ def generate_rollout(
         greedy,
         shared_prefill,
         with_entropy=with_entropy,
+        prompt_pass=prompt_pass,
     )[0]
 
 
@@ -131,6 +135,7 @@ def sample_rollout(
     shared_prefill: bool = False,
     keep_segments: Sequence[Hashable] | None = None,
     with_entropy: bool = False,
+    prompt_pass: PromptPass | None = None,
 ) -> tuple[Rollout, tuple[PromptPrefill, ...]]:
     """``generate_rollout``, and with ``keep_segments`` (a label per prompt, e.g. its task) the
     prefill kept with its graph, one per label (``prefix.keep_prefills``), for the update's policy
@@ -155,7 +160,9 @@ def sample_rollout(
     with torch.random.fork_rng(devices=devices), cast_frozen_weights_once(model):
         torch.manual_seed(seed)
         if shared_prefill and not kept and prompt_width > 1:
-            cache = {"past_key_values": prefilled_cache(model, *distinct, group_size)}
+            reused = None if prompt_pass is None else prompt_pass.prefilled(model, *distinct, group_size)
+            prefilled = reused if reused is not None else prefilled_cache(model, *distinct, group_size)
+            cache = {"past_key_values": prefilled}
         entropy = [] if with_entropy else None
         sequences = decode(
             model,
@@ -167,6 +174,7 @@ def sample_rollout(
             processors,
             greedy=greedy,
             entropy=entropy,
+            prompt_pass=None if shared_prefill else prompt_pass,
             **cache,
         )
     model.train(was_training)
