@@ -150,22 +150,23 @@ def rows_independent(model: torch.nn.Module, rows: int, fewer: int) -> bool:
     """Whether every linear layer of ``model`` but its output head, under the autocast in force, gives the
     first ``fewer`` rows of a ``rows``-row product exactly as a product of those rows alone. A matmul kernel
     picks its blocking by shape: CPU bf16 products and fp32 ones of a dozen rows or more compute each row
-    alone, while fp32 products of a few rows take other kernels. Tried once per weight shape and row
-    counts, on random rows (the kernel's choice depends on the shapes, not the values)."""
+    alone, while fp32 products of a few rows take other kernels. Tried once per layer class, weight shape
+    and row counts, on random rows (the kernel's choice depends on the shapes, not the values)."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
     linears = {}
     for layer in model.modules():
         if isinstance(layer, torch.nn.Linear) and layer is not head:
-            linears.setdefault((tuple(layer.weight.shape), layer.weight.dtype, layer.bias is not None), layer)
+            kind = (type(layer), tuple(layer.weight.shape), layer.weight.dtype, layer.bias is not None)
+            linears.setdefault(kind, layer)
     device = next(model.parameters()).device
     autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
     verdict = True
-    for (shape, dtype, biased), layer in linears.items():
-        key = (shape, dtype, biased, rows, fewer, device.type, autocast)
+    for kind, layer in linears.items():
+        key = (*kind, rows, fewer, device.type, autocast)
         if key not in _INDEPENDENT:
             gen = torch.Generator(device=device).manual_seed(0)
-            hidden = torch.randn(rows, shape[1], generator=gen, device=device).to(dtype)
+            hidden = torch.randn(rows, kind[1][1], generator=gen, device=device).to(kind[2])
             with torch.no_grad():
                 _INDEPENDENT[key] = torch.equal(layer(hidden)[:fewer], layer(hidden[:fewer]))
         verdict = verdict and _INDEPENDENT[key]
