@@ -21,9 +21,9 @@ update) runs the same kernel in the same precision.
 ``PrefixWatch`` and ``rows_independent`` say when a pass over whole prompts holds, bit for bit, the keys
 and values a pass over the same prompts without their last column would compute (evaluation's samples
 then reuse its greedy pass: ``decode.PromptPass``). The linear layers compute each row alone on CPU, but
-the CPU flash kernel's blocking of a query block and of the threads' work follows the lengths, so for some
-widths a query's attention output moves in its last bits when the sequence is one column shorter: the
-watch runs each layer's attention over the shortened prompts too and compares.
+the CPU flash kernel splits the queries into blocks, and the blocks among threads, by the lengths, so at
+some widths a query's attention output moves in its last bits when the sequence is one column shorter:
+the watch runs each layer's attention over the shortened prompts too and compares.
 """
 
 from __future__ import annotations
