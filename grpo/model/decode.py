@@ -114,7 +114,6 @@ class PromptPass:
         n, width = prompt_ids.shape
         same = (
             self.prompt_ids is not None
-            and self.prompt_ids.shape == prompt_ids.shape
             and torch.equal(self.prompt_ids, prompt_ids)
             and torch.equal(self.prompt_mask, prompt_mask)
         )

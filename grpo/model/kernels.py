@@ -37,6 +37,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from grpo.model.precision import output_head
+
 GROUPED_SDPA = "sdpa_grouped"
 
 
@@ -78,24 +80,16 @@ def sdpa_grouped_forward(
     out = _attend(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     watch = _WATCH.get()
     if watch is not None and query.shape[-2] == key.shape[-2] > 1:
-        mask = attention_mask
-        if mask is not None and mask.ndim == 4:
-            mask = mask[:, :, :-1, : key.shape[-2] - 1]
-        shorter = _attend(
-            module,
-            query[..., :-1, :],
-            key[..., :-1, :],
-            value[..., :-1, :],
-            mask,
-            dropout,
-            scaling,
-            is_causal,
-            **kwargs,
-        )
         watch.calls += 1
-        watch.equal = (
-            watch.equal and mask is not None and mask.ndim == 4 and torch.equal(out[:, :-1], shorter)
-        )
+        if attention_mask is None or attention_mask.ndim != 4:  # the shorter pass's mask is not a slice of this one
+            watch.equal = False
+        elif watch.equal:
+            mask = attention_mask[:, :, :-1, : key.shape[-2] - 1]
+            shorter = _attend(
+                module, query[..., :-1, :], key[..., :-1, :], value[..., :-1, :], mask, dropout, scaling, is_causal,
+                **kwargs,
+            )
+            watch.equal = torch.equal(out[:, :-1], shorter)
     return out, None
 
 
@@ -152,8 +146,7 @@ def rows_independent(model: torch.nn.Module, rows: int, fewer: int) -> bool:
     picks its blocking by shape: CPU bf16 products and fp32 ones of a dozen rows or more compute each row
     alone, while fp32 products of a few rows take other kernels. Tried once per layer class, weight shape
     and row counts, on random rows (the kernel's choice depends on the shapes, not the values)."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
+    head = output_head(model)
     linears = {}
     for layer in model.modules():
         if isinstance(layer, torch.nn.Linear) and layer is not head:
@@ -161,7 +154,6 @@ def rows_independent(model: torch.nn.Module, rows: int, fewer: int) -> bool:
             linears.setdefault(kind, layer)
     device = next(model.parameters()).device
     autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
-    verdict = True
     for kind, layer in linears.items():
         key = (*kind, rows, fewer, device.type, autocast)
         if key not in _INDEPENDENT:
@@ -169,5 +161,6 @@ def rows_independent(model: torch.nn.Module, rows: int, fewer: int) -> bool:
             hidden = torch.randn(rows, kind[1][1], generator=gen, device=device).to(kind[2])
             with torch.no_grad():
                 _INDEPENDENT[key] = torch.equal(layer(hidden)[:fewer], layer(hidden[:fewer]))
-        verdict = verdict and _INDEPENDENT[key]
-    return verdict
+        if not _INDEPENDENT[key]:
+            return False
+    return True

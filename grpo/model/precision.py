@@ -28,6 +28,12 @@ from transformers import PreTrainedModel
 from grpo.config import ModelConfig
 
 
+def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """``model``'s output projection (``get_output_embeddings``), or ``None`` where it has none."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    return get_head() if get_head is not None else None
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX tiles)."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -91,8 +97,7 @@ def frozen_linears_in_bf16(models: list[torch.nn.Module], on: bool) -> Iterator[
     swapped: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
     if on:
         for model in models:
-            get_head = getattr(model, "get_output_embeddings", None)
-            head = get_head() if get_head is not None else None
+            head = output_head(model)
             for module in model.modules():
                 if type(module) is not torch.nn.Linear or module is head:
                     continue
@@ -200,8 +205,7 @@ class Fp32Head(torch.nn.Linear):
 def fp32_head(model: torch.nn.Module) -> torch.nn.Module:
     """Make ``model``'s output projection an ``Fp32Head`` (the same parameters, tied ones included; the
     state dict's names are unchanged). Models whose head is not a plain ``nn.Linear`` are left alone."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
+    head = output_head(model)
     if type(head) is torch.nn.Linear:
         head.__class__ = Fp32Head
     return model
