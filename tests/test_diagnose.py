@@ -41,7 +41,7 @@ from grpo.model.lora import wrap_lora
 from grpo.model.rollout import generate_rollout
 from grpo.train import checkpoint as ckpt
 from grpo.train.rng_state import capture_rng
-from tests.test_evaluate import GROUP, build_project, make_records
+from tests.eval_project import GROUP, build_project, make_records
 
 TRAIN_STEPS = 8
 

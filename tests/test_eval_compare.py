@@ -9,7 +9,7 @@ import pytest
 from grpo.data.schema import ABSTENTION, LETTERS
 from grpo.eval.compare import INTERVAL_METRICS, baseline_texts, intervals_markdown, paired_bootstrap, score
 from grpo.eval.evaluate import baseline_metrics, task_metrics
-from tests.test_evaluate import make_records, project_cfg
+from tests.eval_project import make_records, project_cfg
 
 WEIGHTS = {"fairness": 1.0, "hallucination": 1.0}
 

@@ -1,8 +1,5 @@
-"""Tests of grpo/eval/evaluate.py on a real tiny model folder set (base, SFT == base copy, GRPO adapter).
-
-The project helpers at the top (records from the data module's generators, a built tiny model, the
-SFT lineage, a GRPO adapter with its lineage) are reused by tests/test_diagnose.py.
-"""
+"""Tests of grpo/eval/evaluate.py on a real tiny model folder set (base, SFT == base copy, GRPO adapter),
+built by tests/eval_project.py."""
 
 from __future__ import annotations
 
@@ -15,12 +12,10 @@ import pytest
 import torch
 
 from grpo import paths
-from grpo.config import Config, TinyModelConfig, config_from_dict
+from grpo.config import Config
 from grpo.data.prompts import example_messages, render_records
-from grpo.data.schema import LETTERS, make_record, record_line
+from grpo.data.schema import LETTERS
 from grpo.data.select import balanced_records, eval_records
-from grpo.data.synthetic_fairness import generate_fairness
-from grpo.data.synthetic_grounded import generate_grounded
 from grpo.eval.compare import question_kind
 from grpo.eval.evaluate import (
     EvaluationError,
@@ -33,79 +28,23 @@ from grpo.eval.evaluate import (
     task_metrics,
 )
 from grpo.model.chat import end_of_turn_ids, render_prompt
-from grpo.model.loading import load_model, load_tokenizer, save_model
-from grpo.model.lora import wrap_lora
+from grpo.model.loading import load_model, load_tokenizer
 from grpo.model.rollout import generate_rollout, stop_ids
 from grpo.model.scoring import rollout_inputs, score_inputs
-from grpo.model.tiny import build_tiny
-from grpo.provenance.lineage import StaleArtifactError, make_lineage, write_lineage
+from grpo.provenance.lineage import StaleArtifactError
 from grpo.seeding import derive_seed
-from tests.weights import spread_weights
-
-SIZES = TinyModelConfig(
-    vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+from tests.eval_project import (
+    GROUP,
+    MAX_NEW,
+    N_FAIR,
+    N_HALL,
+    SIZES,
+    add_grpo_adapter,
+    build_project,
+    make_records,
+    project_cfg,
 )
-N_FAIR, N_HALL = 3, 3
-MAX_NEW = 5
-GROUP = 2
-
-
-# ---------------------------------------------------------------------------- project helpers
-
-
-def make_records(split: str, n_fair: int, n_hall: int, seed: int) -> list[dict]:
-    """Unified-schema records from the data module's synthetic generators (fairness first)."""
-    raw = generate_fairness(n_fair, split, seed) + generate_grounded(n_hall, split, seed, 0.5)
-    return [make_record(fields, split).model_dump(mode="json") for fields in raw]
-
-
-def write_records(path: Path, records: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(record_line(make_record(r, r["split"])) for r in records), encoding="utf-8")
-
-
-def project_cfg(root: Path, **sections) -> Config:
-    """A config whose every path lies under ``root``; ``sections`` are merged over the test defaults."""
-    tree = {
-        "experiment": "t",
-        "paths": {f"{name}_dir": str(root / name) for name in ("data", "models", "metrics", "reports", "runs")},
-        "model": {"tiny": SIZES.model_dump(), "lora": {"target_modules": ["q_proj", "v_proj", "lm_head"]}},
-        "grpo": {"group_size": GROUP, "sampling": {"max_new_tokens": MAX_NEW}},
-        "eval": {"samples_per_prompt": GROUP, "batch_size": 4, "diagnose": {"prompts": 2}},
-    }
-    for key, value in sections.items():
-        tree[key] = tree.get(key, {}) | value
-    return config_from_dict(tree)
-
-
-def build_project(root: Path) -> Config:
-    """Data, a built tiny base model, SFT = a copy of it with a matching lineage.json."""
-    cfg = project_cfg(root)
-    train = make_records("train", 4, 4, seed=1)
-    evals = make_records("eval", N_FAIR, N_HALL, seed=2)
-    write_records(Path(cfg.paths.data_dir) / "train.jsonl", train)
-    write_records(Path(cfg.paths.data_dir) / "eval.jsonl", evals)
-    texts = [r[key] for r in train for key in ("context", "question", "answer")]
-    base = Path(cfg.paths.models_dir) / "base"
-    build_tiny(base, texts, SIZES, seed=0)
-    write_lineage(base, make_lineage("base", cfg, paths.stage_inputs(cfg, "base")))
-    shutil.copytree(base, paths.model_dir(cfg, "sft"))
-    write_lineage(paths.model_dir(cfg, "sft"), make_lineage("sft", cfg, paths.stage_inputs(cfg, "sft")))
-    return cfg
-
-
-def add_grpo_adapter(cfg: Config, scale: float = 0.5) -> Path:
-    """A LoRA adapter on the SFT weights with random B (so it changes the model), plus its lineage."""
-    torch.manual_seed(0)
-    model = wrap_lora(load_model(paths.model_dir(cfg, "sft"), cfg.model), cfg.model.lora)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, scale)
-    save_model(model, load_tokenizer(paths.model_dir(cfg, "sft"), cfg.model), paths.model_dir(cfg, "grpo"))
-    write_lineage(paths.model_dir(cfg, "grpo"), make_lineage("grpo", cfg, paths.stage_inputs(cfg, "grpo")))
-    return paths.model_dir(cfg, "grpo")
+from tests.weights import spread_weights
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from grpo.cli import build_parser
 from grpo.seed_sweep import COLUMNS, improved, seed_config, seed_row, seeds_report, seeds_table
-from tests.test_evaluate import project_cfg
+from tests.eval_project import project_cfg
 
 
 def _diffs(diff: float, low: float, high: float) -> dict:
