@@ -34,6 +34,10 @@ SAMPLINGS = {
 
 @pytest.fixture
 def policy(tiny_model, tiny_tokenizer):
+    return varied_policy(tiny_model, tiny_tokenizer)
+
+
+def varied_policy(tiny_model, tiny_tokenizer):
     """The tiny model under a non-zero LoRA adapter, with weights that make completions vary and stop
     at different places (at its init scale it repeats one token)."""
     gen = torch.Generator().manual_seed(0)

@@ -9,8 +9,11 @@ the last position in fp32, the caller's processors then temperature, top-k and t
 (``draws.draw_one``: the same draws, on a CPU in half the time) or argmax, the pad id after a row's
 stop token, and the loop ends when every row has stopped or ``max_new_tokens`` are out. The
 key/value cache writes each token into room reserved once (``ReservedLayer``) where ``generate``'s
-concatenates the whole cache again. Same generator, same draws: the tokens are those of ``generate``
-(``tests/test_decode.py`` compares them, sampled and greedy, with and without a prefilled cache).
+concatenates the whole cache again. After the first step, a Llama-family model on a CPU runs its
+one-token steps through ``lean_step.LeanStep``: the forward's very operations without the module and
+adapter machinery around them, checked against the model's own forward at its first step. Same
+generator, same draws: the tokens are those of ``generate`` (``tests/test_decode.py`` compares them,
+sampled and greedy, with and without a prefilled cache).
 Asked for it, the loop also hands back each generated token's entropy under the scorer's distribution
 (``softmax(z / T)`` of the same fp32 logits, ``core.logprobs.entropy_from_logits``): evaluation's
 entropy of the sampling policy without a second forward pass over the rollout.
@@ -32,6 +35,7 @@ from grpo.core.batching import position_ids_from_mask
 from grpo.core.logprobs import entropy_from_logits
 from grpo.model.draws import draw_one
 from grpo.model.kernels import PrefixWatch, rows_independent, watch_prefix
+from grpo.model.lean_step import LeanStep
 
 
 def warpers(sampling: SamplingConfig, greedy: bool) -> LogitsProcessorList:
@@ -75,6 +79,10 @@ class ReservedLayer(DynamicLayer):
         buffers[1][..., old:new, :] = value_states
         self.keys, self.values = buffers[0][..., :new, :], buffers[1][..., :new, :]
         return self.keys, self.values
+
+    def rewind(self, length: int) -> None:
+        """Forget every position from ``length`` on (the next ``update`` writes there again)."""
+        self.keys, self.values = self._buffers[0][..., :length, :], self._buffers[1][..., :length, :]
 
 
 def reserve_room(cache, tokens: int) -> None:
@@ -163,22 +171,22 @@ def decode(
     shape = LogitsProcessorList([*processors, *warpers(sampling, greedy)])
     sequences = input_ids
     watching = prompt_pass is not None and past_key_values is None
+    lean = None
     for step in range(sampling.max_new_tokens):
-        with watch_prefix(prompt_pass.watch) if watching and step == 0 else contextlib.nullcontext():
-            out = model(
-                input_ids=step_ids,
-                attention_mask=model_attention_mask(model, mask, step_ids.shape[1]),
-                position_ids=step_positions,
-                past_key_values=past_key_values,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+        step_mask = model_attention_mask(model, mask, step_ids.shape[1])
         if step == 0:
+            with watch_prefix(prompt_pass.watch) if watching else contextlib.nullcontext():
+                out = _forward(model, step_ids, step_mask, step_positions, past_key_values)
             if watching:
                 prompt_pass.keep(input_ids, attention_mask, out.past_key_values)
-            reserve_room(out.past_key_values, sampling.max_new_tokens)
-        past_key_values = out.past_key_values
-        logits = out.logits[:, -1, :].to(dtype=torch.float32)  # [N, V]
+            past_key_values = out.past_key_values
+            reserve_room(past_key_values, sampling.max_new_tokens)
+            logits = out.logits
+        else:
+            if step == 1 and all(type(layer) is ReservedLayer for layer in getattr(past_key_values, "layers", [None])):
+                lean = LeanStep.build(model)
+            logits = _step_logits(model, lean, step_ids, step_mask, step_positions, past_key_values)
+        logits = logits[:, -1, :].to(dtype=torch.float32)  # [N, V]
         if entropy is not None:
             entropy.append(torch.where(running, entropy_from_logits(logits / sampling.temperature), 0.0))
         scores = shape(sequences, logits)
@@ -195,3 +203,41 @@ def decode(
         step_positions = step_positions[:, -1:] + 1
         mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
     return sequences
+
+
+def _step_logits(model, lean: LeanStep | None, step_ids, step_mask, step_positions, cache) -> torch.Tensor:
+    """One decode step's logits ``[N, 1, V]``: the lean step's where its kind is known to give the model's
+    numbers, the model's own forward otherwise. The first step of a kind runs both from the same cache and
+    compares the logits and the keys and values written, bit for bit (``lean_step``)."""
+    rows = step_ids.shape[0]
+    known = None if lean is None else lean.verdict(rows)
+    if known:
+        return lean(step_ids, step_mask, step_positions, cache)
+    logits = _forward(model, step_ids, step_mask, step_positions, cache).logits
+    if lean is not None and known is None:
+        length = cache.get_seq_length() - step_ids.shape[1]
+        written = [(layer.keys[..., length:, :].clone(), layer.values[..., length:, :].clone()) for layer in cache.layers]
+        for layer in cache.layers:
+            layer.rewind(length)
+        same = torch.equal(lean(step_ids, step_mask, step_positions, cache), logits) and all(
+            torch.equal(layer.keys[..., length:, :], keys) and torch.equal(layer.values[..., length:, :], values)
+            for layer, (keys, values) in zip(cache.layers, written, strict=True)
+        )
+        lean.record(rows, same)
+        if not same:  # the cache holds the model's own keys and values
+            for layer, (keys, values) in zip(cache.layers, written, strict=True):
+                layer.keys[..., length:, :] = keys
+                layer.values[..., length:, :] = values
+    return logits
+
+
+def _forward(model, step_ids, step_mask, step_positions, cache):
+    """The model's own forward over a step's columns, keeping the last position's logits."""
+    return model(
+        input_ids=step_ids,
+        attention_mask=step_mask,
+        position_ids=step_positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
