@@ -13,17 +13,18 @@ from grpo.train.step import Step, build_step
 from grpo.train.update import update
 
 
-def make_context(tiny_model, tiny_tokenizer, **grpo) -> Step:
+def make_context(tiny_model, tiny_tokenizer, device: str = "cpu", **grpo) -> Step:
+    """The step around the tiny model under a LoRA adapter, on ``device`` (``cuda``: the process's GPU)."""
     cfg = config_from_dict({
         "grpo": {"group_size": 2, "sampling": {"max_new_tokens": 5}, **grpo},
         "model": {"lora": {"r": 2, "alpha": 4}},
     })
     torch.manual_seed(0)
-    model = wrap_lora(tiny_model, cfg.model.lora)
+    model = wrap_lora(tiny_model.to(device), cfg.model.lora)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    return build_step(cfg, Policy(model, tiny_tokenizer, optimizer, scheduler, None), Accelerator(cpu=True))
+    return build_step(cfg, Policy(model, tiny_tokenizer, optimizer, scheduler, None), Accelerator(cpu=device == "cpu"))
 
 
 def step_records() -> list[dict]:

@@ -16,6 +16,7 @@ from grpo.core.prefix import prefilled_cache
 from grpo.model import chat, draws, kernels
 from grpo.model import decode as decode_module
 from grpo.model.decode import PromptPass, ReservedLayer, decode, reserve_room
+from grpo.model.lean_step import LeanStep
 from grpo.model.lora import wrap_lora
 from grpo.model.precision import bf16_autocast
 from grpo.model.sampling import build_logits_processors
@@ -102,6 +103,33 @@ def test_decode_samples_generates_tokens(policy, tiny_tokenizer, mode, prefilled
     assert bool(fast_draws) != greedy, "sampling drew through draw_one's exponentials, greedy decoding did not"
     if not greedy:
         assert any(stopped) and not all(stopped), "some rows stop early, others run on (pad after stop)"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("mode", [*SAMPLINGS, "greedy"])
+def test_decode_on_cuda_samples_generates_tokens(policy, tiny_tokenizer, mode, bf16):
+    """On a GPU the loop draws with ``torch.multinomial`` itself, from the GPU's generator, and the model's
+    forward runs every step (no lean step): the tokens are still ``generate``'s, in fp32 and under bf16
+    autocast, with the plain prefill and the shared one."""
+    policy = policy.cuda()
+    sampling = SAMPLINGS.get(mode, SAMPLINGS["plain"])
+    greedy = mode == "greedy"
+    eos = chat.end_of_turn_ids(tiny_tokenizer)
+    host = _prompts(tiny_tokenizer)
+    batch = SimpleNamespace(input_ids=host.input_ids.cuda(), attention_mask=host.attention_mask.cuda())
+    assert LeanStep.build(policy) is None
+    completions = set()
+    with bf16_autocast(torch.device("cuda"), bf16):
+        for seed in (0, 1):
+            expected = _generate(policy, tiny_tokenizer, batch, sampling, eos, greedy, seed)
+            for prefilled in (False, True):
+                got = _decode(policy, tiny_tokenizer, batch, sampling, eos, greedy, seed, prefilled)
+                assert got.device.type == "cuda"
+                assert torch.equal(got, expected), f"seed {seed}, prefilled {prefilled}: not generate's tokens"
+            completions |= {tuple(row) for row in expected[:, batch.input_ids.shape[1]:].tolist()}
+    assert len(completions) > 3, "completions vary (a real comparison)"
 
 
 @pytest.mark.parametrize("prefilled", [False, True], ids=["plain-prefill", "shared-prefill"])

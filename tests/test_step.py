@@ -130,21 +130,27 @@ PLAIN = {"shared_prefix": False, "multitask": {"mode": "sum", "low_memory": Fals
 FAST = {"shared_prefix": True, "multitask": {"mode": "sum", "low_memory": True, "task_stats": False}}
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize(("mode", "low_memory"), [("sum", True), ("cagrad", True), ("cagrad", False)])
-def test_fast_path_gives_the_plain_paths_numbers(tiny_model, tiny_tokenizer, records, mode, low_memory):
+def test_fast_path_gives_the_plain_paths_numbers(tiny_model, tiny_tokenizer, records, mode, low_memory, device):
     """Every speed lever (shared-prefix scoring of the reference and the policy, the rollout's prefill
     reused by the policy pass, one graph per task, sum mode at one backward) changes no number: loss,
-    entropy, KL and gradients agree in fp32."""
+    entropy, KL and gradients agree in fp32, on the CPU and on a GPU."""
     loss = {"beta": 0.04, "entropy_coef": 0.01}
-    plain = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss=loss,
+    plain = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, device, loss=loss,
                          **{**PLAIN, "multitask": {**PLAIN["multitask"], "mode": mode}})
-    fast = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss=loss,
+    fast = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, device, loss=loss,
                         **{**FAST, "multitask": {**FAST["multitask"], "mode": mode, "low_memory": low_memory}})
+    assert {next(ctx.model.parameters()).device.type for ctx in (plain, fast)} == {device}
     with torch.no_grad():  # a trained adapter, so the policy differs from the reference
         for ctx in (plain, fast):
             for name, param in ctx.model.named_parameters():
                 if "lora_B" in name:
-                    param.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+                    param.normal_(0, 0.3, generator=torch.Generator(param.device).manual_seed(1))
     advantages = torch.linspace(-1, 1, 2 * len(records))
     sampled = with_advantages(draw(plain, records, seed=11), advantages)
     kept = with_advantages(draw(fast, records, seed=11), advantages)
