@@ -105,6 +105,26 @@ def test_decode_samples_generates_tokens(policy, tiny_tokenizer, mode, prefilled
         assert any(stopped) and not all(stopped), "some rows stop early, others run on (pad after stop)"
 
 
+@pytest.mark.parametrize("mode", ["plain", "greedy"])
+def test_decode_under_bf16_autocast_on_an_unpadded_batch_samples_generates_tokens(policy, tiny_tokenizer, mode):
+    """Without a padded row ``generate`` passes no mask, and the attention runs without one (causal); under
+    CPU bf16 autocast that is fp32 attention too (``kernels._attend``), so the tokens are the loop's, whose
+    prepared mask takes the masked kernel."""
+    sampling, greedy = SAMPLINGS["plain"], mode == "greedy"
+    eos = chat.end_of_turn_ids(tiny_tokenizer)
+    batch = left_pad([chat.render_prompt(tiny_tokenizer, [{"role": "user", "content": TEXTS[1]}])] * 6,
+                     tiny_tokenizer.pad_token_id)
+    assert bool(batch.attention_mask.all()), "no row is padded"
+    completions = set()
+    with bf16_autocast(torch.device("cpu"), True, force=True):
+        for seed in range(6):
+            expected = _generate(policy, tiny_tokenizer, batch, sampling, eos, greedy, seed)
+            got = _decode(policy, tiny_tokenizer, batch, sampling, eos, greedy, seed, prefilled=False)
+            assert torch.equal(got, expected), f"seed {seed}: decode and generate sampled different tokens"
+            completions |= {tuple(row) for row in expected[:, batch.input_ids.shape[1]:].tolist()}
+    assert greedy or len(completions) > 3, "completions vary (a real comparison)"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])

@@ -52,26 +52,31 @@ def test_sdpa_grouped_is_what_sdpa_loads_and_nothing_else_changes():
     assert attention_kernel("eager") == "eager" and attention_kernel("flash_attention_2") == "flash_attention_2"
 
 
-def test_sdpa_grouped_attends_in_fp32_under_cpu_autocast():
+@pytest.mark.parametrize(("groups", "masked"), [(3, True), (1, True), (3, False)],
+                         ids=["grouped-masked", "ungrouped-masked", "grouped-unmasked"])
+def test_sdpa_grouped_attends_in_fp32_under_cpu_autocast(groups, masked):
     """Under CPU bf16 autocast the kernel gets fp32 queries, keys and values (the bf16 CPU flash backward
     is several times slower than fp32's) and returns bf16, as autocast's attention would; the
-    gradients reach fp32 inputs in fp32."""
+    gradients reach fp32 inputs in fp32. So also for a model without grouped heads and for a pass
+    without a mask (causal), which go through ``sdpa`` itself."""
     gen = torch.Generator().manual_seed(0)
     module = torch.nn.Module()
-    module.num_key_value_groups = 3
+    module.num_key_value_groups = groups
     q = torch.randn(2, 6, 5, 8, generator=gen, requires_grad=True)
-    k, v = (torch.randn(2, 2, 5, 8, generator=gen).bfloat16().requires_grad_() for _ in range(2))
-    mask = torch.ones(5, 5, dtype=torch.bool).tril()[None, None].expand(2, 1, 5, 5)
+    k, v = (torch.randn(2, 6 // groups, 5, 8, generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None].expand(2, 1, 5, 5)
+    mask = causal if masked else None
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out, _ = sdpa_grouped_forward(module, q, k, v, mask, scaling=0.5)
+    args = (q.detach(), k.detach().float(), v.detach().float())
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q.detach(), k.detach().float(), v.detach().float(), attn_mask=mask, scale=0.5, enable_gqa=True
+        *args, attn_mask=causal, scale=0.5, enable_gqa=groups > 1
     )
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == torch.bfloat16 and out.is_contiguous()
     torch.testing.assert_close(out, expected.transpose(1, 2).bfloat16(), rtol=0, atol=0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         rounded = torch.nn.functional.scaled_dot_product_attention(
-            q.detach(), k.detach().float(), v.detach().float(), attn_mask=mask, scale=0.5, enable_gqa=True
+            *args, attn_mask=causal, scale=0.5, enable_gqa=groups > 1
         )
     assert not torch.equal(rounded.transpose(1, 2), out), "autocast's own attention rounds q and k to bf16"
     out.float().sum().backward()
