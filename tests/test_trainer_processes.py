@@ -53,8 +53,18 @@ def train(params: Path, nproc: int, mode: str, *extra: str) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         raise
-    assert process.returncode == 0, output[-4000:]
+    assert process.returncode == 0, failure_report(output)
     return output
+
+
+CAUSES = ("Error", "error:", "terminate called", "Abort", "abort", "Signal", "Killed")
+
+
+def failure_report(output: str) -> str:
+    """What a failed run printed about its cause: the lines that name an error, from every rank (the rank
+    that died first is often not the one whose traceback fills the end), then the tail."""
+    causes = [line for line in output.splitlines() if any(word in line for word in CAUSES)]
+    return "\n".join(causes[-40:]) + "\n--- the end of the output ---\n" + output[-3000:]
 
 
 def run_dir(params: Path) -> Path:
