@@ -98,26 +98,26 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, is_caus
     """The attention itself (the module docstring says how) -> [B, Q, H, D]. Under CPU autocast every case
     attends in fp32: grouped heads with a mask through ``enable_gqa``, the others (a model without grouped
     heads, a pass without a mask) through ``sdpa`` itself on fp32 inputs."""
-    on_cpu = query.device.type == "cpu"
-    autocast = on_cpu and torch.is_autocast_enabled("cpu")
+    autocast = query.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
     with torch.autocast("cpu", enabled=False) if autocast else contextlib.nullcontext():
         if autocast:
             query, key, value = query.float(), key.float(), value.float()
-        if on_cpu and attention_mask is not None and getattr(module, "num_key_value_groups", 1) > 1:
-            if attention_mask.ndim == 4:
-                attention_mask = attention_mask[:, :, :, : key.shape[-2]]
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=False,
-                enable_gqa=True,
-            ).transpose(1, 2)
-        else:
+        if query.device.type != "cpu" or attention_mask is None or not grouped:
             out = sdpa_attention_forward(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
                 **kwargs,
-            )[0]
+            )[0]  # [B, Q, H, D]
+            return out.to(torch.get_autocast_dtype("cpu")) if autocast else out
+        if attention_mask.ndim == 4:
+            attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=False,
+            enable_gqa=True,
+        )  # [B, H, Q, D]
     if autocast:
         out = out.to(torch.get_autocast_dtype("cpu"))
-    return out.contiguous()
+    return out.transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(GROUPED_SDPA, sdpa_grouped_forward)
