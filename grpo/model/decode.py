@@ -11,7 +11,9 @@ stop token, and the loop ends when every row has stopped or ``max_new_tokens`` a
 key/value cache writes each token into room reserved once (``ReservedLayer``) where ``generate``'s
 concatenates the whole cache again. After the first step, a Llama-family model on a CPU runs its
 one-token steps through ``lean_step.LeanStep``: the forward's very operations without the module and
-adapter machinery around them, checked against the model's own forward at its first step. Same
+adapter machinery around them, checked against the model's own forward at its first step; on a GPU they
+replay a CUDA graph of the model's own forward over a static cache (``graph_step.GraphStep``), checked
+the same way. Same
 generator, same draws: the tokens are those of ``generate`` (``tests/test_decode.py`` compares them,
 sampled and greedy, with and without a prefilled cache).
 Asked for it, the loop also hands back each generated token's entropy under the scorer's distribution
@@ -22,6 +24,7 @@ entropy of the sampling policy without a second forward pass over the rollout.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -34,6 +37,7 @@ from grpo.core.attention import model_attention_mask
 from grpo.core.batching import position_ids_from_mask
 from grpo.core.logprobs import entropy_from_logits
 from grpo.model.draws import draw_one
+from grpo.model.graph_step import GraphStep
 from grpo.model.kernels import PrefixWatch, rows_independent, watch_prefix
 from grpo.model.lean_step import LeanStep
 
@@ -171,10 +175,16 @@ def decode(
     shape = LogitsProcessorList([*processors, *warpers(sampling, greedy)])
     sequences = input_ids
     watching = prompt_pass is not None and past_key_values is None
-    lean = None
+    lean = graph = None
     for step in range(sampling.max_new_tokens):
-        step_mask = model_attention_mask(model, mask, step_ids.shape[1])
-        if step == 0:
+        if step == 1:
+            graph = GraphStep.build(model, past_key_values, rows, mask.shape[1] + sampling.max_new_tokens)
+        step_mask = None if graph is not None else model_attention_mask(model, mask, step_ids.shape[1])
+        if graph is not None:
+            logits, graph = _graph_logits(model, graph, step == 1, step_ids, step_positions, mask, past_key_values)
+            if graph is not None:
+                past_key_values = None  # the static cache holds every column from here on
+        elif step == 0:
             with watch_prefix(prompt_pass.watch) if watching else contextlib.nullcontext():
                 out = _forward(model, step_ids, step_mask, step_positions, past_key_values)
             if watching:
@@ -203,6 +213,21 @@ def decode(
         step_positions = step_positions[:, -1:] + 1
         mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
     return sequences
+
+
+def _graph_logits(model, graph: GraphStep, first: bool, step_ids, step_positions, mask, cache):
+    """One decode step's logits ``[N, 1, V]`` from the graph, and the graph to use from here on. The first
+    graph step also runs the model's own forward over the dynamic ``cache`` and keeps the graph only where
+    its logits are that forward's bit for bit; otherwise the decode goes on with the model's forward."""
+    logits = graph(step_ids, step_positions, mask)
+    if not first:
+        return logits, graph
+    step_mask = model_attention_mask(model, mask, step_ids.shape[1])
+    expected = _forward(model, step_ids, step_mask, step_positions, cache).logits
+    if graph.check(expected):
+        return logits, graph
+    warnings.warn(f"decode: the CUDA graph step is not used ({graph.failed}); the model's own forward runs", stacklevel=3)
+    return expected, None
 
 
 def _step_logits(model, lean: LeanStep | None, step_ids, step_mask, step_positions, cache) -> torch.Tensor:
