@@ -1,25 +1,31 @@
-"""GPU benchmark: rollout tokens/s (HF ``generate`` vs vLLM), training-phase MFU and peak memory.
+"""GPU benchmark: rollouts under CUDA graphs against ``generate``, the GRPO step's MFU and peak memory.
 
-For each real architecture (random weights, real tokenizer: ``model.architecture`` presets):
-- generation: ``prompts`` x ``group`` completions of exactly ``tokens`` tokens (min = max new tokens,
-  so every engine produces the same amount), through the project's rollout engines;
-- training phase: forward + backward + AdamW step of full weights in the trainer's precision (fp32
-  master weights, bf16 autocast), scoring completions with ``score_completions`` as the GRPO step does;
-  MFU = model FLOPs of forward + backward / time / the GPU's dense bf16 peak. Model FLOPs per token:
-  6 x (non-embedding parameters) for every token, 6 x vocab x hidden for the scored positions (the
-  LM head runs on those only, ``logits_to_keep``) and 12 x layers x hidden x sequence length for
-  attention (PaLM, arXiv 2204.02311, appendix B);
-- peak memory: ``torch.cuda.max_memory_allocated`` of each phase.
+Every figure of docs/scaling.md's GPU table in one run, on random weights in published architectures with
+their real tokenizers (``model.architecture`` presets), the LoRA adapter of configs/gpu-qwen2.5-1.5b.yaml
+(r 16 on q/k/v/o) over fp32 weights, bf16 autocast:
 
-    python benchmarks/gpu.py                       # full: CUDA only, 0.5B and 3B, 8 x 8 x 256
-    python benchmarks/gpu.py --smoke               # CPU: a shrunk preset, one step (what the test runs)
+- **rollouts**: 8 prompts x 8 completions (64 rows) x 256 tokens (min = max new tokens, so every variant
+  makes the same tokens' worth of work): Hugging Face ``generate`` (the library's own loop and dynamic
+  cache; the faster of fp32-held and bf16-held frozen weights counts), the project's decode loop with its
+  CUDA graph steps (``grpo/model/graph_step.py``) and without them, and vLLM where it is installed;
+- **the GRPO step** (``grpo.train.step.grpo_step``: rollout, rewards, reference pass, update) on the same
+  workload: seconds per phase, peak memory of the step and of its training phase (reference + update), and
+  the training phase's MFU = model FLOPs / seconds / the GPU's dense bf16 peak. Model FLOPs
+  (``training_flops``): 2 x body parameters per token a pass runs through the body (each prompt once per
+  group where the step shares it), 2 x vocabulary x hidden per scored position, 4 x layers x query width per
+  attended key (causal), LoRA's products; a backward is the forward again for the inputs' gradients (twice
+  for attention) plus the trainable weights' gradients. The split-bf16 head product counts once.
 
-The JSON goes to ``--out``; a Markdown table is printed for the README.
+    python benchmarks/gpu.py                       # CUDA: 0.5B, 3B and 8B (the 8B: the step only)
+    python benchmarks/gpu.py --smoke               # CPU: shrunk presets, a few tokens (what the test runs)
+
+The JSON goes to ``--out`` and the Markdown table beside it (``.md``), and is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import resource
@@ -28,67 +34,62 @@ import time
 from pathlib import Path
 
 import torch
-
-from grpo.config import ModelConfig, RolloutConfig, SamplingConfig
-from grpo.core.batching import join_prompt_completion
-from grpo.core.logprobs import score_completions
-from grpo.data.prompts import example_messages
-from grpo.model.architectures import build_architecture
-from grpo.model.chat import end_of_turn_ids, render_prompt
-from grpo.model.engines import make_engine
-from grpo.model.precision import apply_memory_settings, bf16_autocast
+from transformers import GenerationConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from grpo.config import config_from_dict  # noqa: E402
+from grpo.core.batching import left_pad  # noqa: E402
+from grpo.data.prompts import render_records  # noqa: E402
+from grpo.data.synthetic_fairness import generate_fairness  # noqa: E402
+from grpo.data.synthetic_grounded import generate_grounded  # noqa: E402
+from grpo.model import graph_step  # noqa: E402
+from grpo.model.architectures import build_architecture  # noqa: E402
+from grpo.model.lora import wrap_lora  # noqa: E402
+from grpo.model.precision import bf16_autocast, frozen_linears_in_bf16  # noqa: E402
+from grpo.model.rollout import sample_rollout, stop_ids  # noqa: E402
+from grpo.train import step as step_module  # noqa: E402
+from grpo.train.policy import Policy  # noqa: E402
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets.
-BF16_PEAK_TFLOPS = {
-    "H200": 989.4,
-    "H100 SXM": 989.4,
-    "H100 PCIe": 756.0,
-    "H100": 989.4,
-    "A100": 312.0,
-    "L40S": 362.1,
-    "A10G": 125.0,
-    "L4": 121.0,
+BF16_PEAK_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0,
+                    "L40S": 362.1, "A10G": 125.0, "L4": 121.0}
+# What runs for each architecture: the rollout comparison, the step's micro-batches, timed steps.
+PLAN = {
+    "qwen2.5-0.5b": {"rollouts": True, "grad_accum": 1, "steps": 2},
+    "llama-3.2-3b": {"rollouts": True, "grad_accum": 2, "steps": 2},
+    "llama-3.1-8b": {"rollouts": False, "grad_accum": 4, "steps": 1},
 }
-SMOKE_SHRINK = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+TARGETS = {  # docs/scaling.md's targets: (architecture, figure) -> (bound, "max" or "min")
+    ("llama-3.2-3b", "train_peak_gib"): (40.0, "max"),
+    ("llama-3.2-3b", "mfu"): (0.40, "min"),
+    ("qwen2.5-0.5b", "mfu"): (0.25, "min"),
+    ("qwen2.5-0.5b", "graph_vs_generate"): (5.0, "min"),
+    ("llama-3.2-3b", "graph_vs_generate"): (5.0, "min"),
+    ("llama-3.1-8b", "step_peak_gib"): (80.0, "max"),
 }
-RECORD = {
-    "task": "hallucination",
-    "context": "The river town of Elbrook was founded by Mara Venn in 1821 and is known for its glass works.",
-    "question": "Who founded Elbrook?",
-    "answer": "Mara Venn",
-    "answerable": True,
-}
+SMOKE_SHRINK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2}
+LORA = {"r": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--smoke", action="store_true", help="CPU smoke run: shrunk preset, tiny sizes, one step"
-    )
-    parser.add_argument("--architectures", nargs="+", default=None, help="presets (default 0.5B and 3B)")
+    parser.add_argument("--smoke", action="store_true", help="CPU smoke run: shrunk presets, a few tokens")
+    parser.add_argument("--architectures", nargs="+", default=None, help=f"default: {' '.join(PLAN)}")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8, help="completions per prompt")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per completion")
-    parser.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
-    parser.add_argument("--train-steps", type=int, default=3, help="timed training steps after one warm-up")
-    parser.add_argument("--micro-batch", type=int, default=16, help="sequences per forward/backward")
-    parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the GPU's bf16 peak")
-    parser.add_argument("--tokenizers-dir", default=str(ROOT.parent / "shared" / "tokenizers"))
+    parser.add_argument("--tokenizers-dir", default=str(ROOT / "tests" / "fixtures" / "tokenizers"),
+                        help="folder of the presets' tokenizer folders")
     parser.add_argument("--out", default=str(ROOT / "reports" / "gpu_benchmark.json"))
     args = parser.parse_args(argv)
     if args.smoke:
         args.architectures = args.architectures or ["qwen2.5-0.5b"]
-        args.prompts, args.group, args.tokens, args.train_steps = 2, 2, 4, 1
-        args.engines = [e for e in args.engines if e == "hf"]
-    args.architectures = args.architectures or ["qwen2.5-0.5b", "llama-3.2-3b"]
+        args.prompts, args.group, args.tokens = 2, 2, 4
+    args.architectures = args.architectures or list(PLAN)
     return args
 
 
@@ -99,187 +100,300 @@ def peak_tflops(device: torch.device, override: float | None) -> float | None:
     return next((v for key, v in BF16_PEAK_TFLOPS.items() if key in name), None)
 
 
-def reset_memory(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak allocated GPU memory of the phase; on CPU the process's peak resident size."""
+def peak_gib(device: torch.device) -> float:
+    """Peak allocated GPU memory since the last reset; on a CPU the process's peak resident size."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        sync(device)
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def training_flops(model, n_sequences: int, seq_len: int, scored: int) -> float:
-    """Model FLOPs of forward + backward for ``n_sequences`` of ``seq_len`` tokens, LM head on ``scored``."""
-    config = model.config
-    embedding = model.get_input_embeddings().weight.numel()
-    body = sum(p.numel() for p in model.parameters()) - embedding  # tied LM head: counted apart below
-    if not config.tie_word_embeddings:
-        body -= model.get_output_embeddings().weight.numel()
-    head = config.vocab_size * config.hidden_size
-    tokens = n_sequences * seq_len
-    attention = 12 * config.num_hidden_layers * config.hidden_size * seq_len * tokens
-    return 6.0 * body * tokens + 6.0 * head * n_sequences * scored + attention
-
-
-def bench_generation(engine_name: str, model, tokenizer, prompts, args, device) -> dict:
-    """Tokens/s of ``prompts`` x ``group`` completions of exactly ``tokens`` tokens. HF ``generate``
-    runs under bf16 autocast, so both engines compute in bf16 (the trainer's own HF rollout does not)."""
-    sampling = SamplingConfig(max_new_tokens=args.tokens, min_new_tokens=args.tokens)
-    eos = end_of_turn_ids(tokenizer)
-    cfg = RolloutConfig(engine=engine_name, sleep=False, gpu_memory_utilization=0.4)
-    engine = make_engine(cfg, model, tokenizer, max_model_len=1024, seed=0)
-    warm = SamplingConfig(max_new_tokens=4, min_new_tokens=4)
-    with bf16_autocast(device, bf16=engine_name == "hf"):
-        engine.generate(prompts[:1], 2, warm, eos, seed=0)
-        reset_memory(device)
-        started = time.perf_counter()
-        out = engine.generate(prompts, args.group, sampling, eos, seed=1)
+def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elapsed = time.perf_counter() - started
-    tokens = int(out.rollout.lengths.sum())
-    result = {
-        "engine": engine_name,
-        "tokens": tokens,
-        "seconds": elapsed,
-        "tokens_per_s": tokens / elapsed,
-        "peak_memory_gib": peak_memory_gib(device),
-    }
-    del engine
-    return result
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
 
 
-def bench_training(model, rollout, args, device) -> dict:
-    """Forward + backward + AdamW over the rollout's sequences in micro-batches, as the GRPO step scores."""
-    joined = join_prompt_completion(
-        rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask
-    )
-    ids, mask = joined.input_ids.to(device), joined.attention_mask.to(device)
-    width = rollout.completion_ids.shape[1]
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+def config(name: str, args, plan: dict):
+    """The step's params: the GPU profile's LoRA and precision on ``name``, the benchmark's workload."""
+    overrides = SMOKE_SHRINK | ({"head_dim": 16} if name.startswith("llama") else {}) if args.smoke else {}
+    return config_from_dict({
+        "model": {"architecture": name, "architecture_overrides": overrides,
+                  "tokenizers_dir": args.tokenizers_dir, "lora": LORA},
+        "grpo": {"prompts_per_step": args.prompts, "group_size": args.group, "bf16": True,
+                 "grad_accum": plan["grad_accum"],
+                 "sampling": {"max_new_tokens": args.tokens, "min_new_tokens": args.tokens}},
+        "tracking": {"wandb": "disabled"},
+    })
 
-    def one_step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        for start in range(0, ids.shape[0], args.micro_batch):
-            part = slice(start, start + args.micro_batch)
-            with bf16_autocast(device, bf16=True):
-                scored = score_completions(model, ids[part], mask[part], width, temperature=1.0)
-            (-scored.logprobs.float().mean() * ids[part].shape[0] / ids.shape[0]).backward()
-        optimizer.step()
 
-    one_step()  # warm-up: kernels, allocator, optimizer state
-    reset_memory(device)
+def records(n: int, seed: int) -> list[dict]:
+    """``n`` prompts of the project's own data, half of each task."""
+    fair = generate_fairness(n // 2, "train", seed)
+    return fair + generate_grounded(n - len(fair), "train", seed, answerable_fraction=0.5)
+
+
+@contextlib.contextmanager
+def graphs(on: bool):
+    """The decode loop with its CUDA graph steps (``on``) or without; the graph steps built are collected."""
+    built: list = []
+    build = graph_step.GraphStep.build
+
+    def recorded(*a):
+        built.append(build(*a) if on else None)
+        return built[-1]
+
+    graph_step.GraphStep.build = staticmethod(recorded)
+    try:
+        yield built
+    finally:
+        graph_step.GraphStep.build = staticmethod(build)
+
+
+def timed(device: torch.device, run) -> float:
+    sync(device)
     started = time.perf_counter()
-    for _ in range(args.train_steps):
-        one_step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = (time.perf_counter() - started) / args.train_steps
-    flops = training_flops(model, ids.shape[0], ids.shape[1], width)
+    run()
+    sync(device)
+    return time.perf_counter() - started
+
+
+def bench_rollouts(model, tokenizer, cfg, args, device) -> dict:
+    """Tokens/s of 64 rows x 256 tokens: ``generate``, the decode loop without and with CUDA graphs."""
+    sampling = cfg.grpo.sampling
+    eos = stop_ids(model, tokenizer)
+    prompts = render_records(tokenizer, records(args.prompts, seed=1), cfg.model.chat_template_kwargs)
+    batch = left_pad([p for p in prompts for _ in range(args.group)], tokenizer.pad_token_id)
+    ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+    tokens = ids.shape[0] * args.tokens
+    model.eval()
+
+    def generate(new_tokens: int) -> None:
+        config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+
+    def decode(new_tokens: int) -> None:
+        short = sampling.model_copy(update={"max_new_tokens": new_tokens, "min_new_tokens": new_tokens})
+        sample_rollout(model, tokenizer, prompts, args.group, short, eos, seed=2)
+
+    out: dict = {"rows": ids.shape[0], "tokens": tokens}
+    variants = {
+        "generate": (generate, False, None),
+        "generate, frozen weights bf16": (generate, True, None),
+        "decode loop": (decode, True, False),
+        "decode loop, CUDA graph": (decode, True, True),
+    }
+    for name, (run, frozen, graphed) in variants.items():
+        with bf16_autocast(device, True), frozen_linears_in_bf16([model], frozen), graphs(bool(graphed)) as built:
+            run(4)  # warm-up: kernels, allocator, the graph machinery
+            seconds = timed(device, lambda run=run: run(args.tokens))
+        entry = {"seconds": seconds, "tokens_per_s": tokens / seconds}
+        if graphed is not None:
+            steps = [s for s in built if s is not None]
+            entry["graph"] = {"built": len(steps), "failed": [s.failed for s in steps if s.failed],
+                              "static_gap": [s.gap for s in steps]}
+        out[name] = entry
+    out["vllm"] = "vLLM is not installed: untested" if importlib.util.find_spec("vllm") is None else "not run"
+    best_generate = max(out["generate"]["tokens_per_s"], out["generate, frozen weights bf16"]["tokens_per_s"])
+    out["graph_vs_generate"] = out["decode loop, CUDA graph"]["tokens_per_s"] / best_generate
+    return out
+
+
+def lora_parameters(model) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+
+
+def training_flops(config, rows: int, distinct: int, prompt: int, completion: int, shared: bool,
+                   reused_prefill: bool, body: int, lora: int, passes: dict[str, int], full: bool) -> float:
+    """Model FLOPs of the training phase (see the module docstring). ``body``: non-embedding, non-head
+    parameters; ``passes``: forward passes without grad (reference, old log-probs) and policy passes."""
+    prompt_tokens = distinct * prompt if shared else rows * prompt
+    completion_tokens = rows * completion
+    tokens = prompt_tokens + completion_tokens
+    head = 2.0 * config.vocab_size * config.hidden_size * completion_tokens
+    width = config.num_attention_heads * getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+    keys = (distinct if shared else rows) * prompt * (prompt + 1) / 2 + rows * (
+        completion * prompt + completion * (completion + 1) / 2)
+    attention = 4.0 * config.num_hidden_layers * width * keys
+    scoring = 2.0 * body * tokens + attention + head  # one forward pass without grad, adapter off
+    forward = 2.0 * (body + lora) * (completion_tokens if reused_prefill else tokens) + head + attention
+    backward = 2.0 * (body + lora) * tokens + 2 * attention + head + 2.0 * lora * tokens
+    if full:
+        backward += 2.0 * body * tokens + head
+    return passes["scoring"] * scoring + passes["policy"] * (forward + backward)
+
+
+def bench_step(model, tokenizer, cfg, args, device, plan: dict) -> dict:
+    """The GRPO step: warm-up step, then ``plan['steps']`` timed; training phase timed and measured apart."""
+    from accelerate import Accelerator
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.grpo.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    model.train()
+    step = step_module.build_step(cfg, Policy(model, tokenizer, optimizer, scheduler, None),
+                                  Accelerator(cpu=device.type == "cpu"))
+    phases: dict = {}
+    prepare, update = step_module.prepare_batch, step_module.update
+
+    def timed_prepare(*a):
+        phases["rollout_peak_gib"] = peak_gib(device)
+        reset_peak(device)
+        phases["train_started"] = time.perf_counter()
+        return prepare(*a)
+
+    def timed_update(*a):
+        out = update(*a)
+        sync(device)
+        phases["train_s"] = time.perf_counter() - phases["train_started"]
+        phases["train_peak_gib"] = peak_gib(device)
+        return out
+
+    step_module.prepare_batch, step_module.update = timed_prepare, timed_update
+    runs = []
+    try:
+        for index in range(1 + plan["steps"] if plan["steps"] > 1 else 1):
+            batch = records(args.prompts, seed=10 + index)
+            reset_peak(device)
+            seconds = timed(device, lambda b=batch, i=index: runs.append(
+                step_module.grpo_step(step, b, i + 1, lambda attempt, b=b: b)))
+            result = runs[-1]
+            runs[-1] = {"step_s": seconds, "rollout_s": result.metrics["timing/generate"], **phases,
+                        "trace": result.trace}
+    finally:
+        step_module.prepare_batch, step_module.update = prepare, update
+    timed_runs = runs[1:] if len(runs) > 1 else runs
+    trace = timed_runs[-1].pop("trace")
+    for run in runs:
+        run.pop("trace", None)
+    rollout = trace.draw.rollout
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embedding = base.get_input_embeddings().weight.numel()
+    head = 0 if base.config.tie_word_embeddings else base.get_output_embeddings().weight.numel()
+    lora = lora_parameters(model)
+    body = sum(p.numel() for p in model.parameters()) - embedding - head - lora
+    flops = training_flops(
+        base.config, rows=rollout.prompt_ids.shape[0], distinct=args.prompts, prompt=rollout.prompt_ids.shape[1],
+        completion=rollout.completion_ids.shape[1], shared=step.shares_prefix, reused_prefill=step.reuses_prefill,
+        body=body, lora=lora, full=False,
+        passes={"scoring": int(cfg.grpo.loss.beta > 0) + int(cfg.grpo.num_iterations > 1),
+                "policy": cfg.grpo.num_iterations})
+    median = sorted(timed_runs, key=lambda r: r["train_s"])[len(timed_runs) // 2]
     return {
-        "sequences": ids.shape[0],
-        "seq_len": ids.shape[1],
-        "step_s": seconds,
-        "flops_per_step": flops,
-        "tflops_per_s": flops / seconds / 1e12,
-        "peak_memory_gib": peak_memory_gib(device),
+        "rows": rollout.prompt_ids.shape[0], "prompt_width": rollout.prompt_ids.shape[1],
+        "completion_width": rollout.completion_ids.shape[1], "grad_accum": cfg.grpo.grad_accum,
+        "shares_prefix": step.shares_prefix, "reuses_prefill": step.reuses_prefill,
+        "steps": runs, "train_s": median["train_s"], "flops": flops,
+        "tflops_per_s": flops / median["train_s"] / 1e12,
+        "step_peak_gib": max(max(r["rollout_peak_gib"], r["train_peak_gib"]) for r in runs),
+        "train_peak_gib": max(r["train_peak_gib"] for r in runs),
     }
 
 
-def bench_architecture(name: str, args, device) -> dict:
-    overrides = SMOKE_SHRINK if args.smoke else {}
-    if args.smoke and name.startswith("llama"):
-        overrides = SMOKE_SHRINK | {"head_dim": 16}
-    cfg = ModelConfig(
-        architecture=name,
-        architecture_overrides=overrides,
-        tokenizers_dir=args.tokenizers_dir,
-        gradient_checkpointing=args.gradient_checkpointing,
-    )
-    model, tokenizer = build_architecture(cfg, seed=0)
-    apply_memory_settings(model, cfg)
-    model.to(device)
-    prompts = [render_prompt(tokenizer, example_messages(RECORD)) for _ in range(args.prompts)]
-    result = {
-        "architecture": name,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "generation": [],
-        "training": None,
-    }
-    for engine in args.engines:
-        if engine == "vllm" and importlib.util.find_spec("vllm") is None:
-            result["generation"].append({"engine": "vllm", "skipped": "vLLM is not installed"})
-            continue
-        result["generation"].append(bench_generation(engine, model, tokenizer, prompts, args, device))
-    sampling = SamplingConfig(max_new_tokens=args.tokens, min_new_tokens=args.tokens)
-    rollout = (
-        make_engine(RolloutConfig(), model, tokenizer)
-        .generate(prompts, args.group, sampling, end_of_turn_ids(tokenizer), seed=2)
-        .rollout
-    )
-    result["training"] = bench_training(model, rollout, args, device)
+def bench_architecture(name: str, args, device, peak: float | None) -> dict:
+    plan = PLAN.get(name, {"rollouts": True, "grad_accum": 1, "steps": 2})
+    if args.smoke:
+        plan = plan | {"steps": 1}
+    cfg = config(name, args, plan)
+    started = time.perf_counter()
+    model, tokenizer = build_architecture(cfg.model, seed=0, device=device)
+    torch.manual_seed(cfg.seed)
+    model = wrap_lora(model, cfg.model.lora)
+    result = {"architecture": name, "parameters": sum(p.numel() for p in model.parameters()),
+              "build_s": time.perf_counter() - started}
+    parts = {"rollouts": bench_rollouts, "step": bench_step} if plan["rollouts"] else {"step": bench_step}
+    for part, run in parts.items():
+        extra = (plan,) if part == "step" else ()
+        try:
+            result[part] = run(model, tokenizer, cfg, args, device, *extra)
+        except Exception as error:  # a part that fails is reported, the others still run
+            result[part] = {"error": f"{type(error).__name__}: {error}"}
+        print(f"gpu benchmark: {name} {part}: {json.dumps(result[part], default=str)[:600]}", flush=True)
+    step = result.get("step", {})
+    if "tflops_per_s" in step:
+        step["mfu"] = step["tflops_per_s"] / peak if peak else None
     del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return result
 
 
-def markdown(results: list[dict], gpu: str, peak: float | None) -> str:
-    lines = [
-        f"GPU: {gpu}; bf16 peak {peak or 'unknown'} TFLOP/s",
-        "",
-        "| architecture | HF tokens/s | vLLM tokens/s | vLLM / HF | train step s | MFU | peak GiB (train) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in results:
-        speed = {g["engine"]: g.get("tokens_per_s") for g in r["generation"]}
-        hf, vllm = speed.get("hf"), speed.get("vllm")
-        ratio = f"{vllm / hf:.1f}x" if hf and vllm else "-"
-        train = r["training"]
-        mfu = f"{100 * train['mfu']:.1f} %" if train.get("mfu") is not None else "-"
-        hf_text, vllm_text = (f"{v:.0f}" if v else "-" for v in (hf, vllm))
+def figure(result: dict, key: str):
+    step, rollouts = result.get("step", {}), result.get("rollouts", {})
+    return {"train_peak_gib": step.get("train_peak_gib"), "step_peak_gib": step.get("step_peak_gib"),
+            "mfu": step.get("mfu"), "graph_vs_generate": rollouts.get("graph_vs_generate")}[key]
+
+
+def targets(results: list[dict]) -> list[dict]:
+    out = []
+    for (name, key), (bound, kind) in TARGETS.items():
+        found = next((r for r in results if r["architecture"] == name), None)
+        value = figure(found, key) if found else None
+        held = None if value is None else (value <= bound if kind == "max" else value >= bound)
+        out.append({"architecture": name, "figure": key, "value": value, "bound": bound, "kind": kind,
+                    "held": held})
+    return out
+
+
+def _num(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def markdown(report: dict) -> str:
+    lines = [f"GPU: {report['gpu']}; bf16 peak {report['bf16_peak_tflops'] or 'unknown'} TFLOP/s; "
+             f"{report['prompts']} prompts x {report['group']} completions x {report['tokens']} tokens",
+             "",
+             "| architecture | generate tok/s | loop tok/s | graph tok/s | graph / generate "
+             "| step s (rollout) | train s | MFU | peak GiB (train / step) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in report["results"]:
+        ro, st = r.get("rollouts", {}), r.get("step", {})
+        best = max((ro.get(k, {}).get("tokens_per_s") or 0 for k in ("generate", "generate, frozen weights bf16")),
+                   default=0) or None
+        runs = st.get("steps") or [{}]
         lines.append(
-            f"| {r['architecture']} | {hf_text} | {vllm_text} | {ratio} | {train['step_s']:.2f} "
-            f"| {mfu} | {train['peak_memory_gib']:.1f} |"
-        )
+            f"| {r['architecture']} | {_num(best, '.0f')} | {_num(ro.get('decode loop', {}).get('tokens_per_s'), '.0f')} "
+            f"| {_num(ro.get('decode loop, CUDA graph', {}).get('tokens_per_s'), '.0f')} "
+            f"| {_num(ro.get('graph_vs_generate'), '.1f')}x "
+            f"| {_num(runs[-1].get('step_s'), '.2f')} ({_num(runs[-1].get('rollout_s'), '.2f')}) "
+            f"| {_num(st.get('train_s'), '.2f')} | {_num(None if st.get('mfu') is None else 100 * st['mfu'], '.1f')} % "
+            f"| {_num(st.get('train_peak_gib'), '.1f')} / {_num(st.get('step_peak_gib'), '.1f')} |")
+    lines += ["", "| target | value | bound | held |", "| --- | ---: | ---: | --- |"]
+    for t in report["targets"]:
+        lines.append(f"| {t['architecture']} {t['figure']} | {_num(t['value'], '.3g')} "
+                     f"| {'<=' if t['kind'] == 'max' else '>='} {t['bound']} | {t['held']} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
-        print(
-            "benchmarks/gpu.py: no CUDA device found; the full GPU benchmark needs one. "
-            "Run it on a GPU machine, or use --smoke for the CPU smoke run.",
-            file=sys.stderr,
-        )
+        print("benchmarks/gpu.py: no CUDA device found; the full GPU benchmark needs one. "
+              "Run it on a GPU machine, or use --smoke for the CPU smoke run.", file=sys.stderr)
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     peak = peak_tflops(device, args.peak_tflops)
-    results = [bench_architecture(name, args, device) for name in args.architectures]
-    for r in results:
-        train = r["training"]
-        train["mfu"] = train["tflops_per_s"] / peak if peak else None
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU smoke run)"
+    results = [bench_architecture(name, args, device, peak) for name in args.architectures]
     report = {
-        "gpu": gpu,
-        "bf16_peak_tflops": peak,
-        "smoke": args.smoke,
-        "prompts": args.prompts,
-        "group": args.group,
-        "tokens": args.tokens,
-        "results": results,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU smoke run)",
+        "torch": torch.__version__, "bf16_peak_tflops": peak, "smoke": args.smoke,
+        "prompts": args.prompts, "group": args.group, "tokens": args.tokens,
+        "results": results, "targets": targets(results),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(markdown(results, gpu, peak))
-    print(f"written to {out}")
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    table = markdown(report)
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    print(f"written to {out} and {out.with_suffix('.md')}")
     return 0
 
 

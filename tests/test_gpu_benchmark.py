@@ -22,28 +22,49 @@ def _bench():
 
 
 @pytest.mark.slow
-def test_smoke_run_measures_generation_training_and_memory(tmp_path, capsys):
-    shared_tokenizer_path("qwen2.5-0.5b-instruct")
+def test_smoke_run_measures_rollouts_the_step_and_memory(tmp_path, capsys):
+    tokenizers = shared_tokenizer_path("qwen2.5-0.5b-instruct").parent
     out = tmp_path / "bench.json"
-    assert _bench().main(["--smoke", "--out", str(out), "--peak-tflops", "1.0"]) == 0
+    argv = ["--smoke", "--out", str(out), "--peak-tflops", "1.0", "--tokenizers-dir", str(tokenizers)]
+    assert _bench().main(argv) == 0
     report = json.loads(out.read_text())
     (result,) = report["results"]
     assert report["smoke"] and result["architecture"] == "qwen2.5-0.5b"
-    (hf,) = result["generation"]
-    assert hf["engine"] == "hf" and hf["tokens"] == 2 * 2 * 4 and hf["tokens_per_s"] > 0  # min = max tokens
-    train = result["training"]
-    assert train["sequences"] == 4 and train["step_s"] > 0 and train["flops_per_step"] > 0
-    assert train["mfu"] == pytest.approx(train["tflops_per_s"] / 1.0) and train["peak_memory_gib"] > 0
-    assert "| qwen2.5-0.5b |" in capsys.readouterr().out
+    rollouts = result["rollouts"]
+    assert rollouts["rows"] == 2 * 2 and rollouts["tokens"] == 2 * 2 * 4  # min = max tokens
+    for name in ("generate", "generate, frozen weights bf16", "decode loop", "decode loop, CUDA graph"):
+        assert rollouts[name]["tokens_per_s"] > 0, name
+    assert rollouts["decode loop, CUDA graph"]["graph"]["built"] == 0, "no CUDA graph on a CPU"
+    step = result["step"]
+    assert "error" not in step, step
+    assert step["rows"] == 4 and step["completion_width"] == 4 and step["train_s"] > 0 and step["flops"] > 0
+    assert step["mfu"] == pytest.approx(step["tflops_per_s"] / 1.0) and step["train_peak_gib"] > 0
+    assert {t["figure"] for t in report["targets"]} >= {"mfu", "train_peak_gib", "graph_vs_generate"}
+    assert "| qwen2.5-0.5b |" in capsys.readouterr().out and out.with_suffix(".md").is_file()
 
 
-def test_training_flops_follow_the_6n_rule(tiny_model):
-    """6 x body parameters per token, 6 x vocab x hidden per scored position, 12 L H S per token."""
+def test_training_flops_count_each_pass_once_and_the_prompts_once_per_group(tiny_model):
+    """A LoRA step with a reference pass: scoring 2N per token through the body (prompts once per group when
+    shared), the head on the scored positions, causal attention; the update's backward repeats the forward
+    for the inputs' gradients (attention twice) and adds the adapter's weight gradients."""
     cfg = tiny_model.config
-    body = sum(p.numel() for p in tiny_model.parameters()) - cfg.vocab_size * cfg.hidden_size  # tied head
-    want = 6 * body * 3 * 10 + 6 * cfg.vocab_size * cfg.hidden_size * 3 * 4 \
-        + 12 * cfg.num_hidden_layers * cfg.hidden_size * 10 * 3 * 10
-    assert _bench().training_flops(tiny_model, n_sequences=3, seq_len=10, scored=4) == pytest.approx(want)
+    n, v, h, layers = 1000, cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers
+    rows, distinct, prompt, completion, lora = 4, 2, 5, 3, 10
+    tokens = distinct * prompt + rows * completion
+    keys = distinct * prompt * (prompt + 1) / 2 + rows * (completion * prompt + completion * (completion + 1) / 2)
+    attention = 4 * layers * h * keys
+    head = 2 * v * h * rows * completion
+    scoring = 2 * n * tokens + attention + head
+    forward = 2 * (n + lora) * tokens + head + attention
+    backward = 2 * (n + lora) * tokens + 2 * attention + head + 2 * lora * tokens
+    got = _bench().training_flops(cfg, rows=rows, distinct=distinct, prompt=prompt, completion=completion,
+                                  shared=True, reused_prefill=False, body=n, lora=lora,
+                                  passes={"scoring": 1, "policy": 1}, full=False)
+    assert got == pytest.approx(scoring + forward + backward)
+    unshared = _bench().training_flops(cfg, rows=rows, distinct=distinct, prompt=prompt, completion=completion,
+                                       shared=False, reused_prefill=False, body=n, lora=lora,
+                                       passes={"scoring": 1, "policy": 1}, full=False)
+    assert unshared > got, "each row's prompt runs again without the shared prefix"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")

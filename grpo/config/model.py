@@ -9,7 +9,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from grpo.config.base import Section
 from grpo.offline import model_source_problem
 
-Architecture = Literal["qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.2-3b"]
+Architecture = Literal["qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"]
 """The published architectures ``model.architecture`` can build (``grpo/model/architectures.py``)."""
 
 

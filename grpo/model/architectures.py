@@ -68,10 +68,19 @@ def _qwen25(hidden: int, intermediate: int, layers: int, heads: int, parameters:
     return Preset("qwen2", "qwen2.5-0.5b-instruct", config, (151645, 151643), parameters)
 
 
-def _llama32(hidden: int, layers: int, heads: int, head_dim: int, parameters: int) -> Preset:
+def _llama3(
+    hidden: int,
+    layers: int,
+    heads: int,
+    head_dim: int,
+    parameters: int,
+    intermediate: int = 8192,
+    tied: bool = True,
+    rope_factor: float = 32.0,
+) -> Preset:
     config = dict(
         hidden_size=hidden,
-        intermediate_size=8192,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=8,
@@ -79,9 +88,9 @@ def _llama32(hidden: int, layers: int, heads: int, head_dim: int, parameters: in
         vocab_size=128256,
         max_position_embeddings=131072,
         rope_theta=500_000.0,
-        rope_scaling=dict(_LLAMA3_ROPE),
+        rope_scaling=_LLAMA3_ROPE | {"factor": rope_factor},
         rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
         hidden_act="silu",
         bos_token_id=128000,
         eos_token_id=[128001, 128008, 128009],
@@ -89,12 +98,16 @@ def _llama32(hidden: int, layers: int, heads: int, head_dim: int, parameters: in
     return Preset("llama", "llama-3.2-instruct", config, (128001, 128008, 128009), parameters)
 
 
-# Qwen2.5 -Instruct models share one tokenizer; so do Llama-3.2 1B and 3B.
+# Qwen2.5 -Instruct models share one tokenizer; so do Llama-3.2 1B and 3B, and Llama-3.1 8B (the same
+# 128,256-token vocabulary; its chat template differs only in the default system turn's text).
 PRESETS: dict[str, Preset] = {
     "qwen2.5-0.5b": _qwen25(896, 4864, 24, 14, parameters=494_032_768),
     "qwen2.5-1.5b": _qwen25(1536, 8960, 28, 12, parameters=1_543_714_304),
-    "llama-3.2-1b": _llama32(2048, 16, 32, 64, parameters=1_235_814_400),
-    "llama-3.2-3b": _llama32(3072, 28, 24, 128, parameters=3_212_749_824),
+    "llama-3.2-1b": _llama3(2048, 16, 32, 64, parameters=1_235_814_400),
+    "llama-3.2-3b": _llama3(3072, 28, 24, 128, parameters=3_212_749_824),
+    "llama-3.1-8b": _llama3(
+        4096, 32, 32, 128, parameters=8_030_261_248, intermediate=14336, tied=False, rope_factor=8.0
+    ),
 }
 assert set(PRESETS) == set(get_args(Architecture)), "grpo.config.Architecture lists the preset names"
 
@@ -129,8 +142,12 @@ def architecture_tokenizer(name: str, cfg: ModelConfig) -> PreTrainedTokenizerBa
     return load_tokenizer(folder, cfg)
 
 
-def build_architecture(cfg: ModelConfig, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Random weights (from ``seed``) in the preset's architecture, in ``cfg.dtype``, with its tokenizer."""
+def build_architecture(
+    cfg: ModelConfig, seed: int, device: torch.device | str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Random weights (from ``seed``) in the preset's architecture, in ``cfg.dtype``, with its tokenizer,
+    initialised on ``device`` (a GPU draws an 8B model's weights in seconds, a CPU in minutes; the draws
+    differ between devices)."""
     name = cfg.architecture
     if name is None:
         raise ModelLoadError("model.architecture is null; name a preset such as qwen2.5-0.5b")
@@ -142,7 +159,8 @@ def build_architecture(cfg: ModelConfig, seed: int) -> tuple[PreTrainedModel, Pr
             f"tokenizer ({len(tokenizer)} tokens); leave vocab_size at the published value"
         )
     config.pad_token_id = tokenizer.pad_token_id
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype))
     eos = list(dict.fromkeys([*PRESETS[name].generation_eos, *end_of_turn_ids(tokenizer)]))

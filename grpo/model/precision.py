@@ -85,15 +85,16 @@ def cast_frozen_weights_once(model: torch.nn.Module) -> Iterator[None]:
 def frozen_linears_in_bf16(models: list[torch.nn.Module], on: bool) -> Iterator[None]:
     """For the span of the block, hold the frozen ``nn.Linear`` weights (and biases) of ``models`` in bf16.
 
-    Under CPU bf16 autocast every ``F.linear`` casts its fp32 weight to bf16 at each call: a GRPO step
+    Under bf16 autocast every ``F.linear`` casts its fp32 weight to bf16 at each call: a GRPO step
     casts the frozen base about six times (the kept prefill, the reference's passes, the update's
-    forward; the decode loop once). Autocast rounds to nearest, as ``.to(bfloat16)`` does, so a weight
+    forward; the decode loop once on a CPU, at every token on a GPU). Autocast rounds to nearest, as ``.to(bfloat16)`` does, so a weight
     held in bf16 gives the very bf16 operand autocast would have made: the same matmuls, bit for bit,
     cast once. Only plain ``nn.Linear`` modules: the output head (``Fp32Head``, fp32 by design), norms
     and embeddings keep their fp32 weights, and trainable weights (LoRA's, or every weight in full
     fine-tuning) are never touched. The fp32 tensors are put back on exit, so a checkpoint or a save
-    after the block writes them. ``on`` False: a no-op (no autocast, a GPU, sharded or replicated
-    weights)."""
+    after the block writes them. On a GPU the bf16 copies take half the frozen weights' memory for the step,
+    which the autocast casts an update's forward keeps for its backward took anyway. ``on`` False: a no-op
+    (no autocast, sharded or replicated weights)."""
     swapped: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
     if on:
         for model in models:

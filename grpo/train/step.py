@@ -107,9 +107,10 @@ class Step:
 
     def frozen_bf16(self) -> contextlib.AbstractContextManager:
         """The frozen linear weights held in bf16 for the step (``precision.frozen_linears_in_bf16``): the
-        same matmuls as autocast's per-call casts, cast once. On one CPU process under bf16 autocast."""
+        same matmuls as autocast's per-call casts, cast once (on a GPU a decode step would otherwise read
+        every frozen weight twice, in fp32 and in bf16). On one process under bf16 autocast."""
         device, one = self.accelerator.device, self.accelerator.num_processes == 1
-        on = device.type == "cpu" and one and autocast_enabled(device, self.cfg.grpo.bf16)
+        on = device.type in ("cpu", "cuda") and one and autocast_enabled(device, self.cfg.grpo.bf16)
         return frozen_linears_in_bf16([m for m in (self.model, self.reference) if m is not None], on)
 
 
