@@ -109,7 +109,7 @@ def test_a_step_whose_logits_differ_is_refused_and_the_models_forward_goes_on(
     eos = chat.end_of_turn_ids(tiny_tokenizer)
     batch = _prompts(tiny_tokenizer)
     expected = _generate(policy, tiny_tokenizer, batch, SAMPLINGS["plain"], eos, True, 0)
-    with pytest.warns(UserWarning, match="CUDA graph step is not used .*static cache's logits differ"):
+    with pytest.warns(UserWarning, match="CUDA graph step is not used .*graph step's logits differ"):
         got = _decode(policy, tiny_tokenizer, batch, SAMPLINGS["plain"], eos, True, 0, False)
     assert torch.equal(got, expected)
     assert uncaptured[0].failed is not None and uncaptured[0].gap > 1e-3

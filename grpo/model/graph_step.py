@@ -15,9 +15,8 @@ those of the same step over the columns written so far (``tests/test_graph_step.
 ``gpu`` tests against ``generate`` on CUDA). Sampling stays outside the graph, in the decode loop, so the
 draws come from the same generator in the same order as ``generate``'s.
 
-The first step of a decode checks itself: the captured replay must give an uncaptured run of the same
-static step bit for bit, and that run the model's own forward over the dynamic cache within the rounding
-a longer row of masked keys allows (``STATIC_BOUND``). Where either fails the decode goes on with the
+The first step of a decode checks itself: its logits must be the model's own forward's over the dynamic
+cache within the rounding another summation order allows (``STATIC_BOUND``). Where either fails the decode goes on with the
 model's own forward (a warning names the difference), so a transformers release whose model does something
 a graph cannot replay never changes a token silently.
 
@@ -47,7 +46,7 @@ class GraphStep:
         self.cache_position = torch.zeros(1, dtype=torch.long, device=device)  # [1]
         self.mask = torch.zeros(rows, 1, 1, width, dtype=torch.bool, device=device)  # [N, 1, 1, L]
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None  # [N, 1, V] the captured forward's output buffer
+        self.logits: torch.Tensor | None = None  # [N, 1, V] the last step's (the captured forward's output buffer)
         self.failed: str | None = None  # why the self-check refused the graph, once it did
         self.gap: float | None = None  # the self-check's largest logit difference from the dynamic cache
 
@@ -89,7 +88,8 @@ class GraphStep:
         """One decode step's logits [N, 1, V] (a view of the graph's output buffer: read it before the next step)."""
         self.load(step_ids, step_positions, mask)
         if not self.capture:
-            return self.forward()
+            self.logits = self.forward()
+            return self.logits
         if self.graph is None:
             self._capture()
         self.graph.replay()
@@ -120,29 +120,26 @@ class GraphStep:
         self.graph = graph
 
     def check(self, expected: torch.Tensor) -> bool:
-        """Whether this step's graph may stand in for the model's own forward: its replay gives an uncaptured
-        run of the same static step bit for bit, and that run gives ``expected`` (the model's own forward of
-        the same step over the dynamic cache, [N, 1, V]) within ``STATIC_BOUND`` of the logits' scale. Call
-        right after the step; on ``False`` ``failed`` says what differed, ``gap`` holds the static cache's
-        largest difference either way."""
-        replayed = self.logits.clone() if self.capture else None
-        got = self.forward()  # the same step uncaptured: rewrites the same column with the same values
-        self.gap = float((got.float() - expected.float()).abs().max())
+        """Whether this step's logits may stand in for the model's own forward: within ``STATIC_BOUND`` of
+        the logits' scale of ``expected`` (the model's own forward of the same step over the dynamic cache,
+        [N, 1, V]). Call right after the step; on ``False`` ``failed`` says what differed; ``gap`` holds
+        the largest difference either way."""
+        got = self.logits.float()
+        self.gap = float((got - expected.float()).abs().max())
         scale = max(1.0, float(expected.float().abs().max()))
         bound = STATIC_BOUND[torch.is_autocast_enabled(got.device.type)] * scale
-        if replayed is not None and not torch.equal(replayed, got):
-            self.failed = "the captured step's logits differ from the same step run uncaptured"
-        elif self.gap > bound:
-            self.failed = f"the static cache's logits differ from the dynamic cache's by {self.gap:.3g} > {bound:.3g}"
+        if not self.gap <= bound:  # a NaN gap fails too
+            self.failed = f"the graph step's logits differ from the model's own forward by {self.gap:.3g} > {bound:.3g}"
         return self.failed is None
 
 
-STATIC_BOUND = {False: 1e-5, True: 1e-2}
-"""Largest difference of a static-cache step's logits from the dynamic cache's, relative to the logits' scale,
-without autocast and under bf16 autocast. The columns not yet written weigh exactly 0, but an attention kernel
-may sum a longer row of keys in another order (a CPU's vector lanes do): fp32 rounding, or a bf16 rounding of
-the attention's output under autocast. A slip (a column attended before it is written, a wrong position or
-cache column) moves the logits by far more."""
+STATIC_BOUND = {False: 1e-4, True: 5e-2}
+"""Largest difference of a graph step's logits from the model's own forward over the dynamic cache, relative
+to the logits' scale, without autocast and under bf16 autocast. The columns not yet written weigh exactly 0,
+but an attention kernel may sum a longer row of keys in another order (a CPU's vector lanes do) and a
+captured product may run another of the library's kernels (another summation order): fp32 roundings, or
+bf16 roundings of the activations under autocast. A slip (a column attended before it is written, a wrong
+position or cache column) moves the logits by the scale of the logits themselves."""
 
 
 def graph_step_applies(model: torch.nn.Module, cache) -> bool:
