@@ -85,6 +85,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokenizers-dir", default=str(ROOT / "tests" / "fixtures" / "tokenizers"),
                         help="folder of the presets' tokenizer folders")
     parser.add_argument("--out", default=str(ROOT / "reports" / "gpu_benchmark.json"))
+    parser.add_argument("--all-rollouts", action="store_true",
+                        help="also generate over fp32-held frozen weights and the decode loop without graphs")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more step's training phase of the first architecture (<out>.profile.txt)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.architectures = args.architectures or ["qwen2.5-0.5b"]
@@ -190,6 +194,8 @@ def bench_rollouts(model, tokenizer, cfg, args, device) -> dict:
         "decode loop": (decode, True, False),
         "decode loop, CUDA graph": (decode, True, True),
     }
+    if not args.all_rollouts:  # generate at its best and the loop as the step runs it
+        variants = {k: v for k, v in variants.items() if k in ("generate, frozen weights bf16", "decode loop, CUDA graph")}
     for name, (run, frozen, graphed) in variants.items():
         with bf16_autocast(device, True), frozen_linears_in_bf16([model], frozen), graphs(bool(graphed)) as built:
             run(4)  # warm-up: kernels, allocator, the graph machinery
@@ -201,7 +207,7 @@ def bench_rollouts(model, tokenizer, cfg, args, device) -> dict:
                               "static_gap": [s.gap for s in steps]}
         out[name] = entry
     out["vllm"] = "vLLM is not installed: untested" if importlib.util.find_spec("vllm") is None else "not run"
-    best_generate = max(out["generate"]["tokens_per_s"], out["generate, frozen weights bf16"]["tokens_per_s"])
+    best_generate = max(out[k]["tokens_per_s"] for k in ("generate", "generate, frozen weights bf16") if k in out)
     out["graph_vs_generate"] = out["decode loop, CUDA graph"]["tokens_per_s"] / best_generate
     return out
 
@@ -230,8 +236,51 @@ def training_flops(config, rows: int, distinct: int, prompt: int, completion: in
     return passes["scoring"] * scoring + passes["policy"] * (forward + backward)
 
 
+class TrainingPhase:
+    """Wraps the step's ``prepare_batch`` and ``update`` (reference pass, then the update): times them with
+    the GPU synchronised, keeps the rollout's and the training phase's peak memory apart, and profiles the
+    phase when ``profile`` is set."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.profile, self.table = device, False, ""
+        self.seconds = self.rollout_peak = self.train_peak = 0.0
+        self._prepare, self._update = step_module.prepare_batch, step_module.update
+        self._started, self._profiler = 0.0, None
+
+    def prepare(self, *args):
+        self.rollout_peak = peak_gib(self.device)
+        reset_peak(self.device)
+        if self.profile:
+            kinds = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self._profiler = torch.profiler.profile(activities=kinds)
+            self._profiler.__enter__()
+        self._started = time.perf_counter()
+        return self._prepare(*args)
+
+    def update(self, *args):
+        out = self._update(*args)
+        sync(self.device)
+        self.seconds = time.perf_counter() - self._started
+        self.train_peak = peak_gib(self.device)
+        if self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            self.table = self._profiler.key_averages().table(sort_by=key, row_limit=30)
+            self._profiler = None
+        return out
+
+    def __enter__(self) -> TrainingPhase:
+        step_module.prepare_batch, step_module.update = self.prepare, self.update
+        return self
+
+    def __exit__(self, *exc) -> None:
+        step_module.prepare_batch, step_module.update = self._prepare, self._update
+
+
 def bench_step(model, tokenizer, cfg, args, device, plan: dict) -> dict:
-    """The GRPO step: warm-up step, then ``plan['steps']`` timed; training phase timed and measured apart."""
+    """The GRPO step: a warm-up step, then ``plan['steps']`` timed (one step only when 1); with ``--profile``
+    one more whose training phase runs under the profiler."""
     from accelerate import Accelerator
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -240,39 +289,28 @@ def bench_step(model, tokenizer, cfg, args, device, plan: dict) -> dict:
     model.train()
     step = step_module.build_step(cfg, Policy(model, tokenizer, optimizer, scheduler, None),
                                   Accelerator(cpu=device.type == "cpu"))
-    phases: dict = {}
-    prepare, update = step_module.prepare_batch, step_module.update
-
-    def timed_prepare(*a):
-        phases["rollout_peak_gib"] = peak_gib(device)
-        reset_peak(device)
-        phases["train_started"] = time.perf_counter()
-        return prepare(*a)
-
-    def timed_update(*a):
-        out = update(*a)
-        sync(device)
-        phases["train_s"] = time.perf_counter() - phases["train_started"]
-        phases["train_peak_gib"] = peak_gib(device)
-        return out
-
-    step_module.prepare_batch, step_module.update = timed_prepare, timed_update
-    runs = []
-    try:
-        for index in range(1 + plan["steps"] if plan["steps"] > 1 else 1):
+    count = 1 + plan["steps"] if plan["steps"] > 1 else 1
+    profile = args.profile and args.architectures.index(cfg.model.architecture) == 0
+    runs, trace, table = [], None, ""
+    with TrainingPhase(device) as phase:
+        for index in range(count + int(profile)):
+            phase.profile = index == count
             batch = records(args.prompts, seed=10 + index)
             reset_peak(device)
-            seconds = timed(device, lambda b=batch, i=index: runs.append(
-                step_module.grpo_step(step, b, i + 1, lambda attempt, b=b: b)))
-            result = runs[-1]
-            runs[-1] = {"step_s": seconds, "rollout_s": result.metrics["timing/generate"], **phases,
-                        "trace": result.trace}
-    finally:
-        step_module.prepare_batch, step_module.update = prepare, update
+            sync(device)
+            started = time.perf_counter()
+            result = step_module.grpo_step(step, batch, index + 1, lambda attempt, b=batch: b)
+            sync(device)
+            if phase.profile:
+                table = phase.table
+                continue
+            trace = result.trace
+            runs.append({"step_s": time.perf_counter() - started, "rollout_s": result.metrics["timing/generate"],
+                         "train_s": phase.seconds, "rollout_peak_gib": phase.rollout_peak,
+                         "train_peak_gib": phase.train_peak})
+    if table:
+        Path(args.out).with_suffix(".profile.txt").write_text(table)
     timed_runs = runs[1:] if len(runs) > 1 else runs
-    trace = timed_runs[-1].pop("trace")
-    for run in runs:
-        run.pop("trace", None)
     rollout = trace.draw.rollout
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     embedding = base.get_input_embeddings().weight.numel()
