@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import shared_tokenizer_path
+from tests.conftest import real_tokenizer_path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
 
@@ -23,9 +23,9 @@ def _bench():
 
 @pytest.mark.slow
 def test_smoke_run_measures_generation_training_and_memory(tmp_path, capsys):
-    shared_tokenizer_path("qwen2.5-0.5b-instruct")
+    tokenizers = real_tokenizer_path("qwen2.5-0.5b-instruct").parent
     out = tmp_path / "bench.json"
-    assert _bench().main(["--smoke", "--out", str(out), "--peak-tflops", "1.0"]) == 0
+    assert _bench().main(["--smoke", "--out", str(out), "--peak-tflops", "1.0", "--tokenizers-dir", str(tokenizers)]) == 0
     report = json.loads(out.read_text())
     (result,) = report["results"]
     assert report["smoke"] and result["architecture"] == "qwen2.5-0.5b"
