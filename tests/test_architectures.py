@@ -86,10 +86,13 @@ def test_base_stage_writes_a_preset_that_loads_like_a_pretrained_folder(tmp_path
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in model.generation_config.eos_token_id
 
 
-def test_unknown_override_names_the_key_and_the_choices():
-    with pytest.raises(ModelLoadError, match=r"architecture_overrides: \['num_layers'\].*num_hidden_layers"):
-        build_architecture(ModelConfig(architecture="qwen2.5-0.5b", architecture_overrides={"num_layers": 2},
-                                       tokenizers_dir=_tokenizers_dir("qwen2.5-0.5b")), seed=0)
+def test_unknown_override_names_the_key_and_the_choices(tmp_path):
+    """The override is refused before any tokenizer is looked for: whatever model.tokenizers_dir holds."""
+    for tokenizers_dir in (_tokenizers_dir("qwen2.5-0.5b"), str(tmp_path / "nowhere")):
+        cfg = ModelConfig(architecture="qwen2.5-0.5b", architecture_overrides={"num_layers": 2},
+                          tokenizers_dir=tokenizers_dir)
+        with pytest.raises(ModelLoadError, match=r"architecture_overrides: \['num_layers'\].*num_hidden_layers"):
+            build_architecture(cfg, seed=0)
 
 
 def test_missing_tokenizers_dir_names_the_folder_and_the_fix(tmp_path):
