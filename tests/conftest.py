@@ -36,7 +36,7 @@ def shared_path(relative: str) -> Path:
     path = SHARED_DIR / relative
     if path.exists():
         return path
-    if "GRPO_SHARED_DIR" in os.environ:
+    if os.environ.get("GRPO_SHARED_DIR"):
         pytest.fail(f"{path} does not exist: GRPO_SHARED_DIR={os.environ['GRPO_SHARED_DIR']} must hold {relative}")
     raise SharedAbsent(f"{path} is absent (no shared/ folder beside the project; GRPO_SHARED_DIR names one)")
 
@@ -67,6 +67,7 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = (f"{item.nodeid} reads the shared folder ({call.excinfo.value.msg}) but is not marked "
                            "needs_shared: add @pytest.mark.needs_shared (or use tokenizer_param) so CI runs it")
     return report
+
 
 TINY_TEXTS = (
     "Context: Two friends, a tall one and a short one, met at the station.",
