@@ -45,3 +45,5 @@ control  # TrainerCallback hook argument in benchmarks/workers.py
 _.post_processor  # attribute of a tokenizers.Tokenizer set in grpo/model/gguf.py
 _.forward  # nn.Module.forward of grpo/model/precision.py's Fp32Head (called by the module)
 cache_kwargs  # argument in grpo/model/decode.py (ReservedLayer.update keeps DynamicLayer.update's signature)
+_.longrepr  # pytest report attribute set in tests/conftest.py (an unmarked shared-folder skip fails)
+pytest_runtest_makereport  # pytest hook in tests/conftest.py

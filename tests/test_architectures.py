@@ -10,7 +10,7 @@ from grpo.data.prompts import example_messages
 from grpo.model.architectures import PRESETS, build_architecture, count_parameters, meta_model
 from grpo.model.chat import render_prompt
 from grpo.model.loading import ModelLoadError, load_model, load_tokenizer
-from tests.conftest import SHARED_TOKENIZERS, shared_tokenizer_path
+from tests.conftest import real_tokenizer_path
 
 # Shrunk to seconds on CPU; the vocabulary (the real tokenizer's) stays published.
 SHRINK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -40,17 +40,21 @@ def test_full_size_presets_have_the_published_numbers(name, hidden, layers, head
     assert config.tie_word_embeddings == (parameters < 8e9), "the 8B model has its own output head"
 
 
+def _tokenizers_dir(name: str) -> str:
+    """The folder holding preset ``name``'s real tokenizer: the repository's fixtures, or the shared folder."""
+    return str(real_tokenizer_path(PRESETS[name].tokenizer).parent)
+
+
 def _cfg(name: str) -> ModelConfig:
     overrides = LLAMA_SHRINK if name.startswith("llama") else SHRINK
-    return ModelConfig(architecture=name, architecture_overrides=overrides, tokenizers_dir=str(SHARED_TOKENIZERS))
+    return ModelConfig(architecture=name, architecture_overrides=overrides, tokenizers_dir=_tokenizers_dir(name))
 
 
 @pytest.mark.parametrize("name, model_class, end_of_turn", [
     ("qwen2.5-0.5b", "Qwen2ForCausalLM", "<|im_end|>"),
-    ("llama-3.2-1b", "LlamaForCausalLM", "<|eot_id|>"),
+    pytest.param("llama-3.2-1b", "LlamaForCausalLM", "<|eot_id|>", marks=pytest.mark.needs_shared),
 ])
 def test_shrunk_preset_builds_with_the_real_tokenizer(name, model_class, end_of_turn):
-    shared_tokenizer_path(PRESETS[name].tokenizer)
     model, tokenizer = build_architecture(_cfg(name), seed=3)
     assert type(model).__name__ == model_class
     assert model.config.num_hidden_layers == 2 and model.config.vocab_size == PRESETS[name].config["vocab_size"]
@@ -68,13 +72,12 @@ def test_shrunk_preset_builds_with_the_real_tokenizer(name, model_class, end_of_
 
 def test_base_stage_writes_a_preset_that_loads_like_a_pretrained_folder(tmp_path):
     """`grpo base --set model.architecture=qwen2.5-0.5b` (shrunk): a local folder every stage loads."""
-    shared_tokenizer_path("qwen2.5-0.5b-instruct")
     from grpo.train.pretrain import run
 
     tree = {"paths": {"models_dir": str(tmp_path / "models"), "data_dir": str(tmp_path / "data"),
                       "metrics_dir": str(tmp_path / "metrics")},
             "model": {"architecture": "qwen2.5-0.5b", "architecture_overrides": SHRINK,
-                      "tokenizers_dir": str(SHARED_TOKENIZERS)}}
+                      "tokenizers_dir": _tokenizers_dir("qwen2.5-0.5b")}}
     cfg = config_from_dict(tree)
     assert run(cfg) == 0
     out = tmp_path / "models" / "base"
@@ -84,10 +87,13 @@ def test_base_stage_writes_a_preset_that_loads_like_a_pretrained_folder(tmp_path
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in model.generation_config.eos_token_id
 
 
-def test_unknown_override_names_the_key_and_the_choices():
-    with pytest.raises(ModelLoadError, match=r"architecture_overrides: \['num_layers'\].*num_hidden_layers"):
-        build_architecture(ModelConfig(architecture="qwen2.5-0.5b", architecture_overrides={"num_layers": 2},
-                                       tokenizers_dir=str(SHARED_TOKENIZERS)), seed=0)
+def test_unknown_override_names_the_key_and_the_choices(tmp_path):
+    """The override is refused before any tokenizer is looked for: whatever model.tokenizers_dir holds."""
+    for tokenizers_dir in (_tokenizers_dir("qwen2.5-0.5b"), str(tmp_path / "nowhere")):
+        cfg = ModelConfig(architecture="qwen2.5-0.5b", architecture_overrides={"num_layers": 2},
+                          tokenizers_dir=tokenizers_dir)
+        with pytest.raises(ModelLoadError, match=r"architecture_overrides: \['num_layers'\].*num_hidden_layers"):
+            build_architecture(cfg, seed=0)
 
 
 def test_missing_tokenizers_dir_names_the_folder_and_the_fix(tmp_path):

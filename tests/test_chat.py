@@ -16,7 +16,7 @@ from grpo.errors import GrpoError
 from grpo.model import chat
 from grpo.model.loading import load_tokenizer
 from grpo.model.tiny import LLAMA3_CHAT_TEMPLATE
-from tests.conftest import REAL_TOKENIZERS, shared_tokenizer_path
+from tests.conftest import REAL_TOKENIZER_PARAMS, real_tokenizer_path
 
 DATE = {"date_string": "26 Jul 2024"}
 
@@ -42,10 +42,10 @@ RECORDS = (FAIRNESS, ANSWERABLE, UNANSWERABLE)
 @functools.cache
 def _load(name: str):
     """Each real tokenizer once per session (tests here never mutate one; they copy it first)."""
-    return load_tokenizer(shared_tokenizer_path(name), ModelConfig())
+    return load_tokenizer(real_tokenizer_path(name), ModelConfig())
 
 
-@pytest.fixture(scope="module", params=("tiny",) + REAL_TOKENIZERS)
+@pytest.fixture(scope="module", params=("tiny",) + REAL_TOKENIZER_PARAMS)
 def tok(request, tiny_tokenizer):
     """The tiny tokenizer and each real one, loaded once per module (skips when absent)."""
     return tiny_tokenizer if request.param == "tiny" else _load(request.param)
@@ -180,7 +180,7 @@ def test_end_of_turn_ids_of_tiny_tokenizer_is_eot(tiny_tokenizer):
     assert tiny_tokenizer.convert_ids_to_tokens(chat.end_of_turn_ids(tiny_tokenizer)) == ["<|eot_id|>"]
 
 
-@pytest.mark.parametrize("name", REAL_TOKENIZERS)
+@pytest.mark.parametrize("name", REAL_TOKENIZER_PARAMS)
 def test_end_of_turn_ids_detects_each_template_token(name):
     tokenizer = _load(name)
     assert tokenizer.convert_ids_to_tokens(chat.end_of_turn_ids(tokenizer)) == EXPECTED_STOPS[name]
@@ -206,6 +206,7 @@ def test_qwen_pad_differs_from_eos_and_sft_ids_stop_at_im_end():
     assert tokenizer.convert_ids_to_tokens(sft.ids[-1]) == "<|im_end|>"
 
 
+@pytest.mark.needs_shared
 def test_llama32_date_string_makes_rendering_reproducible():
     tokenizer = _load("llama-3.2-instruct")
     messages = prompts.example_messages(FAIRNESS)

@@ -89,8 +89,24 @@ def test_config_is_frozen():
         cfg.seed = 3  # type: ignore[misc]
 
 
+def _key_paths(tree: dict, prefix: str = "") -> set[str]:
+    """Every key of a nested dict as a dotted path (``grpo.loss.beta``), sections included."""
+    paths = set()
+    for key, value in tree.items():
+        paths.add(prefix + str(key))
+        if isinstance(value, dict):
+            paths |= _key_paths(value, f"{prefix}{key}.")
+    return paths
+
+
 def test_every_default_is_the_value_params_yaml_ships():
-    """One source of truth: ``Config()`` is the pipeline params.yaml documents, key for key."""
+    """One source of truth: ``Config()`` is the pipeline params.yaml documents, key for key: the same keys
+    (loading fills a key params.yaml lacks from the code's default, so the values alone would not see it)
+    with the same values."""
+    shipped = yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8"))
+    code, params = _key_paths(config_to_dict(Config())), _key_paths(shipped)
+    assert not code - params, f"params.yaml lacks {sorted(code - params)}: add each with its default and a comment"
+    assert not params - code, f"params.yaml has {sorted(params - code)}, which Config() does not know"
     assert config_to_dict(Config()) == config_to_dict(load_config(ROOT / "params.yaml"))
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import shared_tokenizer_path
+from tests.conftest import real_tokenizer_path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
 
@@ -23,7 +23,7 @@ def _bench():
 
 @pytest.mark.slow
 def test_smoke_run_measures_rollouts_the_step_and_memory(tmp_path, capsys):
-    tokenizers = shared_tokenizer_path("qwen2.5-0.5b-instruct").parent
+    tokenizers = real_tokenizer_path("qwen2.5-0.5b-instruct").parent
     out = tmp_path / "bench.json"
     argv = ["--smoke", "--out", str(out), "--peak-tflops", "1.0", "--tokenizers-dir", str(tokenizers)]
     assert _bench().main(argv) == 0

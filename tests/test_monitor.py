@@ -19,7 +19,7 @@ from grpo.model.sampling import build_logits_processors
 from grpo.train.dynamic_sampling import Draw
 from grpo.train.step import StepResult, header_tokens, step_result
 from grpo.train.trainer import watch
-from tests.conftest import shared_tokenizer_path
+from tests.conftest import real_tokenizer_path
 
 CONTEXT = "Context: Two friends, a tall one and a short one, met at the station."
 USER = f"{CONTEXT}\nQuestion: Who was late? Options: A. the tall one B. the short one C. Unknown"
@@ -282,7 +282,8 @@ def test_empty_completions_stop_on_the_stage_path(tiny_tokenizer, answers, empty
 
 
 @pytest.mark.parametrize(("tokenizer_name", "end_token"),
-                         [("tiny", "<|end_of_text|>"), ("llama-3.2-instruct", "<|eom_id|>")])
+                         [("tiny", "<|end_of_text|>"),
+                          pytest.param("llama-3.2-instruct", "<|eom_id|>", marks=pytest.mark.needs_shared)])
 def test_writing_on_after_an_end_token_stops_on_the_stage_path(tiny_tokenizer, tokenizer_name, end_token):
     """Stop ids of the template alone (a checkpoint whose generation config lists only <|eot_id|>): a
     completion that ends a turn with another end token and writes a second answer is cut only at
@@ -293,7 +294,7 @@ def test_writing_on_after_an_end_token_stops_on_the_stage_path(tiny_tokenizer, t
         from grpo.config import ModelConfig
         from grpo.model.loading import load_tokenizer
 
-        tokenizer = load_tokenizer(shared_tokenizer_path(tokenizer_name), ModelConfig())
+        tokenizer = load_tokenizer(real_tokenizer_path(tokenizer_name), ModelConfig())
     eos_ids = end_of_turn_ids(tokenizer)
     eot, end = tokenizer.convert_tokens_to_ids(EOT), tokenizer.convert_tokens_to_ids(end_token)
     assert eos_ids == [eot] and end != tokenizer.unk_token_id

@@ -65,10 +65,11 @@ def test_real_tokenizers_get_a_pad_token_and_left_padding(real_tokenizer):
     assert real_tokenizer.padding_side == "left"
 
 
+@pytest.mark.needs_shared
 def test_pad_token_from_params(tmp_path):
-    from tests.conftest import shared_tokenizer_path
+    from tests.conftest import real_tokenizer_path
 
-    path = shared_tokenizer_path("llama-3.2-instruct")
+    path = real_tokenizer_path("llama-3.2-instruct")
     tok = load_tokenizer(path, ModelConfig(pad_token="<|finetune_right_pad_id|>"))
     assert tok.pad_token_id == 128004 and tok.pad_token_id != tok.eos_token_id
 

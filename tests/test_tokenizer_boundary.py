@@ -12,7 +12,7 @@ from grpo.checks.tokenizer_boundary import boundary_problems, turn_start_tokens
 from grpo.config import ModelConfig
 from grpo.model.gguf import raw_conversion
 from grpo.model.loading import load_tokenizer
-from tests.conftest import shared_tokenizer_path
+from tests.conftest import real_tokenizer_path, tokenizer_param
 from tests.gguf_files import write_gguf
 
 KWARGS = {"date_string": "26 Jul 2024"}
@@ -28,9 +28,9 @@ REAL = {"llama-3.2-instruct": [128001, 128008, 128009], "qwen2.5-0.5b-instruct":
         "phi-3-mini-4k-instruct": [32000, 32001, 32007]}
 
 
-@pytest.mark.parametrize("name", sorted(REAL))
+@pytest.mark.parametrize("name", [tokenizer_param(name) for name in sorted(REAL)])
 def test_the_real_chat_tokenizers_pass(name):
-    tokenizer = load_tokenizer(shared_tokenizer_path(name), ModelConfig())
+    tokenizer = load_tokenizer(real_tokenizer_path(name), ModelConfig())
     assert turn_start_tokens(tokenizer, KWARGS)  # the check has something to compare with
     assert boundary_problems(tokenizer, _model(REAL[name]), (), KWARGS) == []
 

@@ -151,8 +151,8 @@ def build_architecture(
     name = cfg.architecture
     if name is None:
         raise ModelLoadError("model.architecture is null; name a preset such as qwen2.5-0.5b")
+    config = preset_config(name, cfg.architecture_overrides, cfg.attn_implementation)  # the overrides, before any file is read
     tokenizer = architecture_tokenizer(name, cfg)
-    config = preset_config(name, cfg.architecture_overrides, cfg.attn_implementation)
     if len(tokenizer) > config.vocab_size:
         raise ModelLoadError(
             f"model.architecture_overrides: vocab_size {config.vocab_size} is smaller than the {name} "
