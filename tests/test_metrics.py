@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,9 @@ from grpo.health.metrics import (
     task_reward_stats,
 )
 from grpo.paths import entropy_history_file
+from tests.network_trace import attempts, traced
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DISABLED = TrackingConfig(wandb="disabled")
 
@@ -142,6 +148,48 @@ def test_offline_wandb_run_lives_in_run_dir(tmp_path, monkeypatch):
     assert b"policy/entropy" in run_files[0].read_bytes()
     assert b"cagrad/weights/1" in run_files[0].read_bytes()
 
+
+
+OFFLINE_RUN = """
+import sys
+from grpo.config import TrackingConfig
+from grpo.health.metrics import MetricsWriter
+with MetricsWriter(sys.argv[1], "exp", TrackingConfig(wandb="offline"), {"seed": 1}) as writer:
+    for step in (1, 2, 3):
+        writer.log(step, {"reward": 0.5, "entropy": 1.0 - 0.1 * step})
+"""
+
+
+def test_an_offline_wandb_run_makes_no_network_attempt(tmp_path):
+    """``tracking.wandb: offline`` as a user runs it (no WANDB_* in the environment): the run is written
+    and no process (this one, W&B's Go service) looks up or connects to any host (tests/network_trace.py)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["PYTHONPATH"] = str(ROOT)
+    done, reached = traced([sys.executable, "-c", OFFLINE_RUN, str(tmp_path / "run")], tmp_path / "trace.log",
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")), "no offline run written"
+    assert reached == [], "network attempts of an offline run:\n" + "\n".join(reached)
+
+
+@pytest.mark.parametrize(
+    ("line", "reaches"),
+    [
+        # table: an strace line -> whether it is a network attempt
+        ('connect(3, {sa_family=AF_INET, sin_port=htons(443), sin_addr=inet_addr("34.1.2.3")}, 16) = 0', True),
+        ('connect(3, {sa_family=AF_INET, sin_port=htons(53), sin_addr=inet_addr("127.0.0.53")}, 16) = 0', True),
+        ('sendto(3, "x", 1, 0, {sa_family=AF_INET, sin_port=htons(53), sin_addr=inet_addr("10.0.0.2")}, 16)', True),
+        ('connect(3, {sa_family=AF_INET6, sin6_port=htons(443), sin6_flowinfo=htonl(0), '
+         'inet_pton(AF_INET6, "2606:4700::1", &sin6_addr), sin6_scope_id=0}, 28) = -1 ENETUNREACH', True),
+        ('connect(3, {sa_family=AF_UNIX, sun_path="/run/systemd/resolve/io.systemd.Resolve"}, 42) = 0', True),
+        ('connect(3, {sa_family=AF_INET, sin_port=htons(8080), sin_addr=inet_addr("127.0.0.1")}, 16) = 0', False),
+        ('connect(3, {sa_family=AF_INET6, sin6_port=htons(80), sin6_flowinfo=htonl(0), '
+         'inet_pton(AF_INET6, "::1", &sin6_addr), sin6_scope_id=0}, 28) = 0', False),
+        ('connect(7, {sa_family=AF_UNIX, sun_path="/tmp/wandb-1-2-3/socket"}, 41) = 0', False),
+    ],
+)
+def test_the_network_trace_counts_lookups_and_remote_connects(line, reaches):
+    assert attempts(f"4242  {line}") == ([f"4242  {line}"] if reaches else [])
 
 
 def test_merged_metrics_are_those_of_the_concatenated_rows():

@@ -295,8 +295,15 @@ class MetricsWriter:
             self._run = self._start_wandb(tracking_cfg.project, dict(config_dict))
 
     def _start_wandb(self, project: str, config: dict[str, Any]):
+        if self.wandb_mode == "offline":
+            # W&B's own telemetry is on by default and an offline *run* does not switch it off: the process's
+            # OpenTelemetry exporter probes the W&B host (DNS, then HTTPS) unless the process-wide settings
+            # are offline, and the service reports its errors to Sentry. Off before W&B starts anything.
+            os.environ["WANDB_ERROR_REPORTING"] = "false"
         import wandb  # imported here: a disabled run never pays for it
 
+        if self.wandb_mode == "offline":
+            wandb.setup(settings=wandb.Settings(mode="offline"))
         settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, disable_job_creation=True)
         return wandb.init(
             project=project,
