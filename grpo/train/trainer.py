@@ -188,6 +188,7 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> T
         config_to_dict(cfg),
         is_main_process=accelerator.is_main_process,
         resume_step=start,
+        restored=history,
     )
     end = min(cfg.grpo.steps, start + max_steps) if max_steps else cfg.grpo.steps
     bar = tqdm(range(start + 1, end + 1), desc="grpo", disable=not (progress and accelerator.is_main_process))
