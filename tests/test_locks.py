@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +21,13 @@ from grpo.locks import FolderLockedError, folder_lock, lock_path
 HOLD = "import sys, time\nfrom grpo.locks import folder_lock\nwith folder_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(60)\n"
 
 
-def _hold(folder: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+def _hold(folder: Path, tmpdir: Path | None = None) -> subprocess.Popen:
+    """A process that holds the lock of ``folder`` until killed (``tmpdir``: its own TMPDIR)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    if tmpdir is not None:
+        tmpdir.mkdir(parents=True, exist_ok=True)
+        env["TMPDIR"] = str(tmpdir)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -38,7 +44,7 @@ def holder(tmp_path):
 
 def test_a_second_writer_gets_an_error_naming_the_holder(holder):
     folder, proc = holder
-    with pytest.raises(FolderLockedError, match=rf"{folder} is being written by PID {proc.pid} \(`-c .*processed`"):
+    with pytest.raises(FolderLockedError, match=rf"{folder} is being written by PID {proc.pid} on {socket.gethostname()} \(`-c .*processed`"):
         with folder_lock(folder):
             pass
 
@@ -63,14 +69,60 @@ def test_every_writing_stage_takes_the_lock_of_its_folder(holder, tmp_path, caps
     assert f"is being written by PID {proc.pid}" in capsys.readouterr().err
 
 
-def test_the_lock_writes_nothing_in_the_project_and_a_stage_can_reenter(tmp_path, monkeypatch):
+def test_the_lock_lives_beside_its_folder_never_in_it_and_a_stage_can_reenter(tmp_path, monkeypatch):
+    """Beside: a DVC output folder hashes all it holds, so the lock file must not be in it."""
     folder = tmp_path / "models" / "grpo"
     with folder_lock(folder, tmp_path / "runs" / "default"):
         with folder_lock(folder):  # the same process (e.g. a stage calling another) is not locked out
             pass
-    assert not any(tmp_path.iterdir())
+    assert lock_path(folder) == tmp_path / "models" / ".grpo.lock"
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "models", "models/.grpo.lock", "runs", "runs/.default.lock"]
     monkeypatch.chdir(tmp_path)
     assert lock_path(Path("models/grpo")) == lock_path(folder)  # relative and absolute spellings: one lock
+    (tmp_path / "link").symlink_to(tmp_path / "models")
+    assert lock_path(tmp_path / "link" / "grpo") == lock_path(folder)  # a symlinked spelling: the same lock
+
+
+def test_git_and_dvc_ignore_the_lock_files():
+    root = Path(__file__).parents[1]
+    for ignore in (".gitignore", ".dvcignore"):
+        assert ".*.lock" in (root / ignore).read_text(encoding="utf-8").splitlines(), ignore
+
+
+def _grpo(command: str, params: Path, tmpdir: Path) -> subprocess.CompletedProcess:
+    tmpdir.mkdir(parents=True, exist_ok=True)
+    grpo = str(Path(sys.executable).with_name("grpo"))
+    return subprocess.run([grpo, command, "--params", str(params)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmpdir)}, cwd=params.parent)
+
+
+@pytest.mark.parametrize(("command", "folder"), [("train", "runs/default"), ("prepare", "data/processed")])
+def test_a_second_writer_with_another_tmpdir_is_refused_naming_the_holder(tmp_path, command, folder):
+    """Per-job TMPDIRs (SLURM, PrivateTmp, two users): both writers still meet the one lock of the folder."""
+    project = tmp_path / "project"
+    params = project / "params.yaml"
+    project.mkdir()
+    params.write_text("data:\n  n_train: 8\n  n_eval: 4\n")
+    proc = _hold(project / folder, tmpdir=tmp_path / "tmp-a")
+    try:
+        done = _grpo(command, params, tmp_path / "tmp-b")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"{project / folder} is being written by PID {proc.pid} on {socket.gethostname()}" in done.stderr
+    assert not (project / folder).exists()  # the refused stage wrote nothing into the folder
+
+
+def test_a_file_system_without_locks_stops_the_stage_instead_of_running_unlocked(tmp_path, monkeypatch):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr("fcntl.flock", no_locks)
+    with pytest.raises(FolderLockedError, match=r"its file system refuses the lock on .*\.grpo\.lock .*-o flock"):
+        with folder_lock(tmp_path / "models" / "grpo"):
+            pytest.fail("the stage ran without its lock")
 
 
 @pytest.mark.parametrize(

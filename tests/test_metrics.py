@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +23,9 @@ from grpo.health.metrics import (
     task_reward_stats,
 )
 from grpo.paths import entropy_history_file
+from tests.network_trace import attempts, traced
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DISABLED = TrackingConfig(wandb="disabled")
 
@@ -117,6 +123,61 @@ def test_resume_drops_steps_after_the_checkpoint(tmp_path):
     assert [h["step"] for h in history] == list(range(1, 9))
 
 
+def _checkpoint_history(upto: int) -> list[dict]:
+    """What a checkpoint's history.json holds: each step's raw metrics, as JSON gives them back."""
+    return json.loads(json.dumps([{"step": s, **step_metrics(s)} for s in range(1, upto + 1)], default=torch.Tensor.tolist))
+
+
+@pytest.mark.parametrize("lines_left", [0, 2, 5])
+def test_a_resume_never_drops_a_step_its_checkpoint_holds(tmp_path, lines_left):
+    """The file lost lines the checkpoint of step 5 holds (another writer rewrote it, a copy was cut):
+    the resume puts them back from the checkpoint, byte for byte, and the run goes on with every step once."""
+    with MetricsWriter(tmp_path, "exp", DISABLED, {}) as writer:
+        for step in range(1, 8):
+            writer.log(step, step_metrics(step))
+    path = tmp_path / "metrics.jsonl"
+    whole = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(whole[:lines_left]))
+    with MetricsWriter(tmp_path, "exp", DISABLED, {}, resume_step=5, restored=_checkpoint_history(5)) as writer:
+        assert writer.last_step == 5
+        for step in range(6, 9):
+            writer.log(step, step_metrics(step))
+    lines = path.read_text().splitlines(keepends=True)
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 9))
+    assert lines[:7] == whole[:7]  # restored lines are the lines the run wrote; re-run steps 6, 7 alike
+    history = json.loads(entropy_history_file(tmp_path, "exp").read_text())
+    assert [h["step"] for h in history] == list(range(1, 9))
+
+
+def test_a_resume_cuts_the_file_in_place_and_never_rewrites_the_steps_it_keeps(tmp_path):
+    """Append-only: resuming truncates the one file after the checkpoint's step (a reader that follows
+    it, or a writer that still holds it open, keeps the same file) and leaves the kept bytes alone."""
+    with MetricsWriter(tmp_path, "exp", DISABLED, {}) as writer:
+        for step in range(1, 8):
+            writer.log(step, step_metrics(step))
+    path = tmp_path / "metrics.jsonl"
+    before, inode = path.read_bytes(), path.stat().st_ino
+    follower = open(path, "rb")  # noqa: SIM115 - a reader following the file across the resume
+    with MetricsWriter(tmp_path, "exp", DISABLED, {}, resume_step=5, restored=_checkpoint_history(5)) as writer:
+        writer.log(6, step_metrics(6))
+    kept = len(b"".join(before.splitlines(keepends=True)[:5]))
+    assert path.stat().st_ino == inode
+    assert path.read_bytes()[:kept] == before[:kept]
+    assert [json.loads(line)["step"] for line in follower.read().splitlines()] == list(range(1, 7))
+    follower.close()
+
+
+def test_a_line_that_breaks_the_order_ends_what_a_resume_keeps(tmp_path):
+    """Lines after a cut, unreadable or out-of-order line are not trusted: the checkpoint restores them."""
+    path = tmp_path / "metrics.jsonl"
+    good = [json.dumps({"step": s, "reward": 0.1 * s}) + "\n" for s in (1, 2)]
+    path.write_text(good[0] + good[1] + '{"step": 1, "reward": 9}\n{"step": 3}\n')
+    restored = [{"step": s, "reward": 0.1 * s} for s in (1, 2, 3)]
+    with MetricsWriter(tmp_path, "exp", DISABLED, {}, resume_step=3, restored=restored) as writer:
+        assert [r["step"] for r in writer.history] == [1, 2, 3]
+    assert path.read_text().splitlines() == [*(line.strip() for line in good), json.dumps(restored[2])]
+
+
 def test_fresh_run_starts_new_files(tmp_path):
     with MetricsWriter(tmp_path, "exp", DISABLED, {}) as writer:
         writer.log(1, step_metrics(1))
@@ -142,6 +203,48 @@ def test_offline_wandb_run_lives_in_run_dir(tmp_path, monkeypatch):
     assert b"policy/entropy" in run_files[0].read_bytes()
     assert b"cagrad/weights/1" in run_files[0].read_bytes()
 
+
+
+OFFLINE_RUN = """
+import sys
+from grpo.config import TrackingConfig
+from grpo.health.metrics import MetricsWriter
+with MetricsWriter(sys.argv[1], "exp", TrackingConfig(wandb="offline"), {"seed": 1}) as writer:
+    for step in (1, 2, 3):
+        writer.log(step, {"reward": 0.5, "entropy": 1.0 - 0.1 * step})
+"""
+
+
+def test_an_offline_wandb_run_makes_no_network_attempt(tmp_path):
+    """``tracking.wandb: offline`` as a user runs it (no WANDB_* in the environment): the run is written
+    and no process (this one, W&B's Go service) looks up or connects to any host (tests/network_trace.py)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["PYTHONPATH"] = str(ROOT)
+    done, reached = traced([sys.executable, "-c", OFFLINE_RUN, str(tmp_path / "run")], tmp_path / "trace.log",
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")), "no offline run written"
+    assert reached == [], "network attempts of an offline run:\n" + "\n".join(reached)
+
+
+@pytest.mark.parametrize(
+    ("line", "reaches"),
+    [
+        # table: an strace line -> whether it is a network attempt
+        ('connect(3, {sa_family=AF_INET, sin_port=htons(443), sin_addr=inet_addr("34.1.2.3")}, 16) = 0', True),
+        ('connect(3, {sa_family=AF_INET, sin_port=htons(53), sin_addr=inet_addr("127.0.0.53")}, 16) = 0', True),
+        ('sendto(3, "x", 1, 0, {sa_family=AF_INET, sin_port=htons(53), sin_addr=inet_addr("10.0.0.2")}, 16)', True),
+        ('connect(3, {sa_family=AF_INET6, sin6_port=htons(443), sin6_flowinfo=htonl(0), '
+         'inet_pton(AF_INET6, "2606:4700::1", &sin6_addr), sin6_scope_id=0}, 28) = -1 ENETUNREACH', True),
+        ('connect(3, {sa_family=AF_UNIX, sun_path="/run/systemd/resolve/io.systemd.Resolve"}, 42) = 0', True),
+        ('connect(3, {sa_family=AF_INET, sin_port=htons(8080), sin_addr=inet_addr("127.0.0.1")}, 16) = 0', False),
+        ('connect(3, {sa_family=AF_INET6, sin6_port=htons(80), sin6_flowinfo=htonl(0), '
+         'inet_pton(AF_INET6, "::1", &sin6_addr), sin6_scope_id=0}, 28) = 0', False),
+        ('connect(7, {sa_family=AF_UNIX, sun_path="/tmp/wandb-1-2-3/socket"}, 41) = 0', False),
+    ],
+)
+def test_the_network_trace_counts_lookups_and_remote_connects(line, reaches):
+    assert attempts(f"4242  {line}") == ([f"4242  {line}"] if reaches else [])
 
 
 def test_merged_metrics_are_those_of_the_concatenated_rows():

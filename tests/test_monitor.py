@@ -306,3 +306,51 @@ def test_writing_on_after_an_end_token_stops_on_the_stage_path(tiny_tokenizer, t
     assert watched(stage_result(tokenizer, eos_ids, [*healthy, healthy[0]])) == []
     # With the end token among the stop ids the completion is cut there: nothing wrote on.
     assert watched(stage_result(tokenizer, [eot, end], [*healthy, on_after])) == []
+
+
+# --------------------------------------------------------------------------- the checkpoint to go back to
+
+
+@pytest.mark.parametrize(
+    ("since", "checkpoints", "hint"),
+    [
+        # table: the window's first step, the run's checkpoint steps (None: unknown) -> what the stop says
+        (1, None, "No checkpoint was written before step 1, so there is no healthy one to go back to: fix the "
+                  "cause and rerun `grpo train`, which starts again from the SFT model."),
+        (1, [5], "No checkpoint was written before step 1"),
+        (3, [5, 10], "No checkpoint was written before step 3"),  # a boundary stop before the first save
+        (8, [], "No checkpoint was written before step 8"),
+        (8, [5, 10], "The checkpoint of step 5, the last before step 8, is the last healthy one."),
+        (11, [5, 10], "The checkpoint of step 10, the last before step 11, is the last healthy one."),
+        (8, None, "The last checkpoint before step 8, if one was written, is the last healthy one."),
+    ],
+)
+def test_the_stop_names_a_checkpoint_to_go_back_to_only_when_one_exists(since, checkpoints, hint):
+    finding = Finding("entropy_floor", "stop", since + 4, "entropy < 0.01", since)
+    message = str(TrainingStopped([finding], checkpoints))
+    assert hint in message and "set monitor.entropy_floor.action: warn" in message
+    assert ("before step 1 is" not in message) and ("checkpoint of step" in message) == bool(
+        [c for c in checkpoints or () if c < since])
+
+
+@pytest.mark.parametrize("saved", [[], [1], [1, 2]])
+def test_the_trainers_stop_names_the_checkpoints_on_disk(tiny_tokenizer, tmp_path, saved):
+    """``watch`` reads the run folder only when it stops: the checkpoint of step 1 is named at a stop in
+    step 3 whose window opened at step 2 (one of step 2 is not: it is inside the window); none saved yet:
+    no checkpoint is named, and the hint says to rerun from the SFT model."""
+    from grpo.config import RuleConfig
+    from grpo.train.checkpoint import save_checkpoint
+
+    for step in saved:
+        save_checkpoint(tmp_path, step, model=torch.nn.Linear(2, 2), optimizer=None, scheduler=None, rng={},
+                        history=[], lineage={}, keep_last=5)
+    eot = tiny_tokenizer.convert_tokens_to_ids(EOT)
+    result = stage_result(tiny_tokenizer, [eot], [[eot]] * 4)  # every completion empty
+    monitor = Monitor(MonitorConfig(boundary_empty=RuleConfig(threshold=1.0, window=2)))
+    watch(monitor, 2, result, tmp_path)  # window 2: the first empty step only counts
+    with pytest.raises(TrainingStopped) as stop:
+        watch(monitor, 3, result, tmp_path)
+    if 1 in saved:
+        assert "The checkpoint of step 1, the last before step 2, is the last healthy one." in str(stop.value)
+    else:
+        assert "No checkpoint was written before step 2" in str(stop.value)

@@ -47,6 +47,28 @@ def test_nan_in_the_loss_raises_and_updates_nothing(tiny_model, tiny_tokenizer, 
     assert not ctx.optimizer.state, "the optimizer took a step"
 
 
+@pytest.mark.parametrize("mode", ["sum", "cagrad"])
+def test_a_nan_loss_stops_the_step_with_its_number(tiny_model, tiny_tokenizer, records, monkeypatch, mode):
+    """The whole step as the trainer runs it: a NaN loss (here NaN advantages) stops it before any
+    update, and the error gives the step, so the operator knows which checkpoints predate it."""
+    from grpo.train import step as step_module
+    from grpo.train.update import NonFiniteError
+
+    real = step_module.group_advantages
+
+    def nan_advantages(*args, **kwargs):
+        advantages, stats = real(*args, **kwargs)
+        return torch.full_like(advantages, float("nan")), stats
+
+    monkeypatch.setattr(step_module, "group_advantages", nan_advantages)
+    ctx = make_context(tiny_model, tiny_tokenizer, multitask={"mode": mode})
+    before = [p.detach().clone() for p in ctx.model.parameters()]
+    with pytest.raises(NonFiniteError, match=r"^grpo: step 7 stopped before its update: .*NaN/Inf.*nothing of "
+                                             r"step 7 was applied or saved"):
+        grpo_step(ctx, records, 7, lambda attempt: records)
+    assert all(torch.equal(a, b) for a, b in zip(before, ctx.model.parameters(), strict=True))
+
+
 def test_zero_variance_step_makes_no_update(tiny_model, tiny_tokenizer, records):
     """All advantages 0, no KL or entropy term: the gradient is exactly 0 and Adam does not step
     (its momentum must not move the weights during a reward deadlock)."""

@@ -228,3 +228,54 @@ def test_grpo_holdout_keeps_grpo_prompts_out_of_sft(tmp_path, monkeypatch):
     run_stages(params, "train")
     assert len(prompted) == cfg.grpo.steps * cfg.grpo.prompts_per_step
     assert set(prompted) <= held_out
+
+
+def test_an_offline_run_opens_no_socket_and_max_steps_says_what_it_wrote(project, tmp_path):
+    """`grpo train --max-steps 1` as a user runs it (tracking.wandb: offline from params, no WANDB_* in
+    the environment): the W&B run is written and no process of it (Python or W&B's Go service) looks up
+    or connects to any host; the last line says that a checkpoint, not a policy, was written."""
+    from tests.network_trace import traced
+
+    params = copy_project(project, tmp_path / "p")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"PYTHONUNBUFFERED": "1"}
+    done, reached = traced([GRPO, "train", "--params", str(params), "--max-steps", "1"], tmp_path / "trace.log",
+                           env=env, capture_output=True, text=True, timeout=600, cwd=params.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = params.parent / "runs" / "tiny"
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "no offline W&B run written"
+    assert reached == [], "network attempts of an offline training run:\n" + "\n".join(reached)
+    assert "policy in" not in done.stdout and not (params.parent / "models" / "grpo").exists()
+    assert ("grpo: 1 new step in " in done.stdout and f"no policy written yet: step 1 of grpo.steps=4 is a "
+            f"checkpoint in {run_dir}, from which `grpo train` continues" in done.stdout), done.stdout[-2000:]
+
+
+def test_a_killed_run_resumes_with_every_step_once_even_when_its_metrics_lost_lines(project, tmp_path):
+    """SIGKILL after the checkpoint of step 4, then the metrics file loses lines (as when a second writer
+    rewrote it): the resume cuts the file only after step 4, writes steps 2-4 back from the checkpoint
+    exactly as the run first wrote them, and the finished run has every step once; its summary counts
+    only the new steps."""
+    params = copy_project(project, tmp_path / "p")
+    overrides = ("--set", "grpo.steps=6", "--set", "checkpoint.every=2")
+    run_dir = params.parent / "runs" / "tiny"
+    proc = _train_process(params, *overrides)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "checkpoint-00000004" / "state.json").is_file() and proc.poll() is None:
+        assert time.monotonic() < deadline, "no checkpoint of step 4 appeared"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (params.parent / "models" / "grpo").exists(), "the run finished before it was killed"
+    metrics = run_dir / "metrics.jsonl"
+    written = metrics.read_text().splitlines(keepends=True)
+    assert [json.loads(line)["step"] for line in written[:4]] == [1, 2, 3, 4]
+    metrics.write_text(written[0])
+    resumed = _train_process(params, *overrides)
+    output = resumed.communicate(timeout=600)[0].decode()
+    assert resumed.returncode == 0, output
+    lines = metrics.read_text().splitlines(keepends=True)
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4, 5, 6]
+    assert lines[:4] == written[:4]
+    entropy = json.loads((run_dir / "entropy_history_tiny.json").read_text())
+    assert [h["step"] for h in entropy] == [1, 2, 3, 4, 5, 6]
+    assert "grpo: 2 new steps after 4 restored from its checkpoint in " in output, output[-2000:]
+    assert f"policy in {params.parent / 'models' / 'grpo'}" in output

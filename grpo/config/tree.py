@@ -9,6 +9,7 @@ its own keys then overlay that file's, section by section, as ``configs/*.yaml``
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -133,12 +134,21 @@ def read_params(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
         raise ConfigError(
             f"{path}: `extends` comes back to a file it started from ({_seen[0]}); break the cycle"
         )
+    text = path.read_text(encoding="utf-8")
     try:
-        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        tree = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if tree is None:  # an empty file (or only whitespace and comments) is a cut copy more often than a choice
+        raise ConfigError(
+            f"{path}: the params file is empty (no value, only whitespace or comments): a cut copy or a "
+            "failed write would otherwise train on every default; restore the file, or write `{}` in it "
+            "to mean all defaults"
+        )
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(tree).__name__}")
+    if not tree:
+        print(f"{path}: {{}}: every value is the default (grpo/config)", file=sys.stderr)
     parent = tree.pop(EXTENDS, None)
     if parent is None:
         return tree

@@ -257,12 +257,43 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- writer
 
 
+def _record(step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSONL record of one step: JSON values, entropy under both of its names."""
+    record = {"step": step, **{key: _jsonable(key, value) for key, value in metrics.items()}}
+    # TRL logs entropy under both names; dashboards built for either keep working.
+    for name, twin in (("entropy", "policy/entropy"), ("policy/entropy", "entropy")):
+        if name in record and twin not in record:
+            record[twin] = record[name]
+    return record
+
+
+def _kept_prefix(path: Path, resume_step: int) -> tuple[int, list[dict[str, Any]]]:
+    """The byte length and records of the longest run of whole lines at the start of ``path`` whose
+    steps increase and are <= ``resume_step`` (what a resume keeps of the file)."""
+    if not path.is_file():
+        return 0, []
+    kept, length, last = [], 0, 0
+    for line in path.read_bytes().splitlines(keepends=True):
+        try:
+            record = json.loads(line) if line.endswith(b"\n") else None  # a line cut by a kill: dropped
+        except ValueError:
+            record = None
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or not last < step <= resume_step:
+            break
+        kept.append(record)
+        length, last = length + len(line), record["step"]
+    return length, kept
+
+
 class MetricsWriter:
     """Writes each step's metrics to JSONL, W&B and the entropy history; only on the main process.
 
-    ``resume_step=None`` starts the files afresh; ``resume_step=k`` keeps the steps <= k already on
-    disk (the ones the checkpoint of step k saw) and drops later ones, so a resumed run has exactly
-    one entry per step. Steps must increase: a second entry for a step is an error.
+    The JSONL file is append-only: ``resume_step=None`` (or 0) starts it empty; ``resume_step=k`` keeps
+    the lines of steps <= k already on disk (the steps the checkpoint of step k saw), cuts the file
+    after them in place (never rewriting them) and appends from ``restored`` (the checkpoint's own
+    history) every step <= k the file lacks, so a resume never drops a step the checkpoint holds and a
+    resumed run has exactly one line per step. Steps must increase: a second entry for a step is an error.
     """
 
     def __init__(
@@ -273,6 +304,7 @@ class MetricsWriter:
         config_dict: Mapping[str, Any],
         is_main_process: bool = True,
         resume_step: int | None = None,
+        restored: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         self.run_dir, self.experiment, self.active = Path(run_dir), experiment, is_main_process
         self.jsonl_path = step_metrics_file(self.run_dir)
@@ -284,19 +316,29 @@ class MetricsWriter:
         if not self.active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if resume_step is not None:
-            self.history = [r for r in read_metrics(self.jsonl_path) if r["step"] <= resume_step]
-        write_text(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in self.history))
+        length, self.history = _kept_prefix(self.jsonl_path, resume_step or 0)
+        self._file = open(self.jsonl_path, "a", encoding="utf-8")  # closed in close()
+        self._file.truncate(length)  # in place: the lines kept are never rewritten
+        done = self.last_step or 0
+        for entry in restored:
+            if done < entry["step"] <= (resume_step or 0):
+                self._append(_record(entry["step"], {k: v for k, v in entry.items() if k != "step"}))
         self._entropy = [{"step": r["step"], "entropy": r["entropy"]} for r in self.history if "entropy" in r]
         write_text(self.entropy_path, json.dumps(self._entropy, indent=1))
-        self._file = open(self.jsonl_path, "a", encoding="utf-8")  # closed in close()
         self.wandb_mode = effective_wandb_mode(tracking_cfg.wandb, os.environ.get("WANDB_MODE"))
         if self.wandb_mode != "disabled":
             self._run = self._start_wandb(tracking_cfg.project, dict(config_dict))
 
     def _start_wandb(self, project: str, config: dict[str, Any]):
+        if self.wandb_mode == "offline":
+            # W&B's own telemetry is on by default and an offline *run* does not switch it off: the process's
+            # OpenTelemetry exporter probes the W&B host (DNS, then HTTPS) unless the process-wide settings
+            # are offline, and the service reports its errors to Sentry. Off before W&B starts anything.
+            os.environ["WANDB_ERROR_REPORTING"] = "false"
         import wandb  # imported here: a disabled run never pays for it
 
+        if self.wandb_mode == "offline":
+            wandb.setup(settings=wandb.Settings(mode="offline"))
         settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, disable_job_creation=True)
         return wandb.init(
             project=project,
@@ -322,14 +364,8 @@ class MetricsWriter:
                 f"metrics for step {step} logged after step {self.last_step}: log each step once, in "
                 "order; a resumed run passes resume_step=<checkpoint step> to MetricsWriter"
             )
-        record = {"step": step, **{key: _jsonable(key, value) for key, value in metrics.items()}}
-        # TRL logs entropy under both names; dashboards built for either keep working.
-        for name, twin in (("entropy", "policy/entropy"), ("policy/entropy", "entropy")):
-            if name in record and twin not in record:
-                record[twin] = record[name]
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        self.history.append(record)
+        record = _record(step, metrics)
+        self._append(record)
         if self._run is not None:
             self._run.log(_for_wandb({k: v for k, v in record.items() if k != "step"}), step=step)
         entropy = record.get("entropy")
@@ -337,6 +373,12 @@ class MetricsWriter:
             # null, not NaN: the history file stays standard JSON and keeps one entry per step
             self._entropy.append({"step": step, "entropy": entropy if math.isfinite(entropy) else None})
             write_text(self.entropy_path, json.dumps(self._entropy, indent=1))
+
+    def _append(self, record: dict[str, Any]) -> None:
+        """One JSONL line, flushed, and the record in ``history``."""
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        self.history.append(record)
 
     def close(self) -> None:
         """Close the JSONL file and finish the W&B run (idempotent)."""

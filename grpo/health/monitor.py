@@ -77,13 +77,27 @@ class MonitorError(GrpoError, ValueError):
 class TrainingStopped(GrpoError):
     """A ``stop`` rule fired; the message names the rule, the values and the likely causes."""
 
-    def __init__(self, findings: Sequence[Finding]) -> None:
+    def __init__(self, findings: Sequence[Finding], checkpoints: Sequence[int] | None = None) -> None:
+        """``checkpoints``: the steps of the run's complete checkpoints (None: not known)."""
         self.findings = list(findings)
         self.since = min(f.since if f.since is not None else f.step for f in self.findings)
-        super().__init__(_stop_message(self.findings, self.since))
+        super().__init__(_stop_message(self.findings, self.since, checkpoints))
 
 
-def _stop_message(findings: Sequence[Finding], since: int) -> str:
+def _healthy_checkpoint(since: int, checkpoints: Sequence[int] | None) -> str:
+    """Which checkpoint to go back to: the last one before the window opened, named only if it exists."""
+    before = [step for step in checkpoints or () if step < since]
+    if before:
+        return f"The checkpoint of step {max(before)}, the last before step {since}, is the last healthy one."
+    if checkpoints is None and since > 1:
+        return f"The last checkpoint before step {since}, if one was written, is the last healthy one."
+    return (
+        f"No checkpoint was written before step {since}, so there is no healthy one to go back to: fix "
+        "the cause and rerun `grpo train`, which starts again from the SFT model."
+    )
+
+
+def _stop_message(findings: Sequence[Finding], since: int, checkpoints: Sequence[int] | None) -> str:
     boundary = any(f.rule.startswith("boundary_") for f in findings)
     causes = BOUNDARY_CAUSES if boundary else COLLAPSE_CAUSES
     lines = [f"training stopped at step {findings[0].step} by the health monitor:"]
@@ -91,17 +105,18 @@ def _stop_message(findings: Sequence[Finding], since: int) -> str:
     lines.append("likely causes, most common first:")
     lines += [f"  {i}. {cause}" for i, cause in enumerate(causes, 1)]
     lines.append(
-        f"The last checkpoint before step {since} is the last healthy one. Fix the cause and rerun; to "
-        f"only log this rule set monitor.{findings[0].rule}.action: warn in params.yaml."
+        f"{_healthy_checkpoint(since, checkpoints)} Fix the cause and rerun; to only log this rule set "
+        f"monitor.{findings[0].rule}.action: warn in params.yaml."
     )
     return "\n".join(lines)
 
 
-def raise_if_stop(findings: Sequence[Finding]) -> None:
-    """Raise ``TrainingStopped`` when any finding's action is ``stop``."""
+def raise_if_stop(findings: Sequence[Finding], checkpoints: Callable[[], Sequence[int]] | None = None) -> None:
+    """Raise ``TrainingStopped`` when any finding's action is ``stop``; ``checkpoints`` (asked only then)
+    gives the steps of the run's complete checkpoints, so the message names the last healthy one."""
     stops = [f for f in findings if f.action == "stop"]
     if stops:
-        raise TrainingStopped(stops)
+        raise TrainingStopped(stops, None if checkpoints is None else checkpoints())
 
 
 def _fmt(value: Any) -> str:

@@ -53,11 +53,50 @@ def _field(reader, key: str):
     return field.contents()
 
 
-def read_specials(path: Path) -> GgufSpecials:
-    """The special-token metadata of the GGUF file ``path``."""
+GGUF_MAGIC = b"GGUF"
+_GET_IT_AGAIN = (
+    "download or convert the file again (llama.cpp's convert_hf_to_gguf.py) and compare its size and "
+    "sha256 with the source's"
+)
+
+
+def open_gguf(path: Path):
+    """The ``GGUFReader`` of ``path``, or GgufError naming the file, what is wrong and what to do when it
+    is not a whole GGUF file: empty, another format, cut short anywhere, or without tensors.
+
+    The reader alone fails on such files with its own errors (``GGUF magic invalid``, an IndexError,
+    a numpy dtype error) that name no file.
+    """
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(len(GGUF_MAGIC))
+    if size == 0:
+        raise GgufError(f"{path}: the file is empty (0 bytes); {_GET_IT_AGAIN}")
+    if head != GGUF_MAGIC:
+        raise GgufError(
+            f"{path}: not a GGUF file: it begins with {head!r}, a GGUF file with {GGUF_MAGIC!r} (a "
+            "safetensors or PyTorch file, or a page saved by a failed download, under a .gguf name?); "
+            "give model.name_or_path the path of a .gguf file, or the folder of a Hugging Face model"
+        )
+    try:
+        reader = GGUFReader(str(path))  # reads the header, the metadata and every tensor's extent
+    except (ValueError, IndexError, OverflowError) as exc:
+        raise GgufError(
+            f"{path}: cut short or corrupt: the GGUF reader fails on its {size} bytes ({exc}); {_GET_IT_AGAIN}"
+        ) from None
+    if not reader.tensors:  # llama.cpp's vocab-only files, or a header written without its tensors
+        raise GgufError(
+            f"{path}: a GGUF file without any tensor ({size} bytes): it holds no weights (a vocab-only "
+            f"file?); {_GET_IT_AGAIN}"
+        )
+    return reader
+
+
+def read_specials(path: Path) -> GgufSpecials:
+    """The special-token metadata of the GGUF file ``path`` (GgufError when the file is broken)."""
+    reader = open_gguf(path)
     tokens = _field(reader, "tokenizer.ggml.tokens")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     if not tokens or eos is None:
@@ -89,12 +128,22 @@ def raw_conversion(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerFast
     folder, name = str(path.parent), path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model, loaded = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, output_loading_info=True
+        )
     except (OSError, ValueError, KeyError) as exc:
         raise GgufError(
             f"{path}: transformers cannot convert it ({type(exc).__name__}: {exc}); the pipeline "
             "converts Llama-family GGUF files (general.architecture llama, qwen2, ...)"
         ) from None
+    # transformers fills a weight the file lacks with random values and only logs it.
+    absent = sorted(loaded["missing_keys"]) + sorted(str(key) for key in loaded["mismatched_keys"])
+    if absent:
+        raise GgufError(
+            f"{path}: the file lacks {len(absent)} of the model's weights or holds them in another shape "
+            f"({', '.join(absent[:5])}{', ...' if len(absent) > 5 else ''}): they would start from random "
+            f"values; the file is incomplete or from another model: {_GET_IT_AGAIN}"
+        )
     return model, tokenizer
 
 

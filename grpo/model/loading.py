@@ -46,6 +46,46 @@ def _check_exists(name_or_path: str, cfg: ModelConfig) -> None:
         raise ModelLoadError(f"model.name_or_path: {problem}")
 
 
+_WRITE_AGAIN = (
+    "the save or copy did not finish (a kill, a full disk, an interrupted download); write it again: rerun "
+    "the stage that wrote it (`dvc repro`; `grpo base`, `grpo sft` or `grpo train` for models/base, sft, "
+    "grpo), or copy the model again"
+)
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why the safetensors file ``path`` is not whole (None when it is): its 8-byte header length, its
+    JSON index of tensors and where the last tensor ends, against the file's size."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            return f"cut short: {size} bytes, less than the 8 that give its header's length"
+        length = int.from_bytes(head, "little")
+        if length > size - 8:
+            return f"cut short: its header should take {length} bytes, the file holds {size - 8} after the length"
+        try:
+            index = json.loads(handle.read(length))
+            end = max((int(t["data_offsets"][1]) for k, t in index.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            return f"corrupt: its header is not the JSON index of its tensors ({exc})"
+    expected = 8 + length + end
+    if size < expected:
+        return f"cut short: its tensors end at byte {expected}, the file holds {size} ({expected - size} missing)"
+    if size > expected:
+        return f"corrupt: {size - expected} bytes follow its last tensor"
+    return None
+
+
+def check_weight_files(folder: Path) -> None:
+    """ModelLoadError naming the first ``*.safetensors`` file of ``folder`` that is not whole (the loader
+    alone fails with ``SafetensorError: ... incomplete metadata``, naming no file)."""
+    for path in sorted(folder.glob("*.safetensors")):
+        problem = safetensors_problem(path)
+        if problem is not None:
+            raise ModelLoadError(f"{path}: not a whole safetensors file, {problem}; {_WRITE_AGAIN}")
+
+
 def load_tokenizer(name_or_path: str | Path, cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """Load a tokenizer, left-padded, with a pad token (``cfg.pad_token`` or eos when it has none)."""
     source = resolve(name_or_path)
@@ -76,20 +116,29 @@ def load_model(name_or_path: str | Path, cfg: ModelConfig) -> PreTrainedModel:
     """Load a causal LM from a local folder (safetensors only) or the local hub cache."""
     source = resolve(name_or_path)
     _check_exists(source, cfg)
+    if Path(source).is_dir():
+        check_weight_files(Path(source))
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, loaded = AutoModelForCausalLM.from_pretrained(
             source,
             dtype=getattr(torch, cfg.dtype),
             attn_implementation=attention_kernel(cfg.attn_implementation),
             trust_remote_code=cfg.trust_remote_code,
             use_safetensors=True,
             local_files_only=not cfg.allow_download,
+            output_loading_info=True,
         )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(
             f"model.name_or_path: cannot load a model from {source!r} ({exc}); nothing is downloaded "
             "at run time: point to a local folder with safetensors weights or a cached hub id"
         ) from None
+    missing = sorted(loaded["missing_keys"])  # transformers fills them with random values and only logs it
+    if missing:
+        raise ModelLoadError(
+            f"{source}: its weight files lack {len(missing)} of the model's weights ({', '.join(missing[:5])}"
+            f"{', ...' if len(missing) > 5 else ''}): they would start from random values; {_WRITE_AGAIN}"
+        )
     return fp32_head(model)
 
 

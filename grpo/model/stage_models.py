@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo import paths
 from grpo.config import Config
 from grpo.model.base_model import base_inputs
-from grpo.model.loading import load_model, load_tokenizer
+from grpo.model.loading import check_weight_files, load_model, load_tokenizer
 from grpo.provenance.lineage import check_lineage
 
 
@@ -59,5 +59,6 @@ def load_grpo(cfg: Config) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         return load_model(folder, cfg.model), load_tokenizer(folder, cfg.model)
     from peft import PeftModel
 
+    check_weight_files(folder)
     model, _ = load_sft(cfg)
     return PeftModel.from_pretrained(model, folder), load_tokenizer(folder, cfg.model)

@@ -320,6 +320,15 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return next((path for _, path in candidates if _problem(path) is None), None)
 
 
+def checkpoint_steps(run_dir: str | Path) -> list[int]:
+    """The steps of the complete checkpoints in ``run_dir``, oldest first (files checked by size)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    steps = ((_step_of(path), path) for path in run_dir.iterdir())
+    return sorted(step for step, path in steps if step is not None and _problem(path, hashes=False) is None)
+
+
 def _load_state_dict(path: Path) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)

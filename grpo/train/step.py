@@ -27,6 +27,7 @@ from grpo.config import Config
 from grpo.core.advantages import group_advantages, per_row
 from grpo.core.attention import takes_prepared_mask
 from grpo.core.grad_space import GradSpace
+from grpo.core.multitask import MultitaskError
 from grpo.core.prefix import PromptPrefill
 from grpo.core.timing import PhaseTimer, untimed
 from grpo.data.prompts import example_messages, render_records
@@ -357,7 +358,13 @@ def grpo_step(step: Step, records: list[dict], index: int, more_records: MoreRec
         with timer("reference"):
             batch = prepare_batch(step, sampled)
         with timer("update"):
-            update_stats, policy = update(step, batch)
+            try:
+                update_stats, policy = update(step, batch)
+            except (NonFiniteError, MultitaskError) as exc:  # a NaN/Inf loss or gradient: say which step
+                raise NonFiniteError(
+                    f"grpo: step {index} stopped before its update: {str(exc).removeprefix('grpo: ')}; nothing "
+                    f"of step {index} was applied or saved, the checkpoints hold earlier steps only"
+                ) from exc
     result = step_result(
         step, records, sampled, sample_stats, update_stats, time.perf_counter() - started, timer
     )

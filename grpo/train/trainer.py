@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from accelerate import Accelerator
@@ -146,18 +148,30 @@ def save_checkpoint(
         )
 
 
-def watch(monitor: Monitor, step: int, result: StepResult) -> None:
+def watch(monitor: Monitor, step: int, result: StepResult, run_dir: Path | None = None) -> None:
     """Apply the monitor to one step; ``result`` describes the global batch (the same on every
-    process), so every process decides alike and all stop together, none left in an all-reduce."""
+    process), so every process decides alike and all stop together, none left in an all-reduce.
+    ``run_dir``: where the run's checkpoints are, for the stop message to name the last healthy one."""
     findings = monitor.observe(step, result.metrics)  # boundary text checks run on the first steps only
     findings += monitor.check_boundary(
         step, result.raw_texts, result.prompt_texts, result.header_tokens, result.end_of_turn_tokens
     )
-    raise_if_stop(findings)
+    raise_if_stop(findings, None if run_dir is None else lambda: ckpt.checkpoint_steps(run_dir))
 
 
-def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> list[dict]:
-    """Run (or resume) GRPO; returns the metric history. Raises TrainingStopped on a collapse."""
+class Trained(NamedTuple):
+    """What ``train`` did."""
+
+    history: list[dict]
+    """Every step's metrics, those restored from the checkpoint first."""
+    restored: int
+    """Steps restored from the checkpoint the run resumed from (0: a fresh run)."""
+    saved: bool
+    """Whether the policy was saved (all ``grpo.steps`` done); else the last step is only a checkpoint."""
+
+
+def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> Trained:
+    """Run (or resume) GRPO. Raises TrainingStopped on a collapse."""
     require_preflight(cfg)
     accelerator = make_accelerator()
     context = build_training(cfg, accelerator, shard=sharding.policy_sharder(cfg, accelerator))
@@ -174,6 +188,7 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
         config_to_dict(cfg),
         is_main_process=accelerator.is_main_process,
         resume_step=start,
+        restored=history,
     )
     end = min(cfg.grpo.steps, start + max_steps) if max_steps else cfg.grpo.steps
     bar = tqdm(range(start + 1, end + 1), desc="grpo", disable=not (progress and accelerator.is_main_process))
@@ -185,7 +200,8 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
                 step,
                 lambda attempt, step=step: _shard(cfg, by_task, step, attempt, accelerator),
             )
-            watch(monitor, step, result)  # before saving: a collapsed state never becomes a checkpoint
+            # before saving: a collapsed state never becomes a checkpoint
+            watch(monitor, step, result, paths.run_dir(cfg))
             context.engine.sync_weights(policy.model)  # vLLM samples the next step from the new weights
             history.append({"step": step, **result.metrics})
             writer.log(step, result.metrics)
@@ -205,16 +221,24 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> l
         weights = sharding.whole_state_dict(policy.model)  # FSDP: every process gathers its shards
         if accelerator.is_main_process:
             save_final(cfg, policy, lineage, history, digests, weights)
-    return history
+    return Trained(history, start, end == cfg.grpo.steps)
 
 
 @writes(paths.run_dir, lambda cfg: paths.model_dir(cfg, "grpo"))
 def run(cfg: Config, max_steps: int | None = None) -> int:
     """``grpo train [--max-steps N]``: train (or resume), then save the policy when all steps ran."""
     started = time.perf_counter()
-    history = train(cfg, max_steps=max_steps)
+    trained = train(cfg, max_steps=max_steps)
+    last, new = (trained.history[-1]["step"] if trained.history else 0), len(trained.history) - trained.restored
+    restored = f" after {trained.restored} restored from its checkpoint" if trained.restored else ""
+    written = (
+        f"policy in {paths.model_dir(cfg, 'grpo')}"
+        if trained.saved
+        else f"no policy written yet: step {last} of grpo.steps={cfg.grpo.steps} is a checkpoint in "
+        f"{paths.run_dir(cfg)}, from which `grpo train` continues"
+    )
     print(
-        f"grpo: {len(history)} steps in {time.perf_counter() - started:.1f}s; policy in "
-        f"{paths.model_dir(cfg, 'grpo')}"
+        f"grpo: {new} new step{'' if new == 1 else 's'}{restored} in {time.perf_counter() - started:.1f}s; "
+        f"{written}"
     )
     return 0

@@ -1,0 +1,84 @@
+"""grpo/model/loading.py: a broken weights file is named with what is wrong and what to do, never loaded
+half (the loader alone says ``SafetensorError: incomplete metadata``) or filled with random values."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import save_file
+
+from grpo.cli import main
+from grpo.config import ModelConfig, config_from_dict
+from grpo.model import stage_models
+from grpo.model.loading import ModelLoadError, load_model, save_model
+from tests.tiny_project import run_stages, tiny_params, write_params
+
+WRITE_AGAIN = "write it again: rerun the stage that wrote it"
+
+
+@pytest.fixture
+def saved(tmp_path, tiny_model, tiny_tokenizer):
+    """A tiny model folder as `save_model` writes it; returns its weights file."""
+    save_model(tiny_model, tiny_tokenizer, tmp_path / "model")
+    return tmp_path / "model" / "model.safetensors"
+
+
+CUTS = {
+    # how much of the file is left -> what the error says
+    "4 bytes": (lambda size: 4, "cut short: 4 bytes, less than the 8 that give its header's length"),
+    "in its header": (lambda size: 100, "cut short: its header should take"),
+    "in half": (lambda size: size // 2, "cut short: its tensors end at byte"),
+    "by one byte": (lambda size: size - 1, "(1 missing)"),
+}
+
+
+@pytest.mark.parametrize("cut", sorted(CUTS))
+def test_a_truncated_safetensors_file_is_named_with_the_fix(saved, cut):
+    keep, words = CUTS[cut]
+    data = saved.read_bytes()
+    saved.write_bytes(data[: keep(len(data))])
+    with pytest.raises(ModelLoadError) as err:
+        load_model(saved.parent, ModelConfig())
+    message = str(err.value)
+    assert message.startswith(f"{saved}: not a whole safetensors file, ") and words in message, message
+    assert WRITE_AGAIN in message
+
+
+def test_bytes_after_the_last_tensor_are_named_as_corrupt(saved):
+    saved.write_bytes(saved.read_bytes() + b"\0" * 7)
+    with pytest.raises(ModelLoadError, match=rf"^{saved}: not a whole safetensors file, corrupt: 7 bytes follow"):
+        load_model(saved.parent, ModelConfig())
+
+
+def test_a_weight_missing_from_the_file_is_an_error_not_random_values(saved, tiny_model):
+    weights = {k: v.contiguous() for k, v in tiny_model.state_dict().items() if k != "lm_head.weight"}
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, saved, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"lack 1 of the model's weights \(model.layers.1.mlp.down_proj.weight\)"
+                                             r": they would start from random values"):
+        load_model(saved.parent, ModelConfig())
+
+
+def test_a_truncated_adapter_is_named_before_anything_loads(tmp_path, monkeypatch):
+    folder = tmp_path / "models" / "grpo"
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text("{}")
+    (folder / "adapter_model.safetensors").write_bytes(b"\x10\0\0\0\0\0\0\0{")
+    cfg = config_from_dict({"paths": {"models_dir": str(tmp_path / "models")}})
+    monkeypatch.setattr(stage_models, "check_grpo", lambda cfg: None)  # the lineage is not what is tested
+    monkeypatch.setattr(stage_models, "load_sft", lambda cfg: pytest.fail("loaded the SFT model first"))
+    with pytest.raises(ModelLoadError, match=rf"^{folder / 'adapter_model.safetensors'}: not a whole safetensors"):
+        stage_models.load_grpo(cfg)
+
+
+def test_a_stage_reading_a_truncated_model_exits_1_with_one_error_line(tmp_path, capsys):
+    """`grpo sft` on a models/base whose weights were cut (a full disk): exit 1, like every input error
+    found while a stage runs, one `error:` line naming the file, and no SFT model written."""
+    params = write_params(tmp_path, tiny_params(tmp_path))
+    run_stages(params, "prepare", "validate", "base")
+    weights = tmp_path / "models" / "base" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    capsys.readouterr()
+    assert main(["sft", "--params", str(params)]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {weights}: not a whole safetensors file, cut short")
+    assert not (tmp_path / "models" / "sft").exists()
