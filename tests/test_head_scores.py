@@ -198,9 +198,9 @@ def test_a_request_must_cover_the_heads_positions(tiny_model):
     head = tiny_model.get_output_embeddings()
     request = HeadRequest(ids=torch.zeros(2, 4, dtype=torch.long), temperature=1.0, entropy=True,
                           entropy_grad=True, mask=None)
-    with head_request(request), pytest.raises(HeadScoringError, match=r"\[B, C \+ 1\]"):
+    with head_request(tiny_model, request), pytest.raises(HeadScoringError, match=r"\[B, C \+ 1\]"):
         head(torch.randn(2, 4, head.in_features))
-    with head_request(request):
+    with head_request(tiny_model, request):
         assert head(torch.randn(2, 5, head.in_features)).shape == (2, 4, 2)
     assert head(torch.randn(2, 5, head.in_features)).shape == (2, 5, head.out_features)  # no request: logits
 

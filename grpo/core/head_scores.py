@@ -4,8 +4,8 @@ hidden states and the head's weight, never the ``[rows x tokens x vocabulary]`` 
 Every number the loss reads is one per position (the log-prob of the sampled id, the entropy), yet on a
 128k vocabulary the logits behind them, with their fp32 copies and gradients, are the largest tensors of a
 GRPO step by far. ``score_completions`` therefore asks the model's output head for those numbers instead of
-logits: a ``HeadRequest`` set for the span of one forward (``head_request``) says which ids to score at which
-temperature, and a head that serves requests (``grpo.model.precision.Fp32Head``) returns
+logits: a ``HeadRequest`` handed to the head for the span of one forward (``head_request``) says which ids to
+score at which temperature, and a head that serves requests (``grpo.model.precision.Fp32Head``) returns
 ``score_in_head``'s packed ``[B, C, 2]`` (log-prob, entropy) in place of the logits, computed ``chunk_positions``
 positions at a time: one chunk's logits exist at once, in the forward and in the backward. Done inside the
 head's own forward, it keeps everything the model's forward does around the head: ``logits_to_keep``, peft's
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -62,8 +61,8 @@ class HeadProduct(Protocol):
 class HeadRequest:
     """What ``score_completions`` asks the output head for during one forward: the scores of the first
     ``C`` positions of ``[first | the head's input]`` (its input has ``C + 1``: the last position predicts
-    nothing). The head writes ``output`` (what it returned, so the caller can check the model passed it
-    on unchanged) and ``stats``."""
+    nothing). The head answers with ``score`` and the caller finds in ``output`` what it returned (to
+    check the model passed it on unchanged), in ``stats`` the logit statistics."""
 
     ids: torch.Tensor  # [B, C] long: the id each position scores (the completion tokens)
     temperature: float  # the sampling temperature: scores of softmax(logits / T) (I10)
@@ -72,34 +71,47 @@ class HeadRequest:
     mask: torch.Tensor | None  # [B, C] positions the logit statistics average over; None: no statistics
     chunk_bytes: int = LOGITS_CHUNK_BYTES  # fp32 logits per chunk
     first: torch.Tensor | None = None  # [B, 1, H] hidden state put before the head's input (shared prefix)
-    output: torch.Tensor | None = None  # [B, C, 2 or 1] set by the head
-    stats: dict[str, float] = field(default_factory=dict)  # set by the head (with ``mask``)
+    output: torch.Tensor | None = None  # [B, C, 2 or 1] what the head returned
+    stats: dict[str, float] = field(default_factory=dict)  # filled by the head (with ``mask``)
+
+    def score(
+        self,
+        hidden: torch.Tensor,  # [B, C + 1, H] the head's input ([B, C, H] after ``first``)
+        weight: torch.Tensor,  # [V, H] fp32
+        bias: torch.Tensor | None,  # [V] fp32
+        prepare: Callable[[torch.Tensor, torch.Tensor | None], HeadProduct],
+    ) -> torch.Tensor:
+        """The head's answer, ``score_in_head``: [B, C, 2 or 1]. The head calls it and imports nothing from
+        here, so the stages that never score (pretraining, SFT) do not depend on this module."""
+        return score_in_head(hidden, weight, bias, self, prepare)
 
 
-_ACTIVE: ContextVar[HeadRequest | None] = ContextVar("head_request", default=None)
-
-
-@contextmanager
-def head_request(request: HeadRequest) -> Iterator[HeadRequest]:
-    """Make ``request`` the one the output head serves for the span of the block (one forward)."""
-    token = _ACTIVE.set(request)
-    try:
-        yield request
-    finally:
-        _ACTIVE.reset(token)
-
-
-def active_request() -> HeadRequest | None:
-    """The request the head is asked to serve now, or ``None`` (the head returns logits)."""
-    return _ACTIVE.get()
+def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    get_head = getattr(model, "get_output_embeddings", None)
+    return get_head() if get_head is not None else None
 
 
 def scores_in_head(model: torch.nn.Module) -> bool:
     """Whether ``model``'s output head serves ``HeadRequest``s (its class says ``scores_requests``). A head
     wrapped by something else (peft's LoRA on the head) does not: its wrapper would add to the scores."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
-    return bool(getattr(type(head), "scores_requests", False))
+    return bool(getattr(type(_output_head(model)), "scores_requests", False))
+
+
+@contextmanager
+def head_request(model: torch.nn.Module, request: HeadRequest) -> Iterator[HeadRequest]:
+    """Hand ``request`` to ``model``'s output head for the span of the block (one forward): the head finds
+    it as its ``head_request`` and answers with ``request.score`` instead of logits."""
+    if not scores_in_head(model):
+        raise HeadScoringError(
+            f"head request: {type(model).__name__}'s output head {type(_output_head(model)).__name__} does "
+            "not score in place; score it from its logits (score_completions(..., full_logits=True))"
+        )
+    head = _output_head(model)
+    head.head_request = request
+    try:
+        yield request
+    finally:
+        head.head_request = None
 
 
 def chunk_positions(vocab: int, chunk_bytes: int) -> int:

@@ -140,7 +140,7 @@ def _completion_forward(
         return shared_prefix_forward(
             model, input_ids, attention_mask, completion_width, prefills, segments, request
         )
-    with contextlib.nullcontext() if request is None else head_request(request):
+    with contextlib.nullcontext() if request is None else head_request(model, request):
         out = model(
             input_ids=input_ids,
             attention_mask=model_attention_mask(model, attention_mask, input_ids.shape[1]),

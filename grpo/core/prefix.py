@@ -227,7 +227,7 @@ def _prefilled_forward(
     positions = position_ids_from_mask(attention_mask)
     if request is not None:  # the head scores [first column | completion columns]
         request.first = joined([p.first_hidden for p in used])[found]  # [B, 1, H]
-    with contextlib.nullcontext() if request is None else head_request(request):
+    with contextlib.nullcontext() if request is None else head_request(model, request):
         rest = model(
             input_ids=input_ids[:, prompt_width:],
             attention_mask=model_attention_mask(model, attention_mask, completion_width),

@@ -28,7 +28,6 @@ import torch
 from transformers import PreTrainedModel
 
 from grpo.config import ModelConfig
-from grpo.core.head_scores import HeadRequest, active_request, score_in_head
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -279,7 +278,7 @@ class Fp32Head(torch.nn.Linear):
     largest matmul (on SmolLM2 about 2.6 times the bf16 one), and the gradient enters the body's bf16
     backward next anyway.
 
-    Scoring (``scores_requests``): while ``score_completions`` has a ``core.head_scores.HeadRequest`` active,
+    Scoring (``scores_requests``): while ``score_completions`` has handed it a ``core.head_scores.HeadRequest``,
     the head returns the log-probs and entropy of the requested ids, chunk by chunk, instead of logits
     (``core.head_scores.score_in_head``). Its product is ``head_product``: ``fp32_product`` on a CPU and
     wherever autocast is off; on CUDA under bf16 autocast the split-bf16 "bf16x3" product (``split_product``:
@@ -288,13 +287,14 @@ class Fp32Head(torch.nn.Linear):
     Without a request (the rollout's sampling, the readable full-logits path) the product is fp32."""
 
     scores_requests = True
+    head_request = None
+    """A ``core.head_scores.HeadRequest`` while ``score_completions`` has handed it one (``head_request``)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         kind = hidden.device.type
         low = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-        request = active_request()
-        if request is not None:
-            return self._scores(hidden, request, low or torch.float32)
+        if self.head_request is not None:
+            return self._scores(hidden, self.head_request, low or torch.float32)
         with torch.autocast(device_type=kind, enabled=False):
             hidden, weight = hidden.float(), self.weight.float()
             bias = None if self.bias is None else self.bias.float()
@@ -303,12 +303,12 @@ class Fp32Head(torch.nn.Linear):
                 return _HeadProduct.apply(hidden, weight, bias, low or torch.float32)
             return fp32_product(hidden, weight, bias)  # F.linear's own autograd where it is F.linear
 
-    def _scores(self, hidden: torch.Tensor, request: HeadRequest, low: torch.dtype) -> torch.Tensor:
+    def _scores(self, hidden: torch.Tensor, request, low: torch.dtype) -> torch.Tensor:
         """``request``'s scores [B, C, 2 or 1] from ``hidden`` [B, C + 1, H], the backward's products in ``low``."""
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             weight = self.weight.float()
             bias = None if self.bias is None else self.bias.float()
-            return score_in_head(hidden, weight, bias, request, lambda w, b: head_product(w, b, low))
+            return request.score(hidden, weight, bias, lambda w, b: head_product(w, b, low))
 
 
 def fp32_head(model: torch.nn.Module) -> torch.nn.Module:
