@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from grpo.checks.gated import Gated, gated
 from grpo.config import config_from_dict
 from grpo.model.lora import wrap_lora
+from grpo.model.precision import fp32_head
 from grpo.train.policy import Policy
 from grpo.train.step import build_step
 
@@ -21,7 +22,8 @@ FULL = config_from_dict({**CFG.model_dump(mode="json"),
 
 
 def random_model_for(tokenizer) -> LlamaForCausalLM:
-    """A 1-layer random Llama over the tokenizer's whole vocabulary (the real families have none here).
+    """A 1-layer random Llama over the tokenizer's whole vocabulary (the real families have none here), its
+    head an ``Fp32Head`` as ``grpo.model.loading`` makes every model's.
 
     A wide initialisation keeps its next-token distribution away from uniform: at the maximum entropy
     log V no step can raise entropy, and the I7 check would have nothing to show."""
@@ -30,7 +32,7 @@ def random_model_for(tokenizer) -> LlamaForCausalLM:
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                          initializer_range=0.5)
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+    return fp32_head(LlamaForCausalLM(config)).eval()  # as every loaded model: the head scores in place
 
 
 def policy_for(cfg, model, tokenizer, reference=None) -> Policy:

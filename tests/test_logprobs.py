@@ -163,7 +163,8 @@ def test_score_completions_rejects_bad_width_and_temperature(tiny_model, tiny_to
 
 
 @torch.no_grad()
-def test_i10_logprobs_and_entropy_use_temperature_scaled_distribution(tiny_model, tiny_tokenizer):
+@pytest.mark.parametrize("full_logits", [False, True], ids=["in-head", "full-logits"])
+def test_i10_logprobs_and_entropy_use_temperature_scaled_distribution(tiny_model, tiny_tokenizer, full_logits):
     input_ids, attention_mask, _, _ = completion_batch(tiny_tokenizer)
     full = tiny_model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
@@ -171,7 +172,7 @@ def test_i10_logprobs_and_entropy_use_temperature_scaled_distribution(tiny_model
     predicting = full[:, -WIDTH - 1 : -1]  # [B, C, V]: position t predicts token t + 1
     entropies = {}
     for temperature in (0.5, 1.5):
-        scored = score_completions(tiny_model, input_ids, attention_mask, WIDTH, temperature)
+        scored = score_completions(tiny_model, input_ids, attention_mask, WIDTH, temperature, full_logits=full_logits)
         logp = (predicting / temperature).log_softmax(-1)
         manual_logprobs = logp.gather(-1, input_ids[:, -WIDTH:].unsqueeze(-1)).squeeze(-1)
         manual_entropy = -(logp.exp() * logp).sum(-1)

@@ -25,15 +25,20 @@ def grouped_batch(pad_id: int, prompt_lengths=(7, 12, 4)):
     return joined.input_ids, joined.attention_mask, completion_mask
 
 
-@pytest.fixture
-def policy(tiny_model):
-    """A LoRA-wrapped tiny model whose adapter is not zero, in train mode (gradients flow)."""
+def moved_lora(tiny_model) -> torch.nn.Module:
+    """The tiny model under a LoRA adapter that is not zero, in train mode (gradients reach A and B)."""
     model = wrap_lora(tiny_model, config_from_dict({"model": {"lora": {"r": 2, "alpha": 4}}}).model.lora)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
     return model.train()
+
+
+@pytest.fixture
+def policy(tiny_model):
+    """A LoRA-wrapped tiny model whose adapter is not zero, in train mode (gradients flow)."""
+    return moved_lora(tiny_model)
 
 
 def scored_with_grads(model, input_ids, attention_mask, completion_mask, width, shared_prefix):
@@ -74,7 +79,8 @@ def test_shared_prefix_with_one_completion_token(policy, tiny_tokenizer):
 def test_each_distinct_prompt_runs_once_per_segment(policy, tiny_tokenizer):
     """The prompt pass sees one row per distinct prompt and every prompt column, one forward per
     segment (its prompts in order of first appearance, as the rollout keeps them); the completion pass
-    sees C - 1 tokens per row (the last prompt column's logits score completion token 0)."""
+    sees the C completion tokens of each row (the last prompt column's head input scores completion token 0,
+    the last token's output nothing, as in a plain forward)."""
     input_ids, attention_mask, _ = grouped_batch(tiny_tokenizer.pad_token_id, prompt_lengths=(7, 12, 4))
     seen = []
     hook = policy.get_base_model().model.embed_tokens.register_forward_hook(
@@ -84,7 +90,7 @@ def test_each_distinct_prompt_runs_once_per_segment(policy, tiny_tokenizer):
         segments = ["b"] * G + ["a"] * G + ["b"] * G  # prompts 0 and 2 in one segment, prompt 1 in another
         score_completions(policy, input_ids, attention_mask, WIDTH, TEMPERATURE, shared_prefix=True, segments=segments)
     hook.remove()
-    assert seen == [(3, 12), (3 * G, WIDTH - 1), (2, 12), (1, 12), (3 * G, WIDTH - 1)]
+    assert seen == [(3, 12), (3 * G, WIDTH), (2, 12), (1, 12), (3 * G, WIDTH)]
 
 
 def test_the_same_rows_and_segments_score_bit_for_bit_alike(policy, tiny_tokenizer):

@@ -174,6 +174,10 @@ class GrpoConfig(Section):
     shared_prefix: bool = True
     """Score each distinct prompt once and its G completions against its key/value cache (the same
     log-probs, entropy and gradients as a forward over every row, without recomputing the prompt)."""
+    full_logits: bool = False
+    """Score log-probs and entropy from the whole [rows x tokens x vocabulary] fp32 logits with autograd
+    through them: the readable path the default one (chunk by chunk of positions in the LM head, the full
+    logits never held, forward or backward) is tested against; far more memory on a large vocabulary."""
     reuse_prefill: bool = True
     """With shared_prefix: the update's policy pass reuses the rollout's prefill of the prompts (kept with
     its graph) instead of running them again, where that is the same computation (``Step.reuses_prefill``)."""

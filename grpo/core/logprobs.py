@@ -4,10 +4,17 @@ Everything is computed on the temperature-scaled distribution, the one that samp
 (I10): entropy or log-probs of another distribution would make the KL, the ratio and the entropy
 bonus talk about a policy that never acted. Positions are counted over real tokens only
 (``position_ids_from_mask``), so a left-padded row scores exactly as it does alone (I11).
+
+Two paths give the same numbers (``score_completions``): the model's output head scores the ids chunk by
+chunk of positions (``core.head_scores``), never holding the ``[B, C, V]`` logits, forward or backward;
+``full_logits`` takes the logits and differentiates through ``selective_log_softmax``,
+``entropy_from_logits`` and ``logits_stats``: the readable reference the tests and the gate hold the
+chunked path to, and the path of a model whose head does not score in place.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
@@ -16,7 +23,8 @@ import torch.nn.functional as F
 
 from grpo.core.attention import model_attention_mask
 from grpo.core.batching import position_ids_from_mask
-from grpo.core.prefix import PromptPrefill, shared_prefix_logits
+from grpo.core.head_scores import LOGITS_CHUNK_BYTES, HeadRequest, head_request, scores_in_head
+from grpo.core.prefix import PromptPrefill, shared_prefix_forward
 from grpo.errors import GrpoError
 
 DEFAULT_CHUNK_SIZE = 128
@@ -112,16 +120,35 @@ def completion_logits(
     prefills: Sequence[PromptPrefill] = (),
     segments: Sequence[Hashable] | None = None,
 ) -> torch.Tensor:
-    """The raw logits that score the last ``C`` tokens -> [B, C, V] (``score_completions``' forward)."""
+    """The raw logits that score the last ``C`` tokens -> [B, C, V] (the full-logits path's forward)."""
+    return _completion_forward(model, input_ids, attention_mask, completion_width, shared_prefix, prefills, segments)
+
+
+def _completion_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_width: int,
+    shared_prefix: bool,
+    prefills: Sequence[PromptPrefill],
+    segments: Sequence[Hashable] | None,
+    request: HeadRequest | None = None,
+) -> torch.Tensor:
+    """The forward that scores the last ``C`` tokens: their logits [B, C, V], or with ``request`` the
+    head's scores of them [B, C, 2 or 1]."""
     if shared_prefix:
-        return shared_prefix_logits(model, input_ids, attention_mask, completion_width, prefills, segments)
-    return model(
-        input_ids=input_ids,
-        attention_mask=model_attention_mask(model, attention_mask, input_ids.shape[1]),
-        position_ids=position_ids_from_mask(attention_mask),
-        logits_to_keep=completion_width + 1,
-        use_cache=False,
-    ).logits[:, :-1, :]
+        return shared_prefix_forward(
+            model, input_ids, attention_mask, completion_width, prefills, segments, request
+        )
+    with contextlib.nullcontext() if request is None else head_request(model, request):
+        out = model(
+            input_ids=input_ids,
+            attention_mask=model_attention_mask(model, attention_mask, input_ids.shape[1]),
+            position_ids=position_ids_from_mask(attention_mask),
+            logits_to_keep=completion_width + 1,
+            use_cache=False,
+        ).logits
+    return out if request is not None else out[:, :-1, :]
 
 
 def score_completions(
@@ -130,26 +157,32 @@ def score_completions(
     attention_mask: torch.Tensor,  # [B, P + C]: 1 = real token
     completion_width: int,  # C
     temperature: float,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
     shared_prefix: bool = False,
     prefills: Sequence[PromptPrefill] = (),
     segments: Sequence[Hashable] | None = None,
     logprobs_only: bool = False,
+    entropy_grad: bool = True,
+    full_logits: bool = False,
+    chunk_bytes: int | None = None,
 ) -> Scored:
     """Log-probs and entropy of the last ``C`` tokens under ``softmax(z / T)``.
 
-    Only the last ``C + 1`` positions get logits (``logits_to_keep``): the logits at position t
-    predict token t + 1, so positions ``P - 1 .. P + C - 2`` score the completion. Gradients flow
-    through ``logprobs`` and ``entropy``; the statistics are computed without them. Works with
-    peft-wrapped models (the keyword arguments pass through to the base model).
+    Only the last ``C + 1`` positions reach the head (``logits_to_keep``): position t predicts token t + 1,
+    so positions ``P - 1 .. P + C - 2`` score the completion. Gradients flow through ``logprobs`` and
+    ``entropy``; the statistics are computed without them. Works with peft-wrapped models (the keyword
+    arguments pass through to the base model).
     ``shared_prefix``: each distinct prompt runs once and its completions against its key/value
     cache (``grpo.core.prefix``): the same numbers, without recomputing a prompt G times; with
     ``prefills`` (the rollout's kept prefills of these prompts) without running the prompts at all;
     ``segments`` (a label per row, its task): the prompts are prefilled one forward per segment, as the
     rollout keeps them, so every pass over the same rows computes alike.
     ``logprobs_only``: the log-probs alone (entropy None, no statistics), the very numbers of a full
-    scoring: the reference and old log-probs need nothing else, and the entropy and statistics cost
-    several passes over the ``[B, C, V]`` logits.
+    scoring: the reference and old log-probs need nothing else.
+    ``entropy_grad``: whether a gradient may reach the entropy (False saves one product per chunk of a
+    frozen head; a gradient that reaches it then raises). ``chunk_bytes``: fp32 logits per chunk
+    (``core.head_scores.LOGITS_CHUNK_BYTES`` when None).
+    ``full_logits``: score from the ``[B, C, V]`` logits (the readable reference path; a model whose head
+    does not serve ``core.head_scores`` requests always takes it).
     """
     width = input_ids.shape[1]
     if not 1 <= completion_width < width:
@@ -161,14 +194,43 @@ def score_completions(
         raise ScoringError(
             f"score_completions: temperature must be > 0 (got {temperature}); pass the sampling temperature"
         )
-    raw = completion_logits(
-        model, input_ids, attention_mask, completion_width, shared_prefix, prefills, segments
+    forward = (model, input_ids, attention_mask, completion_width, shared_prefix, prefills, segments)
+    if full_logits or not scores_in_head(model):
+        return _score_logits(completion_logits(*forward), input_ids, attention_mask, temperature, logprobs_only)
+    request = HeadRequest(
+        ids=input_ids[:, -completion_width:],
+        temperature=temperature,
+        entropy=not logprobs_only,
+        entropy_grad=entropy_grad,
+        mask=None if logprobs_only else attention_mask[:, -completion_width:],
+        chunk_bytes=LOGITS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes,
     )
+    scores = _completion_forward(*forward, request)  # [B, C, 2 or 1]
+    if request.output is None or scores is not request.output:
+        raise ScoringError(
+            f"score_completions: {type(model).__name__}'s forward did not return its output head's scores "
+            "unchanged (a logit scale or soft-capping after the head?): it cannot be scored in the head; "
+            "score it with full_logits=True (params.yaml: grpo.full_logits: true)"
+        )
+    if logprobs_only:
+        return Scored(scores[..., 0], None, {})
+    return Scored(scores[..., 0], scores[..., 1], request.stats)
+
+
+def _score_logits(
+    raw: torch.Tensor,  # [B, C, V] the raw logits of the completion positions
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    logprobs_only: bool,
+) -> Scored:
+    """``score_completions`` from the full logits, with autograd through them."""
+    completion_width = raw.shape[1]
     logits = raw / temperature  # [B, C, V], the sampling distribution (I10)
     completion_ids = input_ids[:, -completion_width:]  # [B, C]
     logprobs = selective_log_softmax(logits, completion_ids)  # [B, C]
     if logprobs_only:
         return Scored(logprobs, None, {})
-    entropy = entropy_from_logits(logits, chunk_size)  # [B, C]
+    entropy = entropy_from_logits(logits)  # [B, C]
     stats = logits_stats(logits, attention_mask[:, -completion_width:])
     return Scored(logprobs, entropy, stats)

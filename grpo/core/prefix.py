@@ -12,6 +12,7 @@ a micro-batch that splits a group included, is handled.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -20,6 +21,7 @@ import torch
 
 from grpo.core.attention import model_attention_mask
 from grpo.core.batching import position_ids_from_mask
+from grpo.core.head_scores import HeadRequest, head_request
 from grpo.errors import GrpoError
 
 
@@ -46,21 +48,25 @@ def prefix_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Prefix
     return PrefixGroups(first, inverse, start)
 
 
-def shared_prefix_logits(
+def shared_prefix_forward(
     model: torch.nn.Module,
     input_ids: torch.Tensor,  # [B, P + C]: left-padded prompts, then completions
     attention_mask: torch.Tensor,  # [B, P + C]: 1 = real token
     completion_width: int,  # C
     prefills: Sequence[PromptPrefill] = (),
     segments: Sequence[Hashable] | None = None,  # [B] a label per row (its task); None: one segment
+    request: HeadRequest | None = None,
 ) -> torch.Tensor:
     """Logits that score the last ``C`` tokens -> [B, C, V], equal to the last ``C + 1`` positions of a
-    plain forward (without the final one) up to floating-point reassociation.
+    plain forward (without the final one) up to floating-point reassociation; with ``request``, the head's
+    scores of those positions instead (``core.head_scores``: [B, C, 2 or 1], no logits).
 
-    The prompts are prefilled (every column, the last one's logits kept: they score completion token 0)
-    once per distinct prompt, one forward per segment over its distinct prompts in order of first
-    appearance (``keep_prefills``, the very function the rollout keeps its prefill with), then
-    completion tokens ``0 .. C - 2`` run against the expanded cache and score tokens ``1 .. C - 1``. ``prefills``: the rollout's kept prefills of these prompts stand in for that prefill.
+    The prompts are prefilled (every column; the last one's head input and logits kept: they score
+    completion token 0) once per distinct prompt, one forward per segment over its distinct prompts in order
+    of first appearance (``keep_prefills``, the very function the rollout keeps its prefill with), then the
+    ``C`` completion tokens run against the expanded cache: tokens ``0 .. C - 2`` score tokens ``1 .. C - 1``
+    (the last one's output scores nothing, as the plain forward's last position). ``prefills``: the rollout's
+    kept prefills of these prompts stand in for that prefill.
     The same rows and segments thus always run the same computation, in any precision: the stored
     reference and old log-probs and the update's are bit for bit alike where the weights are.
     """
@@ -72,7 +78,7 @@ def shared_prefix_logits(
             prefix_groups(prompts, mask).first.tolist()
         )  # one row of each distinct prompt, in order
         prefills = keep_prefills(model, prompts[first], mask[first], [labels[row] for row in first])
-    return _prefilled_logits(model, input_ids, attention_mask, completion_width, prefills)
+    return _prefilled_forward(model, input_ids, attention_mask, completion_width, prefills, request)
 
 
 @torch.no_grad()
@@ -83,38 +89,51 @@ def prefilled_cache(
     ``repeats`` times (row ``i`` of the result is prompt ``i // repeats``), for ``generate``: given
     it, ``generate`` runs only the last prompt column and the new tokens. prompt_ids, prompt_mask: [n, P]
     left-padded, P >= 2. Positions as ``generate`` counts them (real tokens only)."""
-    cache = _prefill(model, prompt_ids[:, :-1], prompt_mask[:, :-1]).past_key_values
+    cache = _prefill(model, prompt_ids[:, :-1], prompt_mask[:, :-1])[0].past_key_values
     cache.batch_repeat_interleave(repeats)
     return cache
 
 
-def _prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
-    """The model's pass over the prompts [n, P]: its key/value cache and the last column's logits
-    [n, 1, V]. (Positions of left-padded prompts do not depend on later columns, so a prefix of the
-    columns is prefilled by passing only those.)"""
-    return model(
-        input_ids=prompt_ids,
-        attention_mask=model_attention_mask(model, prompt_mask, prompt_ids.shape[1]),
-        position_ids=position_ids_from_mask(prompt_mask),
-        logits_to_keep=1,
-        use_cache=True,
-    )
+def _prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, keep_hidden: bool = False):
+    """The model's pass over the prompts [n, P]: its key/value cache, the last column's logits [n, 1, V]
+    and, with ``keep_hidden``, the output head's input there [n, 1, H] (``None`` without). (Positions of
+    left-padded prompts do not depend on later columns, so a prefix of the columns is prefilled by passing
+    only those.)"""
+    heard: list[torch.Tensor] = []
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if keep_hidden and get_head is not None else None
+    hook = None if head is None else head.register_forward_pre_hook(lambda _, args: heard.append(args[0]))
+    try:
+        out = model(
+            input_ids=prompt_ids,
+            attention_mask=model_attention_mask(model, prompt_mask, prompt_ids.shape[1]),
+            position_ids=position_ids_from_mask(prompt_mask),
+            logits_to_keep=1,
+            use_cache=True,
+        )
+    finally:
+        if hook is not None:
+            hook.remove()
+    return out, heard[0] if heard else None
 
 
 @dataclass(frozen=True)
 class PromptPrefill:
-    """The policy's keys and values of some prompts and the logits of their last column, with the
+    """The policy's keys and values of some prompts and their last column's head input and logits, with the
     autograd graph that made them: the rollout's prefill, kept so that the policy pass of the update does
     not run the same prompts through the same weights again. Gradients of the update's loss flow through
-    the kept logits, keys and values into that graph, so the update's gradients are those of a fresh
-    pass. (The kept logits are also what makes a sharded model's backward reach the last layer: FSDP
-    gathers a layer's weights again when the gradient reaches its output.)"""
+    the kept hidden state (or logits), keys and values into that graph, so the update's gradients are those
+    of a fresh pass. (The kept hidden state is also what makes a sharded model's backward reach the last
+    layer: FSDP gathers a layer's weights again when the gradient reaches its output.) The scoring in the
+    head (``core.head_scores``) reads ``first_hidden``; the full-logits path reads ``first_logits``, one
+    column per distinct prompt."""
 
     prompt_ids: torch.Tensor  # [n, P] left-padded, as the rollout padded them
     prompt_mask: torch.Tensor  # [n, P]
     index: torch.Tensor  # [n] which of the rollout's distinct prompts each row is
     layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values) [n, heads, P, d]
     first_logits: torch.Tensor  # [n, 1, V] the last prompt column's: they score completion token 0
+    first_hidden: torch.Tensor | None  # [n, 1, H] the output head's input there (None: a model without one)
     weights: tuple[tuple[int, int], ...]  # (identity, version) of each trainable parameter when computed
     cache_class: (
         type  # the model's cache (a transformers ``DynamicCache``): built from (keys, values) per layer
@@ -139,10 +158,10 @@ def keep_prefills(
     for label in dict.fromkeys(segments):
         index = torch.tensor([i for i, s in enumerate(segments) if s == label], device=prompt_ids.device)
         ids, mask = prompt_ids[index], prompt_mask[index]
-        prefill = _prefill(model, ids, mask)
+        prefill, hidden = _prefill(model, ids, mask, keep_hidden=True)
         cache = prefill.past_key_values
         layers = tuple((layer.keys, layer.values) for layer in cache.layers)
-        out.append(PromptPrefill(ids, mask, index, layers, prefill.logits, weights, type(cache)))
+        out.append(PromptPrefill(ids, mask, index, layers, prefill.logits, hidden, weights, type(cache)))
     return tuple(out)
 
 
@@ -159,23 +178,24 @@ def decode_cache(model: torch.nn.Module, prefills: Sequence[PromptPrefill], repe
     return prefills[0].cache_class(layers, config=model.config)
 
 
-def _prefilled_logits(
+def _prefilled_forward(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     completion_width: int,
     prefills: Sequence[PromptPrefill],
+    request: HeadRequest | None,
 ) -> torch.Tensor:
-    """``shared_prefix_logits`` on kept prefills: each row's prompt is found among them by content."""
+    """``shared_prefix_forward`` on kept prefills: each row's prompt is found among them by content."""
     prompt_width = input_ids.shape[1] - completion_width
     if trainable_weights(model) != prefills[0].weights:
         raise PrefillError(
-            "shared_prefix_logits: the kept prefill is of other weights (another model, or these "
+            "shared_prefix_forward: the kept prefill is of other weights (another model, or these "
             "moved since the rollout); it serves only its own model's update of its own step"
         )
     if prefills[0].prompt_ids.shape[1] != prompt_width:
         raise PrefillError(
-            f"shared_prefix_logits: kept prefills are of prompts {prefills[0].prompt_ids.shape[1]} "
+            f"shared_prefix_forward: kept prefills are of prompts {prefills[0].prompt_ids.shape[1]} "
             f"columns wide, these rows' prompts {prompt_width}: pass the rollout's own rows"
         )
     prompts, mask = input_ids[:, :prompt_width], attention_mask[:, :prompt_width]
@@ -192,27 +212,30 @@ def _prefilled_logits(
             offset += prefill.prompt_ids.shape[0]
     if bool((found < 0).any()):
         raise PrefillError(
-            f"shared_prefix_logits: rows {(found < 0).nonzero().flatten().tolist()} have a prompt "
+            f"shared_prefix_forward: rows {(found < 0).nonzero().flatten().tolist()} have a prompt "
             "that no kept prefill has; pass the rollout's own rows or no prefills"
         )
 
     def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
-    first_logits = joined([p.first_logits for p in used])[found]  # [B, 1, V]
-    if completion_width == 1:
-        return first_logits
     layers = [
         tuple(joined([p.layers[i][kv] for p in used]) for kv in (0, 1)) for i in range(len(used[0].layers))
     ]
     cache = used[0].cache_class(layers, config=model.config)
     cache.reorder_cache(found)  # index_select: every row gets its prompt's keys and values
     positions = position_ids_from_mask(attention_mask)
-    rest = model(
-        input_ids=input_ids[:, prompt_width:-1],
-        attention_mask=model_attention_mask(model, attention_mask[:, :-1], completion_width - 1),
-        position_ids=positions[:, prompt_width:-1],
-        past_key_values=cache,
-        use_cache=True,
-    ).logits
-    return torch.cat([first_logits, rest], dim=1)
+    if request is not None:  # the head scores [first column | completion columns]
+        request.first = joined([p.first_hidden for p in used])[found]  # [B, 1, H]
+    with contextlib.nullcontext() if request is None else head_request(model, request):
+        rest = model(
+            input_ids=input_ids[:, prompt_width:],
+            attention_mask=model_attention_mask(model, attention_mask, completion_width),
+            position_ids=positions[:, prompt_width:],
+            past_key_values=cache,
+            use_cache=True,
+        ).logits
+    if request is not None:
+        return rest
+    first_logits = joined([p.first_logits for p in used])[found]  # [B, 1, V]
+    return torch.cat([first_logits, rest[:, :-1]], dim=1)

@@ -20,7 +20,9 @@ stage it checks) from choosing theirs in one process.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel
@@ -175,6 +177,92 @@ class _HeadProduct(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None
 
 
+def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``x`` as two bf16 parts, ``x ~ hi + lo``: ``hi = bf16(x)``, ``lo = bf16(x - hi)`` (the residual is
+    exact in fp32), about 16 of fp32's 24 mantissa bits."""
+    hi = x.to(torch.bfloat16)
+    return hi, (x - hi.float()).to(torch.bfloat16)
+
+
+def split_product(
+    hidden: tuple[torch.Tensor, torch.Tensor],  # [n, H] each: split_bf16 of the hidden states
+    weight: tuple[torch.Tensor, torch.Tensor],  # [V, H] each: split_bf16 of the weight
+    matmul,  # (a [n, H] bf16, b [H, V] bf16) -> [n, V] fp32, the products accumulated in fp32
+) -> torch.Tensor:
+    """The "bf16x3" product ``hi@hi + hi@lo + lo@hi`` -> [n, V] fp32 (``lo@lo``, at most 2^-16 of a term,
+    dropped). A product of two bf16 numbers is exact in fp32, so each term of the sum carries about 16
+    mantissa bits of its operands (off by at most about 2^-15 of ``|h w|``, where a bf16 product is off by up
+    to 2^-8), and the terms are accumulated and returned in fp32."""
+    (h_hi, h_lo), (w_hi, w_lo) = hidden, weight
+    logits = matmul(h_hi, w_hi.T)
+    logits += matmul(h_hi, w_lo.T)
+    logits += matmul(h_lo, w_hi.T)
+    return logits
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
+_SPLIT_PRODUCT: dict[str, bool] = {}
+"""Whether ``torch.mm(bf16, bf16, out_dtype=float32)`` runs, by device type (checked once)."""
+
+
+def split_product_available(device: torch.device) -> bool:
+    """Whether this PyTorch multiplies bf16 matrices into fp32 on ``device`` (CUDA only): else the head's
+    scoring product falls back to fp32, with one warning."""
+    if device.type != "cuda":
+        return False
+    if device.type not in _SPLIT_PRODUCT:
+        try:
+            one = torch.ones(1, 1, dtype=torch.bfloat16, device=device)
+            _SPLIT_PRODUCT[device.type] = _mm_fp32_out(one, one).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError) as error:
+            _SPLIT_PRODUCT[device.type] = False
+            warnings.warn(
+                f"torch {torch.__version__} has no torch.mm(bf16, bf16, out_dtype=float32) on {device.type} "
+                f"({error}): the LM head's scoring product runs in fp32 on the CUDA cores, slower than the "
+                "bf16x3 product, at fp32 precision",
+                stacklevel=2,
+            )
+    return _SPLIT_PRODUCT[device.type]
+
+
+class Fp32Product(NamedTuple):
+    """``fp32_product`` (oneDNN's for a large head on a CPU), the backward's products in ``low_weight``'s dtype."""
+
+    weight: torch.Tensor  # [V, H] fp32
+    bias: torch.Tensor | None
+    low_weight: torch.Tensor  # [V, H]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return fp32_product(hidden, self.weight, self.bias)
+
+
+class SplitProduct(NamedTuple):
+    """``split_product`` on CUDA's bf16 tensor cores; its ``hi`` part is the bf16 weight of the backward."""
+
+    weight: tuple[torch.Tensor, torch.Tensor]  # split_bf16 of the [V, H] weight
+    bias: torch.Tensor | None
+
+    @property
+    def low_weight(self) -> torch.Tensor:
+        return self.weight[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = split_product(split_bf16(hidden), self.weight, _mm_fp32_out)
+        return logits if self.bias is None else logits + self.bias
+
+
+def head_product(weight: torch.Tensor, bias: torch.Tensor | None, low: torch.dtype) -> Fp32Product | SplitProduct:
+    """The scoring product of an fp32 head whose backward runs in ``low`` (autocast's dtype, else fp32):
+    bf16x3 on CUDA under bf16 autocast (fp32 products run on the CUDA cores, at a small fraction of the
+    tensor cores' rate), ``fp32_product`` everywhere else."""
+    if low == torch.bfloat16 and split_product_available(weight.device):
+        return SplitProduct(split_bf16(weight), bias)
+    return Fp32Product(weight, bias, weight.to(low))
+
+
 class Fp32Head(torch.nn.Linear):
     """The LM head computed in fp32 whatever the autocast: the product of the fp32 hidden states and the
     fp32 weights (cast per call when the model holds bf16 weights; ``fp32_product``: a large head's through
@@ -189,11 +277,25 @@ class Fp32Head(torch.nn.Linear):
     from the fp32 gradient of the fp32 logits; without autocast they are fp32 products. Forward numbers
     are the same either way; the backward's fp32 ``[N, V] x [V, H]`` product would be the update's
     largest matmul (on SmolLM2 about 2.6 times the bf16 one), and the gradient enters the body's bf16
-    backward next anyway."""
+    backward next anyway.
+
+    Scoring (``scores_requests``): while ``score_completions`` has handed it a ``core.head_scores.HeadRequest``,
+    the head returns the log-probs and entropy of the requested ids, chunk by chunk, instead of logits
+    (``core.head_scores.score_in_head``). Its product is ``head_product``: ``fp32_product`` on a CPU and
+    wherever autocast is off; on CUDA under bf16 autocast the split-bf16 "bf16x3" product (``split_product``:
+    each operand as two bf16 parts, three tensor-core products accumulated and returned in fp32), about 16
+    mantissa bits of each product term, fp32 accumulation and output: the logits are never rounded to bf16.
+    Without a request (the rollout's sampling, the readable full-logits path) the product is fp32."""
+
+    scores_requests = True
+    head_request = None
+    """A ``core.head_scores.HeadRequest`` while ``score_completions`` has handed it one (``head_request``)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         kind = hidden.device.type
         low = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        if self.head_request is not None:
+            return self._scores(hidden, self.head_request, low or torch.float32)
         with torch.autocast(device_type=kind, enabled=False):
             hidden, weight = hidden.float(), self.weight.float()
             bias = None if self.bias is None else self.bias.float()
@@ -201,6 +303,13 @@ class Fp32Head(torch.nn.Linear):
             if tracked and (low is not None or onednn_product(hidden, weight)):
                 return _HeadProduct.apply(hidden, weight, bias, low or torch.float32)
             return fp32_product(hidden, weight, bias)  # F.linear's own autograd where it is F.linear
+
+    def _scores(self, hidden: torch.Tensor, request, low: torch.dtype) -> torch.Tensor:
+        """``request``'s scores [B, C, 2 or 1] from ``hidden`` [B, C + 1, H], the backward's products in ``low``."""
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            weight = self.weight.float()
+            bias = None if self.bias is None else self.bias.float()
+            return request.score(hidden, weight, bias, lambda w, b: head_product(w, b, low))
 
 
 def fp32_head(model: torch.nn.Module) -> torch.nn.Module:

@@ -65,14 +65,18 @@ def score_inputs(
     prefills: Sequence[PromptPrefill] = (),
     segments: Sequence[Hashable] | None = None,
     logprobs_only: bool = False,
+    entropy_grad: bool = True,
+    full_logits: bool = False,
 ) -> Scored:
     """Log-probs and entropy of the completions under ``softmax(z / inputs.temperature)``.
 
     ``adapter=False`` scores the reference (I9): the same peft model with its LoRA adapter disabled.
     ``shared_prefix``: each distinct prompt runs once and its completions against its cache (exact);
     ``prefills``: the rollout's kept prefills of the prompts stand in for that prompt pass (``core.prefix``);
-    ``segments``: a label per row (its task), one prefill forward each (``core.prefix.shared_prefix_logits``);
-    ``logprobs_only``: the log-probs alone, the same numbers (``core.logprobs.score_completions``).
+    ``segments``: a label per row (its task), one prefill forward each (``core.prefix.shared_prefix_forward``);
+    ``logprobs_only``: the log-probs alone, the same numbers; ``entropy_grad``: whether a gradient may reach
+    the entropy; ``full_logits``: from the full logits, not chunk by chunk in the head
+    (``core.logprobs.score_completions``).
     """
     context = contextlib.nullcontext() if adapter else adapter_disabled(model)
     with context:
@@ -86,6 +90,8 @@ def score_inputs(
             prefills=prefills,
             segments=segments,
             logprobs_only=logprobs_only,
+            entropy_grad=entropy_grad,
+            full_logits=full_logits,
         )
 
 
@@ -96,12 +102,18 @@ def score_reference(
     shared_prefix: bool = False,
     segments: Sequence[Hashable] | None = None,
     logprobs_only: bool = False,
+    full_logits: bool = False,
 ) -> Scored:
     """The reference's log-probs and entropy (I9): ``reference`` (the frozen SFT copy that full
     fine-tuning keeps) when given, else ``model`` with its LoRA adapter disabled."""
     if reference is not None:
         return score_inputs(
-            reference, inputs, shared_prefix=shared_prefix, segments=segments, logprobs_only=logprobs_only
+            reference,
+            inputs,
+            shared_prefix=shared_prefix,
+            segments=segments,
+            logprobs_only=logprobs_only,
+            full_logits=full_logits,
         )
     if not hasattr(model, "disable_adapter"):
         raise ScoringError(
@@ -115,4 +127,5 @@ def score_reference(
         shared_prefix=shared_prefix,
         segments=segments,
         logprobs_only=logprobs_only,
+        full_logits=full_logits,
     )

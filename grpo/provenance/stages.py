@@ -110,6 +110,7 @@ PREFLIGHT_GRPO_KEYS: tuple[str, ...] = tuple(
         "max_resample",
         "bf16",
         "shared_prefix",
+        "full_logits",
         "reuse_prefill",
         "sampling",
         "rollout",

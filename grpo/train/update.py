@@ -114,6 +114,7 @@ def score_parts(
                     shared_prefix=step.shares_prefix,
                     segments=segments,
                     logprobs_only=True,
+                    full_logits=step.cfg.grpo.full_logits,
                 )
             else:  # I9: the frozen SFT copy (full fine-tuning) or the adapter disabled (LoRA)
                 scored = score_reference(
@@ -123,6 +124,7 @@ def score_parts(
                     shared_prefix=step.shares_prefix,
                     segments=segments,
                     logprobs_only=True,
+                    full_logits=step.cfg.grpo.full_logits,
                 )
         logprobs[idx] = scored.logprobs.float()
     return logprobs
@@ -137,7 +139,8 @@ def _share(batch: ScoredBatch, totals: Totals, task: str, part: torch.Tensor, lo
 
 def _score_rows(step: Step, batch: ScoredBatch, rows: torch.Tensor, segments: list[str]) -> Scored:
     """The policy's log-probs and entropy of ``rows`` (with grad), as the reference and old log-probs
-    were scored: the same temperature (I10), the same parts and prefill path, the rollout's kept prefill."""
+    were scored: the same temperature (I10), the same parts and prefill path, the rollout's kept prefill.
+    The entropy carries a gradient only where the loss steps on it (``entropy_coef``)."""
     with step.autocast():
         return score_inputs(
             step.model,
@@ -145,6 +148,8 @@ def _score_rows(step: Step, batch: ScoredBatch, rows: torch.Tensor, segments: li
             shared_prefix=step.shares_prefix,
             prefills=batch.prefills,
             segments=segments,
+            entropy_grad=step.cfg.grpo.loss.entropy_coef != 0,
+            full_logits=step.cfg.grpo.full_logits,
         )
 
 

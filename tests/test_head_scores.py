@@ -1,0 +1,510 @@
+"""grpo/core/head_scores.py: scoring in the LM head, chunk by chunk of positions, gives the full-logits
+path's numbers (fp32, 1e-5): log-probs, entropy, logit statistics, losses, KL and gradients, for every loss
+type and multitask mode, LoRA and full fine-tuning (tied and untied head), shared prefix on and off, kept
+prefills; under bf16 autocast within the head's bf16 bounds; and it never holds the ``[B, C, V]`` logits.
+Also grpo/model/precision.py's split-bf16 product of the head on CUDA."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from accelerate import Accelerator
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from grpo.config import LoraConfig, config_from_dict
+from grpo.core import head_scores
+from grpo.core.head_scores import (
+    HeadRequest,
+    HeadScoringError,
+    chunk_positions,
+    head_request,
+    scores_in_head,
+)
+from grpo.core.logprobs import ScoringError, score_completions
+from grpo.model.lora import wrap_lora
+from grpo.model.precision import (
+    Fp32Product,
+    SplitProduct,
+    fp32_head,
+    head_product,
+    split_bf16,
+    split_product,
+    split_product_available,
+)
+from grpo.train.policy import Policy, frozen_copy
+from grpo.train.step import build_step, draw, prepare_batch
+from grpo.train.update import global_totals, gradient
+from tests.steps import make_context, step_records, with_advantages
+from tests.test_prefix import WIDTH, grouped_batch, moved_lora
+
+TEMPERATURES = (0.7, 1.3)
+
+
+@pytest.fixture(scope="module")
+def records():
+    return step_records()
+
+
+def small_chunks(monkeypatch, positions: int, vocab: int) -> None:
+    """Make the default chunk ``positions`` positions of a ``vocab`` head (many chunks on the tiny model)."""
+    monkeypatch.setattr(head_scores, "LOGITS_CHUNK_BYTES", positions * 4 * vocab)
+    monkeypatch.setattr("grpo.core.logprobs.LOGITS_CHUNK_BYTES", positions * 4 * vocab)
+
+
+def untied(tiny_model) -> torch.nn.Module:
+    """The tiny model's architecture with its own (untied) output head, every weight trainable."""
+    config = LlamaConfig(**{**tiny_model.config.to_dict(), "tie_word_embeddings": False})
+    torch.manual_seed(3)
+    model = fp32_head(LlamaForCausalLM(config))
+    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+    return model.train()
+
+
+HEADS = {
+    "lora": moved_lora,  # a frozen head: the backward from the forward's directions, no logits
+    "full-tied": lambda m: m.train(),  # a trainable head tied to the embeddings: logits recomputed per chunk
+    "full-untied": untied,
+}
+
+
+def scored_and_grads(model, batch, temperature, full_logits, **kwargs):
+    """Scores of ``batch`` and the gradient [P] of a loss on both log-probs and entropy."""
+    input_ids, attention_mask, completion_mask = batch
+    model.zero_grad(set_to_none=True)
+    scored = score_completions(model, input_ids, attention_mask, WIDTH, temperature, full_logits=full_logits,
+                               **kwargs)
+    weights = torch.linspace(-1, 1, scored.logprobs.numel(), device=scored.logprobs.device).view_as(scored.logprobs)
+    loss = (weights * scored.logprobs * completion_mask).sum() - 0.3 * (weights.flip(0) * scored.entropy).sum()
+    loss.backward()
+    return scored, torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+
+
+def assert_same_scores(got, want, atol=1e-5):
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=atol)
+    torch.testing.assert_close(got.entropy, want.entropy, rtol=0, atol=atol)
+    assert got.logits_stats.keys() == want.logits_stats.keys()
+    for key, value in want.logits_stats.items():
+        assert got.logits_stats[key] == pytest.approx(value, abs=atol), key
+
+
+# --------------------------------------------------------------------------- the model's scoring
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("prefix", ["plain", "shared", "kept"])
+@pytest.mark.parametrize("positions", [1, 3, None], ids=["chunk1", "chunk3", "one-chunk"])
+def test_scoring_in_the_head_equals_the_full_logits_path(tiny_model, tiny_tokenizer, head, temperature, prefix,
+                                                         positions):
+    """Log-probs, entropy, statistics and the gradients of every trainable weight, chunk by chunk (one
+    position, three, or all at once) against the full logits, within 1e-5."""
+    from grpo.core.prefix import keep_prefills
+
+    model = HEADS[head](tiny_model)
+    batch = grouped_batch(tiny_tokenizer.pad_token_id)
+    vocab = model.get_output_embeddings().out_features
+    chunk = None if positions is None else positions * 4 * vocab
+    assert scores_in_head(model)
+
+    def kept():  # the rollout's prefill, with its graph, for each pass (a graph is used once)
+        if prefix != "kept":
+            return {}
+        width = batch[0].shape[1] - WIDTH
+        return {"prefills": keep_prefills(model, batch[0][::3, :width], batch[1][::3, :width], ["a", "b", "a"])}
+
+    shared = prefix != "plain"
+    want, want_grads = scored_and_grads(model, batch, temperature, True, shared_prefix=shared, **kept())
+    got, got_grads = scored_and_grads(model, batch, temperature, False, shared_prefix=shared, chunk_bytes=chunk,
+                                      **kept())
+    assert got.logprobs.shape == got.entropy.shape == batch[2].shape
+    assert_same_scores(got, want)
+    assert want_grads.abs().max() > 1e-2
+    torch.testing.assert_close(got_grads, want_grads, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_logprobs_only_are_the_scorings_log_probs_bit_for_bit(tiny_model, tiny_tokenizer, temperature):
+    model = moved_lora(tiny_model)
+    input_ids, attention_mask, _ = grouped_batch(tiny_tokenizer.pad_token_id)
+    with torch.no_grad():
+        full = score_completions(model, input_ids, attention_mask, WIDTH, temperature, shared_prefix=True)
+        alone = score_completions(model, input_ids, attention_mask, WIDTH, temperature, shared_prefix=True,
+                                  logprobs_only=True)
+    assert torch.equal(alone.logprobs, full.logprobs) and alone.entropy is None and alone.logits_stats == {}
+
+
+def test_chunks_are_sized_by_bytes_of_fp32_logits():
+    assert chunk_positions(128_256, head_scores.LOGITS_CHUNK_BYTES) == 523  # Llama-3's vocabulary
+    assert chunk_positions(400, 4 * 400 * 3) == 3
+    assert chunk_positions(10**9, 1) == 1
+
+
+def test_without_its_entropy_direction_a_gradient_on_the_entropy_raises(tiny_model, tiny_tokenizer):
+    """``entropy_grad=False`` keeps no entropy direction: the log-probs' gradient is the same, a zero
+    coefficient on the entropy is fine, and a real gradient on it raises, never a silent zero."""
+    model = moved_lora(tiny_model)
+    input_ids, attention_mask, completion_mask = grouped_batch(tiny_tokenizer.pad_token_id)
+
+    def grads(entropy_grad: bool, entropy_coef: float):
+        model.zero_grad(set_to_none=True)
+        scored = score_completions(model, input_ids, attention_mask, WIDTH, 0.7, entropy_grad=entropy_grad)
+        (-(scored.logprobs * completion_mask).sum() - entropy_coef * scored.entropy.sum()).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+
+    torch.testing.assert_close(grads(False, 0.0), grads(True, 0.0), rtol=0, atol=0)
+    with pytest.raises(HeadScoringError, match="entropy_grad=True"):
+        grads(False, 0.1)
+    assert not torch.equal(grads(True, 0.1), grads(True, 0.0))
+
+
+def test_a_model_that_changes_its_heads_output_is_refused(tiny_model, tiny_tokenizer):
+    """A forward that rescales what its head returns (a logit scale, soft-capping) would turn the scores
+    into nonsense: refused with the fix, and its full-logits scoring works."""
+    input_ids, attention_mask, _ = grouped_batch(tiny_tokenizer.pad_token_id)
+    forward = tiny_model.forward
+
+    def scaled(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * 0.5
+        return out
+
+    tiny_model.forward = scaled
+    with pytest.raises(ScoringError, match="full_logits"):
+        score_completions(tiny_model, input_ids, attention_mask, WIDTH, 1.0)
+    assert score_completions(tiny_model, input_ids, attention_mask, WIDTH, 1.0, full_logits=True).entropy is not None
+
+
+def test_a_head_that_does_not_serve_requests_is_scored_from_its_logits(tiny_model, tiny_tokenizer):
+    """LoRA on the head itself: peft's wrapper would add its product to the scores, so the model is scored
+    from its logits (the same numbers as the plain head's at a zero adapter)."""
+    input_ids, attention_mask, _ = grouped_batch(tiny_tokenizer.pad_token_id)
+    with torch.no_grad():
+        plain = score_completions(tiny_model, input_ids, attention_mask, WIDTH, 0.7)
+    wrapped = wrap_lora(copy.deepcopy(tiny_model), LoraConfig(r=2, alpha=4, target_modules=["v_proj", "lm_head"]))
+    assert not scores_in_head(wrapped) and scores_in_head(tiny_model)
+    with torch.no_grad():
+        scored = score_completions(wrapped, input_ids, attention_mask, WIDTH, 0.7)
+    assert_same_scores(scored, plain)
+
+
+def test_a_request_must_cover_the_heads_positions(tiny_model):
+    """The head scores ``[B, C + 1]`` positions' first C: a request of another width is an error, not a
+    silent misalignment of ids and positions."""
+    head = tiny_model.get_output_embeddings()
+    request = HeadRequest(ids=torch.zeros(2, 4, dtype=torch.long), temperature=1.0, entropy=True,
+                          entropy_grad=True, mask=None)
+    with head_request(tiny_model, request), pytest.raises(HeadScoringError, match=r"\[B, C \+ 1\]"):
+        head(torch.randn(2, 4, head.in_features))
+    with head_request(tiny_model, request):
+        assert head(torch.randn(2, 5, head.in_features)).shape == (2, 4, 2)
+    assert head(torch.randn(2, 5, head.in_features)).shape == (2, 5, head.out_features)  # no request: logits
+
+
+# --------------------------------------------------------------------------- the chunked function itself
+
+
+def _float64_scores(hidden, weight, ids, temperature):
+    log_probs = ((hidden.double() @ weight.double().T) / temperature).log_softmax(-1)
+    return log_probs.gather(-1, ids[:, None]).squeeze(-1), -(log_probs.exp() * log_probs).sum(-1)
+
+
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+def test_the_chunked_gradients_are_the_float64_softmaxs(trainable):
+    """The forward's directions (frozen head) and the recomputed chunks (trainable head) against autograd
+    through a float64 softmax, with logits large enough that some tokens are nearly certain."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(11, 16, generator=gen, dtype=torch.float64)
+    weight = 2.0 * torch.randn(50, 16, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, 50, (11,), generator=gen)
+    g_logp, g_entropy = torch.randn(11, generator=gen), torch.randn(11, generator=gen)
+    temperature = 0.8
+
+    x, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(trainable)
+    logp, entropy = _float64_scores(x, w, ids, temperature)
+    (logp * g_logp.double() + entropy * g_entropy.double()).sum().backward()
+
+    x32, w32 = hidden.float().requires_grad_(True), weight.float().requires_grad_(trainable)
+    request = HeadRequest(ids=ids[None], temperature=temperature, entropy=True, entropy_grad=True, mask=None,
+                          chunk_bytes=3 * 4 * 50)
+    scores = head_scores.score_in_head(torch.cat([x32, x32[:1]])[None], w32, None, request,
+                                       lambda w_, b_: Fp32Product(w_, b_, w_))[0]  # [11, 2]
+    assert float((scores[:, 0].double() - logp).abs().max()) < 1e-5
+    assert float((scores[:, 1].double() - entropy).abs().max()) < 1e-5
+    (scores[:, 0] * g_logp + scores[:, 1] * g_entropy).sum().backward()
+    scale = float(x.grad.abs().max())
+    assert float((x32.grad.double() - x.grad).abs().max()) < 1e-5 * scale
+    if trainable:
+        assert float((w32.grad.double() - w.grad).abs().max()) < 1e-5 * float(w.grad.abs().max())
+
+
+def test_confident_tokens_keep_their_gradient_under_a_bf16_backward():
+    """Under autocast the directions go through the weight in bf16. ``(onehot - p) @ W`` rounds each term
+    of a small vector; ``W[id] - p @ W`` would subtract two nearly equal bf16 products and keep nothing of
+    a nearly certain token's gradient."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 32, generator=gen)
+    ids = torch.randint(0, 64, (8,), generator=gen)
+    hidden = 0.4 * weight[ids] + 0.1 * torch.randn(8, 32, generator=gen)  # p(id) near 1
+    x = hidden.double().requires_grad_(True)
+    logp, _ = _float64_scores(x, weight, ids, 1.0)
+    logp.sum().backward()
+    assert float(logp.min()) > -1e-2  # nearly certain
+
+    x32 = hidden.clone().requires_grad_(True)
+    request = HeadRequest(ids=ids[None], temperature=1.0, entropy=False, entropy_grad=False, mask=None)
+    scores = head_scores.score_in_head(torch.cat([x32, x32[:1]])[None], weight, None, request,
+                                       lambda w_, b_: Fp32Product(w_, b_, w_.bfloat16()))[0]
+    scores[:, 0].sum().backward()
+    assert float((x32.grad.double() - x.grad).norm() / x.grad.norm()) < 1e-2
+    probs = torch.softmax(hidden @ weight.T, dim=-1)
+    cancelled = weight.bfloat16()[ids].float() - (probs.bfloat16() @ weight.bfloat16()).float()
+    assert float((cancelled.double() - x.grad).norm() / x.grad.norm()) > 0.5  # what is avoided
+
+
+# --------------------------------------------------------------------------- bf16
+
+
+@pytest.mark.parametrize("head", ["lora", "full-tied"])
+def test_bf16_scoring_in_the_head_is_the_full_paths_within_the_heads_bf16_bounds(tiny_model, tiny_tokenizer,
+                                                                                  head, monkeypatch):
+    """Under bf16 autocast both paths multiply the same hidden states in fp32 (the forward numbers agree to
+    fp32), and both backwards run the head's products in bf16, rounding at different points: the
+    gradients agree to bf16 (test_precision.py's bound for the head's bf16 backward)."""
+    small_chunks(monkeypatch, 3, tiny_model.config.vocab_size)
+    model = HEADS[head](tiny_model)
+    batch = grouped_batch(tiny_tokenizer.pad_token_id)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, want_grads = scored_and_grads(model, batch, 0.7, True, shared_prefix=True)
+        got, got_grads = scored_and_grads(model, batch, 0.7, False, shared_prefix=True)
+    assert_same_scores(got, want)
+    scale = float(want_grads.abs().max())
+    torch.testing.assert_close(got_grads, want_grads, rtol=2e-2, atol=2e-2 * scale)
+    assert torch.nn.functional.cosine_similarity(got_grads, want_grads, dim=0) > 0.999
+
+
+# --------------------------------------------------------------------------- the update
+
+
+def full_context(tiny_model, tiny_tokenizer, **grpo):
+    """The step around the tiny model under full fine-tuning (tied head trainable; a frozen SFT copy)."""
+    cfg = config_from_dict({"grpo": {"group_size": 2, "sampling": {"max_new_tokens": 5}, **grpo},
+                            "model": {"lora": {"enabled": False}}})
+    model = tiny_model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    policy = Policy(model, tiny_tokenizer, optimizer, scheduler, frozen_copy(model))
+    return build_step(cfg, policy, Accelerator(cpu=True))
+
+
+def drawn(tiny_model, tiny_tokenizer, records, full_logits: bool, lora: bool = True, **grpo):
+    """The step (LoRA moved off zero, or full fine-tuning) and one rollout of ``records``."""
+    model = copy.deepcopy(tiny_model)
+    if lora:
+        ctx = make_context(model, tiny_tokenizer, full_logits=full_logits, num_iterations=2, **grpo)
+        with torch.no_grad():
+            for name, param in ctx.model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
+    else:
+        ctx = full_context(model, tiny_tokenizer, full_logits=full_logits, num_iterations=2, **grpo)
+    sampled = draw(ctx, records, seed=5)
+    return ctx, with_advantages(sampled, torch.linspace(-1, 1, len(sampled.rewards)))
+
+
+def scored_update(ctx, sampled):
+    """The stored old and reference log-probs, and the update's first gradient pass."""
+    batch = prepare_batch(ctx, sampled)
+    return batch, gradient(ctx, batch, global_totals(ctx, batch))
+
+
+def update_pass(tiny_model, tiny_tokenizer, records, full_logits: bool, lora: bool = True, **grpo):
+    return scored_update(*drawn(tiny_model, tiny_tokenizer, records, full_logits, lora, **grpo))
+
+
+def assert_same_update(got, want):
+    (got_batch, got_pass), (want_batch, want_pass) = got, want
+    assert torch.equal(got_batch.inputs.input_ids, want_batch.inputs.input_ids)  # the same rollout
+    for name in ("old_logprobs", "ref_logprobs"):
+        torch.testing.assert_close(getattr(got_batch, name), getattr(want_batch, name), rtol=0, atol=1e-5)
+    for got_part, want_part in zip(got_pass.scored, want_pass.scored, strict=True):
+        torch.testing.assert_close(got_part.logprobs, want_part.logprobs, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got_part.entropy, want_part.entropy, rtol=0, atol=1e-5)
+    assert got_pass.task_stats.keys() == want_pass.task_stats.keys()
+    for task, stats in want_pass.task_stats.items():
+        assert "logits/top5_mass" in stats and stats.keys() == got_pass.task_stats[task].keys()
+        for key, value in stats.items():
+            assert got_pass.task_stats[task][key] == pytest.approx(value, abs=1e-5), (task, key)
+    for key, value in want_pass.stats.items():
+        assert got_pass.stats[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    assert want_pass.direction.abs().max() > 1e-3
+    torch.testing.assert_close(got_pass.direction, want_pass.direction, rtol=1e-5, atol=1e-5)
+
+
+UPDATE_CASES = [  # (loss_type, multitask, grad_accum, entropy_coef)
+    ("grpo", {"mode": "cagrad"}, 1, 0.01),
+    ("dr_grpo", {"mode": "cagrad"}, 1, 0.01),
+    ("token_mean", {"mode": "cagrad"}, 1, 0.01),
+    ("grpo", {"mode": "sum"}, 1, 0.0),
+    ("grpo", {"mode": "sum", "task_stats": True}, 2, 0.01),
+    ("token_mean", {"mode": "pcgrad"}, 1, 0.01),
+    ("grpo", {"mode": "pcgrad", "reward_only": True}, 1, 0.01),
+    ("dr_grpo", {"mode": "cagrad", "reward_only": True}, 2, 0.0),
+    ("grpo", {"mode": "cagrad", "low_memory": False}, 1, 0.01),
+    ("token_mean", {"mode": "cagrad", "low_memory": False, "reward_only": True}, 2, -0.01),
+    ("grpo", {"mode": "sum", "low_memory": False}, 2, 0.0),
+]
+
+
+@pytest.mark.parametrize(("loss_type", "multitask", "grad_accum", "entropy_coef"), UPDATE_CASES)
+def test_the_update_equals_the_full_logits_update(tiny_model, tiny_tokenizer, records, monkeypatch, loss_type,
+                                                  multitask, grad_accum, entropy_coef):
+    """The trainer's update (``update.gradient``) with ``grpo.full_logits`` off and on: the same stored old
+    and reference log-probs, the same policy pass, statistics, losses and KL, the same combined gradient,
+    in every loss type and multitask mode, with the rollout's kept prefill, at T != 1, in chunks of 3."""
+    small_chunks(monkeypatch, 3, tiny_model.config.vocab_size)
+    grpo = {"loss": {"loss_type": loss_type, "beta": 0.04, "entropy_coef": entropy_coef}, "multitask": multitask,
+            "grad_accum": grad_accum, "sampling": {"max_new_tokens": 5, "temperature": 0.8}}
+    assert_same_update(update_pass(tiny_model, tiny_tokenizer, records, False, **grpo),
+                       update_pass(tiny_model, tiny_tokenizer, records, True, **grpo))
+
+
+@pytest.mark.parametrize("multitask", [{"mode": "cagrad"}, {"mode": "sum"}])
+def test_the_full_fine_tuning_update_equals_the_full_logits_update(tiny_model, tiny_tokenizer, records,
+                                                                   monkeypatch, multitask):
+    """Full fine-tuning: the tied head is trainable (its gradient from recomputed chunks), the reference a
+    frozen copy (scored in the head, log-probs only)."""
+    small_chunks(monkeypatch, 3, tiny_model.config.vocab_size)
+    grpo = {"loss": {"beta": 0.04, "entropy_coef": 0.01}, "multitask": multitask,
+            "sampling": {"max_new_tokens": 5, "temperature": 1.3}}
+    assert_same_update(update_pass(tiny_model, tiny_tokenizer, records, False, lora=False, **grpo),
+                       update_pass(tiny_model, tiny_tokenizer, records, True, lora=False, **grpo))
+
+
+# --------------------------------------------------------------------------- memory
+
+
+class LargestOutput(TorchDispatchMode):
+    """The largest storage (bytes) any op's output has while active, forward and backward (a view reports
+    its base's storage, which the op that made it produced)."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().nbytes() > self.nbytes:
+                self.nbytes, self.op = tensor.untyped_storage().nbytes(), str(func)
+        return out
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_the_update_never_holds_the_full_logits(tiny_model, tiny_tokenizer, records, monkeypatch, lora):
+    """A real GRPO update (the stored old and reference log-probs, the update's pass and its backward) on
+    a Llama whose vocabulary (32768) dwarfs its width (16): no op produces a tensor an eighth the size of the
+    fp32 ``[B, C, V]`` logits when scored in the head, in chunks of 8 positions; with ``full_logits`` some op
+    produces the whole logits (the guard bites)."""
+    vocab = 32768
+    config = LlamaConfig(**{**tiny_model.config.to_dict(), "vocab_size": vocab, "hidden_size": 16,
+                            "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                            "num_key_value_heads": 1})
+    torch.manual_seed(0)
+    model = fp32_head(LlamaForCausalLM(config))
+    small_chunks(monkeypatch, 8, vocab)
+    seen = {}
+    for full_logits in (False, True):
+        grpo = {"group_size": 4, "loss": {"beta": 0.04, "entropy_coef": 0.01},
+                "multitask": {"mode": "cagrad", "low_memory": False},  # one pass over all 16 rows
+                "sampling": {"max_new_tokens": 24}}
+        ctx, sampled = drawn(model, tiny_tokenizer, records, full_logits, lora=lora, **grpo)
+        with LargestOutput() as largest:
+            batch, taken = scored_update(ctx, sampled)
+        rows, width = batch.completion_mask.shape
+        assert rows == 16 and width >= 16 and taken.direction.abs().max() > 0
+        seen[full_logits] = (largest.nbytes, largest.op, 4 * rows * width * vocab)
+    nbytes, op, logits = seen[False]
+    assert nbytes < logits / 8, (op, nbytes, logits)
+    assert seen[True][0] >= logits, seen[True]
+
+
+# --------------------------------------------------------------------------- the head's product on CUDA
+
+
+def test_the_split_bf16_product_keeps_about_16_bits_of_each_term():
+    """``split_product``'s arithmetic, emulated on a CPU (fp32 products of the bf16 parts, which are exact):
+    within 2^-14 of ``|h| |w|`` of the float64 product at every logit, where one bf16 product is not."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(64, 576, generator=gen), 0.05 * torch.randn(2048, 576, generator=gen)
+    hi, lo = split_bf16(hidden)
+    assert hi.dtype == lo.dtype == torch.bfloat16
+    assert bool(((hi.double() + lo.double() - hidden.double()).abs() <= 2**-16 * hidden.double().abs()).all())
+    exact = hidden.double() @ weight.double().T
+    scale = hidden.double().abs() @ weight.double().abs().T  # [n, V] sum of |h_k w_k|
+    emulated = split_product(split_bf16(hidden), split_bf16(weight), lambda a, b: a.float() @ b.float())
+    assert emulated.dtype == torch.float32
+    assert bool(((emulated.double() - exact).abs() <= 2**-14 * scale).all())
+    single = hidden.bfloat16().float() @ weight.bfloat16().float().T
+    assert float(((single.double() - exact).abs() / scale).max()) > 2**-11  # a bf16 product is far coarser
+
+
+def test_off_cuda_the_head_scores_with_the_fp32_product():
+    weight = torch.randn(8, 4)
+    assert not split_product_available(torch.device("cpu"))
+    assert isinstance(head_product(weight, None, torch.bfloat16), Fp32Product)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_cuda_split_product_is_the_fp32_products_within_its_bound():
+    """On CUDA the bf16x3 product's logits are within 2^-14 of ``|h| |w|`` of the float64 product and
+    within 2^-13 of the fp32 product's (the fp32 path's)."""
+    device = torch.device("cuda")
+    assert split_product_available(device), "this PyTorch lacks torch.mm(bf16, bf16, out_dtype=float32)"
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(256, 2048, generator=gen, device=device)
+    weight = 0.05 * torch.randn(32768, 2048, generator=gen, device=device)
+    product = head_product(weight, None, torch.bfloat16)
+    assert isinstance(product, SplitProduct)
+    exact = hidden.double() @ weight.double().T
+    scale = hidden.double().abs() @ weight.double().abs().T
+    split = product.logits(hidden).double()
+    assert bool(((split - exact).abs() <= 2**-14 * scale).all())
+    fp32 = Fp32Product(weight, None, weight).logits(hidden).double()
+    assert bool(((split - fp32).abs() <= 2**-13 * scale).all())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_cuda_under_bf16_the_head_scores_like_the_fp32_path_within_the_split_bound(tiny_model, tiny_tokenizer):
+    """The scoring under CUDA bf16 autocast (bf16x3 in the head) against the full-logits path (the fp32
+    product): log-probs and entropy within what a logit error of 2^-14 ``|h| |w|`` / T can move them
+    (2x for a log-prob, 2 log V x for an entropy), the statistics too, and the LoRA gradients within the
+    head's bf16 backward's bound (as on a CPU)."""
+    device = torch.device("cuda")
+    model = moved_lora(tiny_model).to(device)
+    batch = tuple(t.to(device) for t in grouped_batch(tiny_tokenizer.pad_token_id))
+    head = model.get_output_embeddings()
+    heard = []
+    hook = head.register_forward_pre_hook(lambda _, args: heard.append(args[0].detach()))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want, want_grads = scored_and_grads(model, batch, 0.7, True, shared_prefix=True)
+        got, got_grads = scored_and_grads(model, batch, 0.7, False, shared_prefix=True)
+    hook.remove()
+    hidden = torch.cat([h.reshape(-1, h.shape[-1]) for h in heard]).double()
+    error = 2**-14 * float((hidden.abs() @ head.weight.double().abs().T).max()) / 0.7
+    assert float((got.logprobs - want.logprobs).abs().max()) <= 2 * error + 1e-5
+    assert float((got.entropy - want.entropy).abs().max()) <= 2 * math.log(head.out_features) * error + 1e-5
+    for key, value in want.logits_stats.items():
+        assert got.logits_stats[key] == pytest.approx(value, abs=2 * error + 1e-5), key
+    scale = float(want_grads.abs().max())
+    torch.testing.assert_close(got_grads, want_grads, rtol=2e-2, atol=2e-2 * scale)
+    assert torch.nn.functional.cosine_similarity(got_grads, want_grads, dim=0) > 0.999
