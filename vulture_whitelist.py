@@ -44,4 +44,4 @@ _.on_log  # TrainerCallback hook in benchmarks/workers.py
 control  # TrainerCallback hook argument in benchmarks/workers.py
 _.post_processor  # attribute of a tokenizers.Tokenizer set in grpo/model/gguf.py
 _.forward  # nn.Module.forward of grpo/model/precision.py's Fp32Head (called by the module)
-cache_kwargs  # argument in grpo/model/decode.py (ReservedLayer.update keeps DynamicLayer.update's signature)
+cache_kwargs  # argument in grpo/model/fast/decode.py (ReservedLayer.update keeps DynamicLayer.update's signature)

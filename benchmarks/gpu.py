@@ -36,6 +36,7 @@ from grpo.data.prompts import example_messages
 from grpo.model.architectures import build_architecture
 from grpo.model.chat import end_of_turn_ids, render_prompt
 from grpo.model.engines import make_engine
+from grpo.model.fast import FastPaths
 from grpo.model.precision import apply_memory_settings, bf16_autocast
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +134,7 @@ def bench_generation(engine_name: str, model, tokenizer, prompts, args, device) 
     sampling = SamplingConfig(max_new_tokens=args.tokens, min_new_tokens=args.tokens)
     eos = end_of_turn_ids(tokenizer)
     cfg = RolloutConfig(engine=engine_name, sleep=False, gpu_memory_utilization=0.4)
-    engine = make_engine(cfg, model, tokenizer, max_model_len=1024, seed=0)
+    engine = make_engine(cfg, model, tokenizer, max_model_len=1024, seed=0, fast=FastPaths.resolve("auto"))
     warm = SamplingConfig(max_new_tokens=4, min_new_tokens=4)
     with bf16_autocast(device, bf16=engine_name == "hf"):
         engine.generate(prompts[:1], 2, warm, eos, seed=0)
@@ -220,7 +221,7 @@ def bench_architecture(name: str, args, device) -> dict:
         result["generation"].append(bench_generation(engine, model, tokenizer, prompts, args, device))
     sampling = SamplingConfig(max_new_tokens=args.tokens, min_new_tokens=args.tokens)
     rollout = (
-        make_engine(RolloutConfig(), model, tokenizer)
+        make_engine(RolloutConfig(), model, tokenizer, fast=FastPaths.resolve("auto"))
         .generate(prompts, args.group, sampling, end_of_turn_ids(tokenizer), seed=2)
         .rollout
     )

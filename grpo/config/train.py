@@ -121,8 +121,8 @@ class MultitaskConfig(Section):
 
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm"] = "hf"
-    """Generation engine: ``hf``, the trainer's own model (``model/decode.py``: Hugging Face ``generate``'s
-    tokens), or vLLM colocated on the same GPU."""
+    """Generation engine: ``hf``, the trainer's own model (Hugging Face ``generate``'s tokens, through its fast
+    stand-in where ``model.fast_paths`` allows), or vLLM colocated on the same GPU."""
     gpu_memory_utilization: float = Field(0.3, gt=0.0, lt=1.0)
     """vLLM: share of the GPU memory its weights and KV cache may take (the trainer keeps the rest)."""
     sleep: bool = True
