@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from grpo.model.fast import draws
+from grpo.model.fast import FastPathWarning, draws
 
 
 def _both(probs: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -59,6 +59,22 @@ def test_the_self_check_leaves_the_generator_alone():
     before = torch.get_rng_state()
     assert draws.exponential_mismatch() is None
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_kernel_that_draws_otherwise_fails_the_self_check_with_a_warning(monkeypatch):
+    """A PyTorch whose ``log1p`` or ``uniform_`` moved (here: draws one part in a million off): the self-check
+    says so once, and ``draw_one`` is ``torch.multinomial``, the same indices and generator state."""
+    from_uniform = draws._from_uniform
+    monkeypatch.setattr(draws, "_from_uniform", lambda uniform: from_uniform(uniform) * (1 + 1e-6))
+    draws.exponential_mismatch.cache_clear()
+    try:
+        with pytest.warns(FastPathWarning, match="'exponential draws' fell back to torch.multinomial"):
+            assert draws.exponential_mismatch() is not None
+        probs = torch.softmax(torch.randn(4, 50), dim=-1)
+        expected, got, state_expected, state_got = _both(probs, 6)
+        assert torch.equal(got, expected) and torch.equal(state_got, state_expected)
+    finally:
+        draws.exponential_mismatch.cache_clear()
 
 
 def test_where_the_self_check_fails_draw_one_is_multinomial(monkeypatch):
