@@ -11,8 +11,8 @@ Python around them, and the input of the projections that share one is cast to a
 rotary embedding, the cache update, the attention function and the head are the model's own.
 
 Projections are not stacked into one product: a bf16 product of other shapes may run another kernel,
-which sums in another order (on the embedded model's 16-wide key projection, 1 element in about 40,000
-rounds the other way), so only the very shapes keep the very numbers.
+which sums in another order (on the embedded model's 16-wide key projection a few elements round the
+other way), so only the very shapes keep the very numbers.
 
 The first lean step of a kind (``_VERDICTS``: the model's class, attention, the weights' dtypes, autocast,
 the adapters' layout, the row count) also runs the model's own forward from the same cache and compares
