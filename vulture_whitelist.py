@@ -33,6 +33,7 @@ _.decoder  # attribute in grpo/model/tiny.py
 _.pre_tokenizer  # attribute in grpo/model/tiny.py
 defect  # variable in tests/test_data_validate.py
 harness  # function in tests/test_flows.py
+fresh_checks  # fixture in tests/test_fast_paths.py (pytest.mark.usefixtures)
 pytestmark  # variable in tests/test_flows.py
 _._path_matches_source  # method in grpo/config/
 _._one_model_source  # method in grpo/config/

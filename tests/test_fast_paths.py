@@ -174,7 +174,8 @@ def test_off_and_auto_evaluate_alike(tiny_model, tiny_tokenizer, monkeypatch):
     assert len(set(results["off"][1]["sampled"])) > 3, "replies vary"
 
 
-def test_the_run_log_names_the_fast_paths_once(capsys, fresh_checks):
+@pytest.mark.usefixtures("fresh_checks")
+def test_the_run_log_names_the_fast_paths_once(capsys):
     """``resolve`` prints one line per process and setting: every path in use under ``auto``, the library
     paths under ``off``."""
     FastPaths.resolve("auto")
@@ -190,8 +191,9 @@ def test_the_run_log_names_the_fast_paths_once(capsys, fresh_checks):
                         "in the fp32 head, the update's own pass over the prompts")
 
 
+@pytest.mark.usefixtures("fresh_checks")
 def test_a_decode_loop_that_no_longer_matches_generate_falls_back_with_a_warning(
-    tiny_model, tiny_tokenizer, monkeypatch, capsys, fresh_checks
+    tiny_model, tiny_tokenizer, monkeypatch, capsys
 ):
     """A transformers release whose ``generate`` warps otherwise (here: the loop drops top-k): the self-check
     fails, says so, and ``auto`` runs ``generate`` itself, with ``off``'s tokens; the loop's inner paths
@@ -234,7 +236,8 @@ def test_the_heads_product_is_f_linear_under_off_and_within_fp32_rounding_under_
     torch.testing.assert_close(fast, exact, rtol=0, atol=1e-6 * float(exact.abs().max()))
 
 
-def test_a_onednn_product_that_moved_falls_back_with_a_warning(monkeypatch, fresh_checks):
+@pytest.mark.usefixtures("fresh_checks")
+def test_a_onednn_product_that_moved_falls_back_with_a_warning(monkeypatch):
     """A PyTorch whose private oneDNN op computes otherwise (here: a scaled product): the probe sees it, says
     so, and the head under ``auto`` is ``F.linear``, ``off``'s very logits."""
     if not torch.backends.mkldnn.is_available():

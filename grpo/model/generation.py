@@ -60,15 +60,15 @@ def generate_sequences(
     ``score_completions`` defines it: the processors change which tokens are drawn, not the scored
     distribution); 0 for a row that had stopped before it."""
     measure = entropy is not None
-    config = generation_config(sampling, eos_ids, pad_id, greedy)
-    config.return_dict_in_generate = config.output_logits = measure
     cache = {} if past_key_values is None else {"past_key_values": past_key_values}
     out = model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        generation_config=config,
+        generation_config=generation_config(sampling, eos_ids, pad_id, greedy),
         logits_processor=processors,
         use_model_defaults=False,
+        return_dict_in_generate=measure,
+        output_logits=measure,
         **cache,
     )
     if not measure:
