@@ -316,3 +316,15 @@ def test_off_and_auto_agree_on_smollm2(tmp_path):
     ref = [result.trace.batch.ref_logprobs[result.trace.batch.completion_mask] for result in (got, expected)]
     torch.testing.assert_close(ref[0], ref[1], rtol=0, atol=bound)
     torch.testing.assert_close(auto_grad, off_grad, rtol=0, atol=2.0**-8 * float(off_grad.abs().max()) + bound)
+
+
+def test_off_as_yaml_reads_it_is_the_setting_off():
+    """YAML reads a bare ``off`` as false: in params.yaml and in ``--set`` it still means ``off``."""
+    import yaml
+
+    from grpo.config import load_config
+    from tests.conftest import ROOT
+
+    assert config_from_dict(yaml.safe_load("model: {fast_paths: off}")).model.fast_paths == "off"
+    assert load_config(ROOT / "params.yaml", ["model.fast_paths=off"]).model.fast_paths == "off"
+    assert load_config(ROOT / "params.yaml").model.fast_paths == "auto"

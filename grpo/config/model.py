@@ -116,6 +116,12 @@ class ModelConfig(Section):
             )
         return self
 
+    @field_validator("fast_paths", mode="before")
+    @classmethod
+    def _off_as_written(cls, value: object) -> object:
+        """YAML reads a bare ``off`` as false (and ``on`` as true): take them as the words they were."""
+        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
+
     @field_validator("name_or_path")
     @classmethod
     def _loadable_offline(cls, value: str | None, info: ValidationInfo) -> str | None:
