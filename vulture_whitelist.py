@@ -38,6 +38,7 @@ pytestmark  # variable in tests/test_flows.py
 _._path_matches_source  # method in grpo/config/
 _._one_model_source  # method in grpo/config/
 _._loadable_offline  # method in grpo/config/
+_._off_as_written  # method in grpo/config/
 _._vllm_installed  # method in grpo/config/
 _.on_step_begin  # TrainerCallback hook in benchmarks/workers.py
 _.on_step_end  # TrainerCallback hook in benchmarks/workers.py
