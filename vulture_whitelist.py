@@ -33,10 +33,12 @@ _.decoder  # attribute in grpo/model/tiny.py
 _.pre_tokenizer  # attribute in grpo/model/tiny.py
 defect  # variable in tests/test_data_validate.py
 harness  # function in tests/test_flows.py
+fresh_checks  # fixture in tests/test_fast_paths.py (pytest.mark.usefixtures)
 pytestmark  # variable in tests/test_flows.py
 _._path_matches_source  # method in grpo/config/
 _._one_model_source  # method in grpo/config/
 _._loadable_offline  # method in grpo/config/
+_._off_as_written  # method in grpo/config/
 _._vllm_installed  # method in grpo/config/
 _.on_step_begin  # TrainerCallback hook in benchmarks/workers.py
 _.on_step_end  # TrainerCallback hook in benchmarks/workers.py
@@ -44,6 +46,6 @@ _.on_log  # TrainerCallback hook in benchmarks/workers.py
 control  # TrainerCallback hook argument in benchmarks/workers.py
 _.post_processor  # attribute of a tokenizers.Tokenizer set in grpo/model/gguf.py
 _.forward  # nn.Module.forward of grpo/model/precision.py's Fp32Head (called by the module)
-cache_kwargs  # argument in grpo/model/decode.py (ReservedLayer.update keeps DynamicLayer.update's signature)
+cache_kwargs  # argument in grpo/model/fast/decode.py (ReservedLayer.update keeps DynamicLayer.update's signature)
 _.longrepr  # pytest report attribute set in tests/conftest.py (an unmarked shared-folder skip fails)
 pytest_runtest_makereport  # pytest hook in tests/conftest.py

@@ -7,7 +7,7 @@ their real tokenizers (``model.architecture`` presets), the LoRA adapter of conf
 - **rollouts**: 8 prompts x 8 completions (64 rows) x 256 tokens (min = max new tokens, so every variant
   makes the same tokens' worth of work): Hugging Face ``generate`` (the library's own loop and dynamic
   cache; the faster of fp32-held and bf16-held frozen weights counts), the project's decode loop with its
-  CUDA graph steps (``grpo/model/graph_step.py``) and without them, and vLLM where it is installed;
+  CUDA graph steps (``grpo/model/fast/graph_step.py``) and without them, and vLLM where it is installed;
 - **the GRPO step** (``grpo.train.step.grpo_step``: rollout, rewards, reference pass, update) on the same
   workload: seconds per phase, peak memory of the step and of its training phase (reference + update), and
   the training phase's MFU = model FLOPs / seconds / the GPU's dense bf16 peak. Model FLOPs
@@ -44,8 +44,8 @@ from grpo.core.batching import left_pad  # noqa: E402
 from grpo.data.prompts import render_records  # noqa: E402
 from grpo.data.synthetic_fairness import generate_fairness  # noqa: E402
 from grpo.data.synthetic_grounded import generate_grounded  # noqa: E402
-from grpo.model import graph_step  # noqa: E402
 from grpo.model.architectures import build_architecture  # noqa: E402
+from grpo.model.fast import FastPaths, graph_step  # noqa: E402
 from grpo.model.lora import wrap_lora  # noqa: E402
 from grpo.model.precision import bf16_autocast, frozen_linears_in_bf16  # noqa: E402
 from grpo.model.rollout import sample_rollout, stop_ids  # noqa: E402
@@ -185,7 +185,7 @@ def bench_rollouts(model, tokenizer, cfg, args, device) -> dict:
 
     def decode(new_tokens: int) -> None:
         short = sampling.model_copy(update={"max_new_tokens": new_tokens, "min_new_tokens": new_tokens})
-        sample_rollout(model, tokenizer, prompts, args.group, short, eos, seed=2)
+        sample_rollout(model, tokenizer, prompts, args.group, short, eos, seed=2, fast=FastPaths.resolve("auto"))
 
     out: dict = {"rows": ids.shape[0], "tokens": tokens}
     variants = {

@@ -17,7 +17,8 @@ rotating from one repetition to the next), so machine load drifts hit every vari
 autocast, each also with the C allocator set as the project's CPU stages set it
 (``device.retain_freed_memory``, the ``-retain`` variants); its fastest is the reference of
 ``speedup_vs_trl``. The project runs as params.yaml ships
-it (``grpo.bf16``); ``project-sum-bf16`` runs its step under bf16 autocast on a CPU with native bf16.
+it (``grpo.bf16``); ``project-sum-bf16`` runs its step under bf16 autocast on a CPU with native bf16;
+``project-sum-off`` runs ``sum`` with ``model.fast_paths: off`` (the libraries' own paths).
 ``--full-length`` forces every completion to the full 32 tokens (eos suppressed before that).
 """
 
@@ -40,7 +41,7 @@ from grpo.config import load_config
 from grpo.model.precision import cpu_has_native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT_VARIANTS = ("project-sum", "project-cagrad")
+PROJECT_VARIANTS = ("project-sum", "project-cagrad", "project-sum-off")
 BF16_VARIANTS = ("project-sum-bf16",)
 PLAIN_VARIANTS = ("plain-sum", "plain-cagrad")
 

@@ -33,6 +33,7 @@ VARIANTS = {
     "project-sum": {"grpo.multitask.mode=sum"},
     "project-cagrad": {"grpo.multitask.mode=cagrad"},
     "project-sum-bf16": {"grpo.multitask.mode=sum", "grpo.bf16=true"},
+    "project-sum-off": {"grpo.multitask.mode=sum", "model.fast_paths=off"},  # the libraries' paths
     "plain-sum": {"grpo.multitask.mode=sum"} | PLAIN,
     "plain-cagrad": {"grpo.multitask.mode=cagrad"} | PLAIN,
     "trl-fp32": set(),

@@ -13,11 +13,12 @@ from grpo.train.step import Step, build_step
 from grpo.train.update import update
 
 
-def make_context(tiny_model, tiny_tokenizer, device: str = "cpu", **grpo) -> Step:
-    """The step around the tiny model under a LoRA adapter, on ``device`` (``cuda``: the process's GPU)."""
+def make_context(tiny_model, tiny_tokenizer, device: str = "cpu", fast_paths: str = "auto", **grpo) -> Step:
+    """The step around the tiny model under a LoRA adapter, on ``device`` (``cuda``: the process's GPU), with
+    ``model.fast_paths: fast_paths``."""
     cfg = config_from_dict({
         "grpo": {"group_size": 2, "sampling": {"max_new_tokens": 5}, **grpo},
-        "model": {"lora": {"r": 2, "alpha": 4}},
+        "model": {"lora": {"r": 2, "alpha": 4}, "fast_paths": fast_paths},
     })
     torch.manual_seed(0)
     model = wrap_lora(tiny_model.to(device), cfg.model.lora)

@@ -21,7 +21,7 @@ def test_benchmark_smoke_mode_writes_results(tmp_path):
     out = tmp_path / "results.json"
     assert bench_main(["--smoke", "--project", str(project), "--out", str(out)]) == 0
     results = json.loads(out.read_text())
-    assert set(results["variants"]) == {"project-sum", "project-cagrad"}
+    assert set(results["variants"]) == {"project-sum", "project-cagrad", "project-sum-off"}
     for stats in results["variants"].values():
         assert stats["steps"] == 1 and stats["step_s"] > 0 and stats["peak_rss_mb"] > 0
         assert set(stats["phases_s"]) == {"generate", "reward", "reference", "update"}

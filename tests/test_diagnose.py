@@ -36,6 +36,7 @@ from grpo.core.logprobs import score_completions
 from grpo.core.losses import policy_loss_terms, total_loss
 from grpo.data.prompts import example_messages
 from grpo.model.chat import end_of_turn_ids, render_prompt
+from grpo.model.fast import FastPaths
 from grpo.model.loading import load_model, load_tokenizer, save_model
 from grpo.model.lora import wrap_lora
 from grpo.model.rollout import generate_rollout
@@ -54,7 +55,8 @@ def train_adapter(cfg: Config, entropy_coef: float, steps: int = TRAIN_STEPS, lr
     model = wrap_lora(model, cfg.model.lora) if lora else model
     tokenizer = load_tokenizer(paths.model_dir(cfg, "sft"), cfg.model)
     prompts = [render_prompt(tokenizer, example_messages(r)) for r in make_records("train", 2, 2, seed=1)]
-    rollout = generate_rollout(model, tokenizer, prompts, GROUP, cfg.grpo.sampling, end_of_turn_ids(tokenizer), 0)
+    rollout = generate_rollout(model, tokenizer, prompts, GROUP, cfg.grpo.sampling, end_of_turn_ids(tokenizer), 0,
+                               fast=FastPaths())
     joined = join_prompt_completion(rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
                                     rollout.completion_mask)
     advantages = torch.randn(len(rollout.texts), generator=torch.Generator().manual_seed(0))

@@ -1,4 +1,4 @@
-"""``grpo/model/draws.py``: ``draw_one`` is ``torch.multinomial(probs, 1)``, the same indices from the same
+"""``grpo/model/fast/draws.py``: ``draw_one`` is ``torch.multinomial(probs, 1)``, the same indices from the same
 generator, which it leaves in the same state."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from grpo.model import draws
+from grpo.model.fast import FastPathWarning, draws
 
 
 def _both(probs: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -24,7 +24,7 @@ def _both(probs: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, t
 def test_draw_one_is_multinomials_draw(scale):
     logits = torch.randn(16, 600, generator=torch.Generator().manual_seed(1)) * scale
     probs = torch.softmax(logits, dim=-1)
-    assert draws._matches_exponential_()  # the fast path is the one compared here
+    assert draws.exponential_mismatch() is None  # the fast path is the one compared here
     for seed in range(5):
         expected, got, state_expected, state_got = _both(probs, seed)
         assert torch.equal(got, expected)
@@ -54,15 +54,31 @@ def test_exponentials_near_a_float_midpoint_are_recomputed_serially(monkeypatch)
 
 
 def test_the_self_check_leaves_the_generator_alone():
-    draws._matches_exponential_.cache_clear()
+    draws.exponential_mismatch.cache_clear()
     torch.manual_seed(5)
     before = torch.get_rng_state()
-    assert draws._matches_exponential_()
+    assert draws.exponential_mismatch() is None
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_a_kernel_that_draws_otherwise_fails_the_self_check_with_a_warning(monkeypatch):
+    """A PyTorch whose ``log1p`` or ``uniform_`` moved (here: draws one part in a million off): the self-check
+    says so once, and ``draw_one`` is ``torch.multinomial``, the same indices and generator state."""
+    from_uniform = draws._from_uniform
+    monkeypatch.setattr(draws, "_from_uniform", lambda uniform: from_uniform(uniform) * (1 + 1e-6))
+    draws.exponential_mismatch.cache_clear()
+    try:
+        with pytest.warns(FastPathWarning, match="'exponential draws' fell back to torch.multinomial"):
+            assert draws.exponential_mismatch() is not None
+        probs = torch.softmax(torch.randn(4, 50), dim=-1)
+        expected, got, state_expected, state_got = _both(probs, 6)
+        assert torch.equal(got, expected) and torch.equal(state_got, state_expected)
+    finally:
+        draws.exponential_mismatch.cache_clear()
+
+
 def test_where_the_self_check_fails_draw_one_is_multinomial(monkeypatch):
-    monkeypatch.setattr(draws, "_matches_exponential_", lambda: False)
+    monkeypatch.setattr(draws, "exponential_mismatch", lambda: "changed")
     monkeypatch.setattr(draws, "_exponentials", lambda shape: pytest.fail("the fast path ran"))
     probs = torch.softmax(torch.randn(4, 50), dim=-1)
     expected, got, state_expected, state_got = _both(probs, 6)

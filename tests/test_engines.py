@@ -14,6 +14,7 @@ from grpo.core.importance import rollout_mismatch
 from grpo.data.prompts import example_messages
 from grpo.model.chat import end_of_turn_ids, render_prompt
 from grpo.model.engines import EngineRollout, HFEngine, make_engine
+from grpo.model.fast import FastPaths
 from grpo.model.lora import wrap_lora
 from grpo.model.rollout import generate_rollout
 from grpo.model.vllm_engine import assemble, merged_weights, sampling_kwargs
@@ -36,10 +37,11 @@ def _prompts(tokenizer) -> list[list[int]]:
 def test_hf_engine_is_generate_rollout(tiny_model, tiny_tokenizer):
     """Same ids, masks and texts as rollout.generate_rollout for the same seed; no sampler log-probs."""
     eos = end_of_turn_ids(tiny_tokenizer)
-    engine = make_engine(RolloutConfig(), tiny_model, tiny_tokenizer)
+    engine = make_engine(RolloutConfig(), tiny_model, tiny_tokenizer, fast=FastPaths())
     assert isinstance(engine, HFEngine) and engine.name == "hf"
     out = engine.generate(_prompts(tiny_tokenizer), 3, SAMPLING, eos, seed=11)
-    direct = generate_rollout(tiny_model, tiny_tokenizer, _prompts(tiny_tokenizer), 3, SAMPLING, eos, seed=11)
+    direct = generate_rollout(tiny_model, tiny_tokenizer, _prompts(tiny_tokenizer), 3, SAMPLING, eos, seed=11,
+                              fast=FastPaths())
     assert isinstance(out, EngineRollout) and out.sampler_logprobs is None
     assert out.rollout.completion_ids.shape[0] == 6
     assert torch.equal(out.rollout.completion_ids, direct.completion_ids)
@@ -50,7 +52,7 @@ def test_hf_engine_is_generate_rollout(tiny_model, tiny_tokenizer):
 def test_hf_engine_refuses_to_sync_another_model(tiny_model, tiny_tokenizer, tiny_sizes):
     from grpo.model.tiny import build_tiny_model
 
-    engine = HFEngine(tiny_model, tiny_tokenizer)
+    engine = HFEngine(tiny_model, tiny_tokenizer, fast=FastPaths())
     with pytest.raises(ValueError, match="trainer's model itself"):
         engine.sync_weights(build_tiny_model(tiny_tokenizer, tiny_sizes, seed=1))
 
@@ -104,7 +106,7 @@ needs_vllm = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_VLLM), re
 def on_vllm(tiny_model, tiny_tokenizer):
     """The tiny model on the GPU and a colocated vLLM engine built from it."""
     model = tiny_model.cuda()
-    return model, make_engine(RolloutConfig(engine="vllm"), model, tiny_tokenizer, max_model_len=256, seed=0)
+    return model, make_engine(RolloutConfig(engine="vllm"), model, tiny_tokenizer, max_model_len=256, seed=0, fast=FastPaths())
 
 
 def _vllm_rollout(engine, model, tokenizer, seed: int):

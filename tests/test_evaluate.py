@@ -28,6 +28,7 @@ from grpo.eval.evaluate import (
     task_metrics,
 )
 from grpo.model.chat import end_of_turn_ids, render_prompt
+from grpo.model.fast import FastPaths
 from grpo.model.loading import load_model, load_tokenizer
 from grpo.model.rollout import generate_rollout, stop_ids
 from grpo.model.scoring import rollout_inputs, score_inputs
@@ -124,7 +125,7 @@ def test_balanced_records_alternate_tasks_and_stop_when_empty():
 
 
 def greedy(model, tokenizer, prompts, sampling, eos_ids):
-    return generate_rollout(model, tokenizer, prompts, 1, sampling, eos_ids, seed=0, greedy=True)
+    return generate_rollout(model, tokenizer, prompts, 1, sampling, eos_ids, seed=0, greedy=True, fast=FastPaths())
 
 
 def test_greedy_rollout_deterministic_and_uses_rollout_processors(project):
@@ -203,7 +204,7 @@ def test_sampled_entropy_is_the_scorers_entropy_of_the_sampled_tokens(project):
     prompts = render_records(tokenizer, records, cfg.model.chat_template_kwargs)
     args = (model, tokenizer, prompts, cfg.eval.samples_per_prompt, cfg.grpo.sampling,
             stop_ids(model, tokenizer, cfg.model.extra_stop_tokens), derive_seed(cfg.seed, ("eval_batch", 0)))
-    sampled = generate_rollout(*args, shared_prefill=True)
+    sampled = generate_rollout(*args, shared_prefill=True, fast=FastPaths())
     inputs = rollout_inputs(sampled)
     assert 0 < int(inputs.completion_mask.sum()) < inputs.completion_mask.numel(), "some rows stop early"
     with torch.no_grad():
@@ -214,12 +215,9 @@ def test_sampled_entropy_is_the_scorers_entropy_of_the_sampled_tokens(project):
 
 
 def test_evaluation_samples_from_its_greedy_pass_with_the_numbers_of_their_own_prefill(project, monkeypatch):
-    """Each batch's samples start from its greedy pass over the prompts (``decode.PromptPass``) where that
+    """Each batch's samples start from its greedy pass over the prompts (``fast.PromptPass``) where that
     is their own prefill's cache bit for bit: the replies, the entropy and every metric are those of an
     evaluation that prefills the samples itself, in fp32 and under the rollout's bf16."""
-    import grpo.eval.evaluate as evaluate_module
-    from grpo.model.decode import PromptPass
-
     tokenizer = load_tokenizer(paths.model_dir(project, "sft"), project.model)
     model = load_model(paths.model_dir(project, "sft"), project.model).eval()
     spread_weights(model, torch.Generator().manual_seed(0))
@@ -227,12 +225,12 @@ def test_evaluation_samples_from_its_greedy_pass_with_the_numbers_of_their_own_p
     import grpo.model.rollout as rollout_module
 
     prefills = {True: 0, False: 0}
-    prefilled_cache = rollout_module.prefilled_cache
+    prefilled_cache, prompt_pass = rollout_module.prefilled_cache, FastPaths.prompt_pass
     for bf16 in (False, True):
         cfg = project.model_copy(update={"grpo": project.grpo.model_copy(update={"bf16": bf16})})
         runs = []
         for share in (True, False):
-            monkeypatch.setattr(evaluate_module, "PromptPass", PromptPass if share else lambda: None)
+            monkeypatch.setattr(FastPaths, "prompt_pass", prompt_pass if share else lambda self: None)
             monkeypatch.setattr(rollout_module, "prefilled_cache", lambda *a, share=share: (
                 prefills.__setitem__(share, prefills[share] + 1) or prefilled_cache(*a)))
             texts = {}

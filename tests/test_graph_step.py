@@ -1,4 +1,4 @@
-"""grpo/model/graph_step.py: the decode loop's steps over a static cache give ``generate``'s tokens.
+"""grpo/model/fast/graph_step.py: the decode loop's steps over a static cache give ``generate``'s tokens.
 
 On a CPU the step runs uncaptured on the same static buffers (the static cache's arithmetic: masked
 columns, the column each step writes, positions); on CUDA (``gpu`` tests) it replays a captured graph.
@@ -13,8 +13,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from grpo.model import chat
-from grpo.model import decode as decode_module
-from grpo.model.graph_step import GraphStep, graph_step_applies
+from grpo.model.fast import decode as decode_module
+from grpo.model.fast.graph_step import GraphStep, graph_step_applies
 from grpo.model.precision import bf16_autocast
 from tests.test_decode import SAMPLINGS, _decode, _generate, _prompts, varied_policy
 
@@ -109,7 +109,7 @@ def test_a_step_whose_logits_differ_is_refused_and_the_models_forward_goes_on(
     eos = chat.end_of_turn_ids(tiny_tokenizer)
     batch = _prompts(tiny_tokenizer)
     expected = _generate(policy, tiny_tokenizer, batch, SAMPLINGS["plain"], eos, True, 0)
-    with pytest.warns(UserWarning, match="CUDA graph step is not used .*graph step's logits differ"):
+    with pytest.warns(UserWarning, match="CUDA graph decode step.*graph step's logits differ"):
         got = _decode(policy, tiny_tokenizer, batch, SAMPLINGS["plain"], eos, True, 0, False)
     assert torch.equal(got, expected)
     assert uncaptured[0].failed is not None and uncaptured[0].gap > 1e-3

@@ -8,7 +8,7 @@ import torch
 from grpo.config import config_from_dict
 from grpo.core.attention import model_attention_mask
 from grpo.core.batching import left_pad, position_ids_from_mask
-from grpo.model.kernels import GROUPED_SDPA, attention_kernel, rows_independent, sdpa_grouped_forward
+from grpo.model.kernels import GROUPED_SDPA, attention_kernel, sdpa_grouped_forward
 from grpo.model.lora import wrap_lora
 from tests.weights import fill_adapter, spread_weights
 
@@ -81,25 +81,3 @@ def test_sdpa_grouped_attends_in_fp32_under_cpu_autocast(groups, masked):
     assert not torch.equal(rounded.transpose(1, 2), out), "autocast's own attention rounds q and k to bf16"
     out.float().sum().backward()
     assert q.grad.dtype == torch.float32 and k.grad.dtype == torch.bfloat16 and q.grad.abs().sum() > 0
-
-
-def test_rows_independent_finds_a_linear_layer_whose_rows_depend_on_the_row_count(tiny_model):
-    """The probe behind ``decode.PromptPass`` tries every linear layer but the head: one whose product moves
-    with the number of rows (here a scale by it) makes it say no, whichever layer it is; the head is left
-    out (the prompt pass reuses no logits)."""
-
-    class Batchwise(torch.nn.Linear):
-        def forward(self, hidden):
-            return super().forward(hidden) * (1 + 1e-3 * hidden.shape[0])
-
-    assert rows_independent(tiny_model, 40, 36), "the tiny model's fp32 products of 36 and 40 rows"
-    head = tiny_model.get_output_embeddings()
-    head_class = type(head)
-    head.__class__ = Batchwise
-    assert rows_independent(tiny_model, 40, 36), "the head is not probed"
-    head.__class__ = head_class
-    for layer in (tiny_model.model.layers[1].mlp.down_proj, tiny_model.model.layers[0].self_attn.k_proj):
-        plain = type(layer)
-        layer.__class__ = Batchwise
-        assert not rows_independent(tiny_model, 40, 36)
-        layer.__class__ = plain

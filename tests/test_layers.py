@@ -1,14 +1,17 @@
-"""The layering of grpo/: every module imports only from its own layer or those below (docs/design.md "Layers").
+"""The layering of grpo/: every module imports only from its own layer or those below (docs/design.md "Layers"),
+and no module imports itself through others (no import circles).
 
-Parsed from the code's own import statements (``ast``, function-level imports included), so the
-layering cannot decay silently. Bottom-up:
+Parsed from the code's own import statements (``ast``, function-level and ``TYPE_CHECKING`` imports
+included), so the layering cannot decay silently. Bottom-up:
 
 | rank | layer | modules |
 | ---: | --- | --- |
 | 0 | root | ``grpo.errors``, ``grpo.config``, ``grpo.paths``, ``grpo.files``, ``grpo.seeding``, ``grpo.locks``, ``grpo.offline``, ``grpo.sources`` |
 | 1 | provenance | ``grpo.provenance.*`` (reads code as text; names entry functions as strings) |
 | 2 | core | ``grpo.core.*`` (torch and ``grpo.errors`` only) |
-| 3 | model | ``grpo.model.*`` |
+| 3 | model | ``grpo.model.*``; inside it ``grpo.model.fast`` (the CPU fast paths) sits below the rest: it imports
+no other model module but ``grpo.model.generation`` (the library path it stands in for), and the rest reaches
+it through its entry point, the package ``grpo.model.fast``, never its modules |
 | 4 | data | ``grpo.data.*`` |
 | 5 | rewards | ``grpo.rewards.*`` |
 | 6 | train, health | ``grpo.train.*``, ``grpo.health.*`` |
@@ -55,6 +58,10 @@ ROOT_MAY_IMPORT = {
     "grpo.paths": ("grpo.config",),
 }
 CORE_THIRD_PARTY = {"torch"}
+FAST = "grpo.model.fast"
+FAST_MAY_IMPORT = ("grpo.model.generation",)
+# Import circles that predate this check (issue 52 removes them): the list may only shrink.
+KNOWN_CIRCLES = [["grpo.model.engines", "grpo.model.vllm_engine"], ["grpo.train.step", "grpo.train.update"]]
 STAGE_ENTRY_MODULES = ("grpo.data.prepare", "grpo.data.validate", "grpo.train.pretrain", "grpo.train.sft",
                        "grpo.checks.preflight", "grpo.train.trainer", "grpo.eval.evaluate")
 
@@ -115,8 +122,18 @@ def violations(package_dir: Path) -> list[str]:
     return found
 
 
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
 def _why_not(importer: str, own: tuple[str, int], imported: str) -> str | None:
     top = imported.split(".")[0]
+    if _within(imported, FAST) and imported != FAST and not _within(importer, FAST):
+        return f"outside grpo/model/fast, import its entry point {FAST}, not its modules"
+    if _within(importer, FAST) and _within(imported, "grpo.model") and not _within(imported, FAST) and (
+        imported not in FAST_MAY_IMPORT
+    ):
+        return f"grpo/model/fast imports no model module but {FAST_MAY_IMPORT}: its callers ask it, never the reverse"
     if own[0] == "grpo.core" and top not in ("grpo", *CORE_THIRD_PARTY) and top not in sys.stdlib_module_names:
         return "core imports torch and the standard library only"
     if top in ("prefect", "dvc") or (top == "argparse" and importer != "grpo.cli"):
@@ -139,11 +156,55 @@ def _why_not(importer: str, own: tuple[str, int], imported: str) -> str | None:
     return None
 
 
+def import_graph(package_dir: Path) -> dict[str, set[str]]:
+    """Every module of the package and the package modules it imports (at any depth)."""
+    modules = {module_name(path, package_dir): path for path in package_dir.rglob("*.py")}
+    return {
+        name: {m for _, m in imported_modules(path, package_dir) if m in modules and m != name}
+        for name, path in modules.items()
+    }
+
+
+def circles(package_dir: Path) -> list[list[str]]:
+    """The import circles: each set of two or more modules that import one another, directly or through
+    others (the strongly connected components of ``import_graph``, Tarjan's algorithm), sorted."""
+    edges = import_graph(package_dir)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(edges[module]):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = stack[stack.index(module):]
+            del stack[stack.index(module):]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return sorted(found)
+
+
 # --------------------------------------------------------------------------- the real package
 
 
 def test_every_import_goes_down_the_layers():
     assert violations(GRPO) == []
+
+
+def test_no_import_circle_but_the_known_ones():
+    """A module that imports itself through others is a circle; the known ones are listed until removed."""
+    assert circles(GRPO) == KNOWN_CIRCLES
 
 
 def test_every_module_belongs_to_a_layer():
@@ -187,6 +248,14 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
         ({"train/trainer.py": "import argparse\n"}, "only grpo/cli.py parses arguments"),
         ({"paths.py": "from grpo.data import schema\n", "data/schema.py": ""}, "root module grpo.paths"),
         ({"newlayer/thing.py": ""}, "belongs to no layer"),
+        ({"model/rollout.py": "from grpo.model.fast.decode import decode\n", "model/fast/decode.py": ""},
+         "import its entry point grpo.model.fast"),
+        ({"model/kernels.py": "from grpo.model.fast import draws\n", "model/fast/draws.py": ""},
+         "import its entry point grpo.model.fast"),
+        ({"model/fast/decode.py": "from grpo.model.rollout import Rollout\n", "model/rollout.py": ""},
+         "grpo/model/fast imports no model module"),
+        ({"model/fast/paths.py": "def f():\n    from grpo.model import precision\n", "model/precision.py": ""},
+         "grpo/model/fast imports no model module"),
     ],
 )
 def test_checker_reports_a_broken_rule(tmp_path, files, fragment):
@@ -207,5 +276,28 @@ def test_checker_accepts_downward_and_same_layer_imports(tmp_path):
         "errors.py": "",
         "cli.py": "import argparse\nfrom grpo.provenance import stages\n",
         "provenance/stages.py": "",
+        "model/rollout.py": "from grpo.model.fast import FastPaths\n",
+        "model/fast/__init__.py": "from grpo.model.fast.paths import FastPaths\n",
+        "model/fast/paths.py": "from grpo.model.fast import decode\nfrom grpo.model import generation\n",
+        "model/fast/decode.py": "from grpo.core import losses\nfrom grpo.config import Config\n",
+        "model/generation.py": "",
     })
     assert violations(package) == []
+    assert circles(package) == []
+
+
+@pytest.mark.parametrize(
+    ("files", "circle"),
+    [
+        ({"train/step.py": "from grpo.train.update import update\n",
+          "train/update.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from grpo.train.step import Step\n"},
+         ["grpo.train.step", "grpo.train.update"]),
+        ({"model/fast/paths.py": "from grpo.model.fast import decode\n",
+          "model/fast/decode.py": "from grpo.model.fast import head\n",
+          "model/fast/head.py": "def f():\n    from grpo.model.fast.paths import FastPaths\n"},
+         ["grpo.model.fast.decode", "grpo.model.fast.head", "grpo.model.fast.paths"]),
+    ],
+    ids=["type-checking", "through-a-third-module"],
+)
+def test_checker_finds_a_circle(tmp_path, files, circle):
+    assert circles(_package(tmp_path, files)) == [circle]

@@ -1,4 +1,4 @@
-"""grpo/model/lean_step.py: the lean decode step computes the model's own numbers, and ``decode`` uses it
+"""grpo/model/fast/lean_step.py: the lean decode step computes the model's own numbers, and ``decode`` uses it
 only where it was seen to."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from grpo.config import SamplingConfig
 from grpo.core.attention import model_attention_mask
 from grpo.core.batching import left_pad, position_ids_from_mask
-from grpo.model import chat, lean_step
+from grpo.model import chat
 from grpo.model.architectures import preset_config
-from grpo.model.decode import reserve_room
+from grpo.model.fast import FastPathWarning, lean_step
+from grpo.model.fast.decode import reserve_room
+from grpo.model.fast.lean_step import LeanStep
 from grpo.model.kernels import GROUPED_SDPA
-from grpo.model.lean_step import LeanStep
 from grpo.model.lora import adapter_disabled
 from grpo.model.precision import bf16_autocast, fp32_head, frozen_linears_in_bf16
 from tests.test_attention import QWEN_SHRUNK
@@ -159,8 +160,8 @@ def _moved_cache(monkeypatch):
 
 @pytest.mark.parametrize("fault", [_moved_logits, _moved_cache], ids=["logits", "cache"])
 def test_a_lean_step_that_moves_a_number_is_never_used(policy, tiny_tokenizer, fault, monkeypatch, verdicts):
-    """The check sees the difference, the kind is recorded as not lean, the cache keeps the model's keys
-    and values, and the tokens stay ``generate``'s."""
+    """The check sees the difference, the kind is recorded as not lean, with a warning that names it; the
+    cache keeps the model's keys and values, and the tokens stay ``generate``'s."""
     fault(monkeypatch)
     runs = []
     call = LeanStep.__call__
@@ -169,7 +170,9 @@ def test_a_lean_step_that_moves_a_number_is_never_used(policy, tiny_tokenizer, f
     batch = _prompts(tiny_tokenizer)
     for seed in (0, 1):
         expected = _generate(policy, tiny_tokenizer, batch, SAMPLING, eos, False, seed)
-        got = _decode(policy, tiny_tokenizer, batch, SAMPLING, eos, False, seed, prefilled=False)
+        with pytest.warns(FastPathWarning, match="lean decode step' fell back to the model's own forward") \
+                if seed == 0 else contextlib.nullcontext():
+            got = _decode(policy, tiny_tokenizer, batch, SAMPLING, eos, False, seed, prefilled=False)
         assert torch.equal(got, expected)
     assert len(runs) == 1, "the lean step ran once, inside the check"
     assert list(verdicts.values()) == [False]

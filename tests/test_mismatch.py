@@ -13,6 +13,7 @@ import torch
 from grpo.config import config_from_dict
 from grpo.data.prepare import build_records
 from grpo.model.engines import EngineRollout, HFEngine
+from grpo.model.fast import FastPaths
 from grpo.model.precision import bf16_autocast, cpu_has_native_bf16
 from grpo.train.mismatch import trainer_logprobs
 from grpo.train.step import build_step, draw, prepare_batch
@@ -32,7 +33,7 @@ class ShiftedEngine:
     name = "shifted"
 
     def __init__(self, model, tokenizer, shift: float) -> None:
-        self.hf, self.shift = HFEngine(model, tokenizer), shift
+        self.hf, self.shift = HFEngine(model, tokenizer, fast=FastPaths()), shift
 
     def generate(self, prompts, group_size, sampling, eos_ids, seed) -> EngineRollout:
         rollout = self.hf.generate(prompts, group_size, sampling, eos_ids, seed).rollout

@@ -13,10 +13,10 @@ from grpo.core.batching import sft_batch
 from grpo.core.logprobs import score_completions
 from grpo.data.prompts import example_messages, sft_target
 from grpo.model.chat import render_sft
+from grpo.model.fast.head import ONEDNN_MIN_WEIGHTS, fp32_product, onednn_product
 from grpo.model.loading import load_model, save_model
 from grpo.model.lora import wrap_lora
 from grpo.model.precision import (
-    ONEDNN_MIN_WEIGHTS,
     Fp32Head,
     apply_memory_settings,
     autocast_enabled,
@@ -25,9 +25,7 @@ from grpo.model.precision import (
     cpu_has_native_bf16,
     describe,
     fp32_head,
-    fp32_product,
     frozen_linears_in_bf16,
-    onednn_product,
 )
 from grpo.train.causal_lm import sft_loss
 
@@ -127,8 +125,13 @@ def test_the_heads_backward_runs_at_the_bodys_precision(tiny_model):
     assert torch.allclose(biased.bias.grad, grad.sum(dim=(0, 1)), atol=1e-5)
 
 
+def _product(hidden, weight, bias):
+    """The head's product as ``model.fast_paths: auto`` runs it: oneDNN's where ``onednn_product``."""
+    return fp32_product(hidden, weight, bias, onednn_product(hidden, weight))
+
+
 def test_the_cpu_heads_product_is_fp32_and_each_rows_own(monkeypatch):
-    """``fp32_product`` (the head's product; oneDNN's for a large head on a CPU): fp32 precision against a
+    """``fast.fp32_product`` (the head's product; oneDNN's for a large head on a CPU): fp32 precision against a
     float64 product, not a bf16 rounding; a row's logits the same whichever other rows share its batch
     (2 or more), as the decode loop and the scorer batch them; with oneDNN off, ``F.linear`` itself; and
     without autocast the head's gradients those of a plain fp32 ``nn.Linear``. A small head (the embedded
@@ -138,7 +141,7 @@ def test_the_cpu_heads_product_is_fp32_and_each_rows_own(monkeypatch):
     hidden = torch.randn(200, 576)
     assert weight.numel() >= ONEDNN_MIN_WEIGHTS
     assert onednn_product(hidden, weight) == torch.backends.mkldnn.is_available()
-    logits = fp32_product(hidden, weight, bias)
+    logits = _product(hidden, weight, bias)
     exact = hidden.double() @ weight.double().T + bias.double()
     scale = float(exact.abs().max())
     assert logits.dtype == torch.float32 and float((logits.double() - exact).abs().max()) < 1e-6 * scale * 8
@@ -147,13 +150,13 @@ def test_the_cpu_heads_product_is_fp32_and_each_rows_own(monkeypatch):
     generator = torch.Generator().manual_seed(1)
     for rows in (2, 3, 8, 31, 32, 64, 150):
         pick = torch.randperm(200, generator=generator)[:rows]
-        assert torch.equal(fp32_product(hidden[pick], weight, bias), logits[pick]), rows
+        assert torch.equal(_product(hidden[pick], weight, bias), logits[pick]), rows
     stacked = hidden.view(8, 25, 576)
-    assert torch.equal(fp32_product(stacked, weight, bias), logits.view(8, 25, -1))
+    assert torch.equal(_product(stacked, weight, bias), logits.view(8, 25, -1))
     with monkeypatch.context() as patched:
         patched.setattr(torch.backends.mkldnn, "enabled", False)
         assert not onednn_product(hidden, weight)
-        assert torch.equal(fp32_product(hidden, weight, bias), torch.nn.functional.linear(hidden, weight, bias))
+        assert torch.equal(_product(hidden, weight, bias), torch.nn.functional.linear(hidden, weight, bias))
     assert not onednn_product(hidden, weight[:1024])  # a small head: MKL's product
 
     head = Fp32Head(576, 2048, bias=True)
@@ -169,8 +172,8 @@ def test_the_cpu_heads_product_is_fp32_and_each_rows_own(monkeypatch):
     # The head a model runs multiplies through ``fp32_product``, with and without grad (at this width its
     # bits differ from MKL's ``F.linear``, so a head that bypassed it would fail here).
     with torch.no_grad():
-        assert torch.equal(head(stacked), fp32_product(stacked, head.weight, head.bias))
-    assert torch.equal(head(stacked), fp32_product(stacked, head.weight, head.bias))
+        assert torch.equal(head(stacked), _product(stacked, head.weight, head.bias))
+    assert torch.equal(head(stacked), _product(stacked, head.weight, head.bias))
 
 
 def test_bf16_step_keeps_fp32_master_weights_and_optimizer_state(tiny_model, tiny_tokenizer):

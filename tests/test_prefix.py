@@ -9,6 +9,7 @@ from grpo.config import config_from_dict
 from grpo.core.batching import join_prompt_completion, left_pad
 from grpo.core.logprobs import score_completions
 from grpo.core.prefix import prefix_groups
+from grpo.model.fast import FastPaths
 from grpo.model.lora import wrap_lora
 
 G, WIDTH, TEMPERATURE = 3, 5, 0.7
@@ -128,10 +129,11 @@ def test_shared_prefill_samples_the_plain_generates_tokens(tiny_model, tiny_toke
     prompts = [tiny_tokenizer.encode(text) for text in ("Context: two friends met.", "Question: who was late?")]
     sampling = SamplingConfig(max_new_tokens=6, min_new_tokens=2)
     eos = stop_ids(tiny_model, tiny_tokenizer)
-    plain = generate_rollout(tiny_model, tiny_tokenizer, prompts, G, sampling, eos, seed=5)
+    plain = generate_rollout(tiny_model, tiny_tokenizer, prompts, G, sampling, eos, seed=5, fast=FastPaths())
     calls = []
     hook = tiny_model.model.embed_tokens.register_forward_hook(lambda module, args, out: calls.append(args[0].shape))
-    shared = generate_rollout(tiny_model, tiny_tokenizer, prompts, G, sampling, eos, seed=5, shared_prefill=True)
+    shared = generate_rollout(tiny_model, tiny_tokenizer, prompts, G, sampling, eos, seed=5, shared_prefill=True,
+                              fast=FastPaths())
     hook.remove()
     assert torch.equal(shared.completion_ids, plain.completion_ids) and shared.texts == plain.texts
     assert shared.eos_suppressed_frac == plain.eos_suppressed_frac

@@ -8,6 +8,7 @@ import torch
 from grpo.config import SamplingConfig
 from grpo.core.batching import left_pad
 from grpo.model.chat import end_of_turn_ids, render_prompt
+from grpo.model.fast import FastPaths
 from grpo.model.rollout import concat_rollouts, generate_rollout, select_groups, stop_ids
 
 SAMPLING = SamplingConfig(max_new_tokens=6)
@@ -25,7 +26,7 @@ def prompts(tiny_tokenizer) -> list[list[int]]:
 
 def rollout(model, tokenizer, prompts, group_size=3, seed=0, greedy=False, sampling=SAMPLING, with_entropy=False):
     return generate_rollout(model, tokenizer, prompts, group_size, sampling, stop_ids(model, tokenizer), seed,
-                            greedy=greedy, with_entropy=with_entropy)
+                            greedy=greedy, with_entropy=with_entropy, fast=FastPaths())
 
 
 def test_row_i_belongs_to_prompt_i_over_group_size(tiny_model, tiny_tokenizer, prompts):

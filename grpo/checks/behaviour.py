@@ -90,7 +90,7 @@ def check_sft_ends_answers(s: Gated) -> Check:
     prompts = render_records(s.tokenizer, s.questions, cfg.model.chat_template_kwargs)
     with torch.no_grad(), s.ctx.autocast():
         rollout = generate_rollout(
-            s.sft, s.tokenizer, prompts, 1, cfg.grpo.sampling, s.eos_ids, cfg.seed, greedy=True
+            s.sft, s.tokenizer, prompts, 1, cfg.grpo.sampling, s.eos_ids, cfg.seed, greedy=True, fast=s.ctx.fast
         )
     ended = 1.0 - float(rollout.truncated.float().mean())
     detail = (

@@ -42,6 +42,7 @@ from grpo.core.losses import policy_loss_terms, total_loss
 from grpo.data.prompts import render_records
 from grpo.data.select import balanced_records, eval_records
 from grpo.files import write_json
+from grpo.model.fast import FastPaths
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
 from grpo.model.scoring import RolloutInputs, rollout_inputs, score_inputs, score_reference
 from grpo.rewards import group_rewards
@@ -79,7 +80,8 @@ def make_probe(cfg: Config, target: Target) -> Probe:
     prompts = render_records(tok, records, cfg.model.chat_template_kwargs)
     eos_ids = stop_ids(target.model, tok, cfg.model.extra_stop_tokens)  # the trainer's stop ids
     rollout = generate_rollout(
-        target.model, tok, prompts, cfg.grpo.group_size, cfg.grpo.sampling, eos_ids, seed=cfg.seed
+        target.model, tok, prompts, cfg.grpo.group_size, cfg.grpo.sampling, eos_ids, seed=cfg.seed,
+        fast=FastPaths.resolve(cfg.model.fast_paths),
     )
     return Probe(records, rollout, rollout_inputs(rollout, next(target.model.parameters()).device))
 

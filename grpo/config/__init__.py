@@ -20,7 +20,7 @@ from grpo.config.base import ConfigError, Section
 from grpo.config.data import DataChecksConfig, DataConfig
 from grpo.config.eval import DiagnoseConfig, EvalConfig, PreflightConfig
 from grpo.config.health import MonitorConfig, RuleConfig, TrackingConfig
-from grpo.config.model import Architecture, LoraConfig, ModelConfig, TinyModelConfig
+from grpo.config.model import Architecture, FastPathsSetting, LoraConfig, ModelConfig, TinyModelConfig
 from grpo.config.orchestration import ScheduleConfig
 from grpo.config.rewards import RewardsConfig, RewardWeights
 from grpo.config.train import (
@@ -56,6 +56,7 @@ __all__ = [
     "DataConfig",
     "DiagnoseConfig",
     "EvalConfig",
+    "FastPathsSetting",
     "GrpoConfig",
     "LoraConfig",
     "LossConfig",

@@ -23,7 +23,7 @@ class DataChecksConfig(Section):
     max_examples: int = Field(5, ge=1)
     """Offending rows shown per failed rule in the validation reports."""
     data_docs: bool = True
-    """Also build the GX Data Docs HTML site under ``<reports_dir>/data_docs/`` (about 4 MB, half a second)."""
+    """Also build the GX Data Docs HTML site under ``<reports_dir>/data_docs/`` (a few MB of HTML)."""
 
 
 class DataConfig(Section):

@@ -9,6 +9,9 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from grpo.config.base import Section
 from grpo.offline import model_source_problem
 
+FastPathsSetting = Literal["auto", "off"]
+"""``model.fast_paths``: ``auto`` runs each CPU fast path where its self-check passes, ``off`` the libraries'."""
+
 Architecture = Literal["qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"]
 """The published architectures ``model.architecture`` can build (``grpo/model/architectures.py``)."""
 
@@ -94,6 +97,10 @@ class ModelConfig(Section):
     ``grpo/model/kernels.py``), eager, or flash-attn 2 (its package)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass of SFT and GRPO: less memory for about a third more compute."""
+    fast_paths: FastPathsSetting = "auto"
+    """``auto``: the CPU fast paths (own decode loop, lean decode step, exponential draws, oneDNN head, reuse
+    of prefills) run where their self-checks pass; ``off``: the libraries' own ``generate``, forward,
+    ``multinomial`` and ``F.linear`` (docs/performance.md "Fast paths")."""
 
     @model_validator(mode="after")
     def _one_model_source(self) -> ModelConfig:
@@ -108,6 +115,12 @@ class ModelConfig(Section):
                 "is null: set it to a folder holding the preset's tokenizer folder (e.g. llama-3.2-instruct/)"
             )
         return self
+
+    @field_validator("fast_paths", mode="before")
+    @classmethod
+    def _off_as_written(cls, value: object) -> object:
+        """YAML reads a bare ``off`` as false (and ``on`` as true): take them as the words they were."""
+        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
 
     @field_validator("name_or_path")
     @classmethod

@@ -121,9 +121,9 @@ class MultitaskConfig(Section):
 
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm"] = "hf"
-    """Generation engine: ``hf``, the trainer's own model (``model/decode.py``: Hugging Face ``generate``'s
-    tokens; CUDA graphs of the decode step on a GPU), or vLLM colocated on the same GPU (untested: it has
-    never run on this project's machines)."""
+    """Generation engine: ``hf``, the trainer's own model (Hugging Face ``generate``'s tokens, through its fast
+    stand-in where ``model.fast_paths`` allows; CUDA graphs of the decode step on a GPU), or vLLM colocated on
+    the same GPU (untested: it has never run on this project's machines)."""
     gpu_memory_utilization: float = Field(0.3, gt=0.0, lt=1.0)
     """vLLM: share of the GPU memory its weights and KV cache may take (the trainer keeps the rest)."""
     sleep: bool = True

@@ -2,8 +2,7 @@
 
 Given a 2D padding mask, a Hugging Face model builds its 4D attention mask on every forward
 (``masking_utils.create_causal_mask``); on CPU that is a chain of vmapped Python closures which, for
-the tiny models of this project, costs about as much as the forward itself, and a decode loop pays
-it at every token. A 4D mask passed in is used as given, so this module builds the same mask with
+a small model, can cost as much as the forward itself, and a decode loop pays it at every token. A 4D mask passed in is used as given, so this module builds the same mask with
 two tensor ops: key ``k`` is visible to query ``q`` when ``k`` is a real token and not after ``q``.
 The values equal the model's own mask (``tests/test_attention.py`` compares logits with the 2D path),
 so the numbers do not change. Models where a 2D mask means more than causal + padding (a sliding

@@ -54,8 +54,8 @@ from grpo.eval.metrics import (
 from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy, plot_eval_comparison
 from grpo.files import write_atomically
 from grpo.locks import writes
-from grpo.model.decode import PromptPass
 from grpo.model.device import make_accelerator, model_device
+from grpo.model.fast import FastPaths
 from grpo.model.precision import bf16_autocast
 from grpo.model.rollout import Rollout, generate_rollout, stop_ids
 from grpo.model.stage_models import check_grpo, check_sft, load_base, load_grpo, load_sft
@@ -190,6 +190,7 @@ def evaluate_model(
     """
     sampling, group, size = cfg.grpo.sampling, cfg.eval.samples_per_prompt, cfg.eval.batch_size
     eos_ids = stop_ids(model, tokenizer, cfg.model.extra_stop_tokens)  # the trainer's stop ids
+    fast = FastPaths.resolve(cfg.model.fast_paths)
     prompts = render_records(tokenizer, records, cfg.model.chat_template_kwargs)
     greedy, sampled = _Collected(), _Collected()
     starts = range(0, len(prompts), size)
@@ -197,10 +198,12 @@ def evaluate_model(
         batch = prompts[start : start + size]
         # The rollout's precision (grpo.bf16), each prompt's prefill shared by its samples (the same tokens).
         # The samples start from the greedy pass's keys and values where they are their prefill's very numbers.
-        prompt_pass = PromptPass() if group else None
+        prompt_pass = fast.prompt_pass() if group else None
         with bf16_autocast(model_device(model), cfg.grpo.bf16):
             args = (model, tokenizer, batch)
-            greedy.add(generate_rollout(*args, 1, sampling, eos_ids, cfg.seed, greedy=True, prompt_pass=prompt_pass))
+            greedy.add(
+                generate_rollout(*args, 1, sampling, eos_ids, cfg.seed, greedy=True, prompt_pass=prompt_pass, fast=fast)
+            )
             if group:
                 # Seeded by batch index, not by model: every model draws from the same random stream.
                 rollout = generate_rollout(
@@ -212,6 +215,7 @@ def evaluate_model(
                     shared_prefill=True,
                     with_entropy=True,
                     prompt_pass=prompt_pass,
+                    fast=fast,
                 )
                 sampled.add(rollout, entropy_sum(rollout))
     if texts is not None:

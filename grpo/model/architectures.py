@@ -24,6 +24,7 @@ from transformers import (
 
 from grpo.config import Architecture, ModelConfig
 from grpo.model.chat import end_of_turn_ids
+from grpo.model.fast import FastPaths
 from grpo.model.kernels import attention_kernel
 from grpo.model.loading import ModelLoadError, load_tokenizer
 from grpo.model.precision import fp32_head
@@ -167,7 +168,7 @@ def build_architecture(
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
     )
-    return fp32_head(model), tokenizer
+    return fp32_head(model, FastPaths.resolve(cfg.fast_paths)), tokenizer
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -13,8 +13,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo import paths
 from grpo.config import Config
 from grpo.model.architectures import build_architecture, count_parameters, tokenizer_folder
+from grpo.model.fast import FastPaths
 from grpo.model.gguf import convert_gguf
 from grpo.model.loading import load_model, load_tokenizer, save_model, write_pointer
+from grpo.model.precision import fp32_head
 from grpo.model.tiny import build_tiny
 from grpo.sources import gguf_file, is_gguf
 
@@ -44,6 +46,7 @@ def build_base(
         return None
     if cfg.model.name_or_path is None:
         model, tokenizer = build_tiny(out, corpus, cfg.model.tiny, cfg.seed)
+        fp32_head(model, FastPaths.resolve(cfg.model.fast_paths))  # the head pretraining runs
         print(f"base: embedded tiny Llama ({count_parameters(model) / 1e6:.2f}M parameters) written to {out}")
         return model, tokenizer
     if is_gguf(cfg.model.name_or_path):

@@ -32,8 +32,7 @@ def retain_freed_memory(mmap_below: int = 256 << 20, trim_above: int = NEVER) ->
     (up to ``trim_above`` bytes of it; by default all), instead of mapping large blocks fresh and returning
     freed memory to the system. A CPU training step allocates and frees the same activations every step;
     by default each of them is memory the kernel must fault in page by page again (the keys, values and
-    activations of a kept prefill, live across the step, made this 12 % of a GRPO step on the
-    embedded model). A finite ``trim_above`` is not enough: whenever the free top of the heap passes
+    activations of a kept prefill, live across the step, make it a visible share of a GRPO step). A finite ``trim_above`` is not enough: whenever the free top of the heap passes
     it, glibc hands back all of it at once, and a step whose peak and trough differ by more (SmolLM2's
     update frees several 200 MB logit tensors together) faults in those gigabytes again every step.
     The memory stays the process's, so its resident size is the peak of a step.

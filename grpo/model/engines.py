@@ -1,4 +1,4 @@
-"""Rollout engines: one interface over the trainer's own model (``decode.py``) and vLLM (``grpo.rollout.engine``).
+"""Rollout engines: one interface over the trainer's own model (``rollout.py``) and vLLM (``grpo.rollout.engine``).
 
 An engine turns prompt ids into a ``Rollout`` (token ids, completion masks by position, decoded texts,
 I3–I6) and, when it samples with other kernels than the trainer, reports the log-probs it sampled
@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import RolloutConfig, SamplingConfig
 from grpo.core.prefix import PromptPrefill
+from grpo.model.fast import FastPaths
 from grpo.model.rollout import Rollout, sample_rollout
 
 
@@ -53,14 +54,19 @@ class RolloutEngine(Protocol):
 
 
 class HFEngine:
-    """The decode loop on the trainer's own model (``rollout.generate_rollout``): nothing to sync."""
+    """The trainer's own model (``rollout.generate_rollout``, decoding as ``fast`` says): nothing to sync."""
 
     name = "hf"
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, shared_prefill: bool = False
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        shared_prefill: bool = False,
+        *,
+        fast: FastPaths,
     ) -> None:
-        self.model, self.tokenizer, self.shared_prefill = model, tokenizer, shared_prefill
+        self.model, self.tokenizer, self.shared_prefill, self.fast = model, tokenizer, shared_prefill, fast
 
     def generate(
         self,
@@ -81,6 +87,7 @@ class HFEngine:
             seed,
             shared_prefill=self.shared_prefill,
             keep_segments=keep_segments,
+            fast=self.fast,
         )
         return EngineRollout(rollout, None, prefills)
 
@@ -98,10 +105,13 @@ def make_engine(
     max_model_len: int = 4096,
     seed: int = 0,
     shared_prefill: bool = False,
+    *,
+    fast: FastPaths,
 ) -> RolloutEngine:
-    """The engine ``grpo.rollout.engine`` names, built around the trainer's ``model``."""
+    """The engine ``grpo.rollout.engine`` names, built around the trainer's ``model``; ``fast``: the run's fast
+    paths (the hf engine decodes as they say)."""
     if cfg.engine == "hf":
-        return HFEngine(model, tokenizer, shared_prefill=shared_prefill)
+        return HFEngine(model, tokenizer, shared_prefill=shared_prefill, fast=fast)
     from grpo.model.vllm_engine import VLLMEngine  # optional extra, CUDA only: imported when chosen
 
     return VLLMEngine(cfg, model, tokenizer, max_model_len=max_model_len, seed=seed)

@@ -2,7 +2,7 @@
 
 Every stage loads through ``load_model``/``load_tokenizer``; nothing is downloaded (the hub is used only
 as a local cache) and ``trust_remote_code`` stays off unless params turn it on. The LM head of every
-loaded model computes in fp32 (``precision.fp32_head``).
+loaded model computes in fp32 (``precision.fp32_head``), its product as ``model.fast_paths`` says.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from grpo.config import ModelConfig
 from grpo.errors import GrpoError
 from grpo.files import write_json
+from grpo.model.fast import FastPaths
 from grpo.model.kernels import attention_kernel
 from grpo.model.precision import fp32_head
 from grpo.offline import model_source_problem
@@ -139,7 +140,7 @@ def load_model(name_or_path: str | Path, cfg: ModelConfig) -> PreTrainedModel:
             f"{source}: its weight files lack {len(missing)} of the model's weights ({', '.join(missing[:5])}"
             f"{', ...' if len(missing) > 5 else ''}): they would start from random values; {_WRITE_AGAIN}"
         )
-    return fp32_head(model)
+    return fp32_head(model, FastPaths.resolve(cfg.fast_paths))
 
 
 def save_model(

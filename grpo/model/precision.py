@@ -9,8 +9,7 @@ fp32 after the autocast region (``.float()`` in the step). ``model.dtype: bfloat
 bf16 weights, which halves memory but rounds every update; keep it for inference-only stages.
 
 On a CPU without them autocast stays off: bf16 would be emulated, slower than fp32 (``force`` runs
-the bf16 code path anyway, which the tests use on any machine). On this project's 2-core AVX512-BF16
-machine a bf16 matmul runs about 4x faster than fp32.
+the bf16 code path anyway, which the tests use on any machine).
 
 The project applies autocast itself (``bf16_autocast``), not through accelerate's ``mixed_precision``:
 accelerate fixes one precision per process, which would forbid SFT and GRPO (or a check and the
@@ -28,6 +27,7 @@ import torch
 from transformers import PreTrainedModel
 
 from grpo.config import ModelConfig
+from grpo.model.fast import FastPaths, fp32_product
 
 
 def output_head(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -59,7 +59,7 @@ def cast_frozen_weights_once(model: torch.nn.Module) -> Iterator[None]:
 
     Autocast caches its bf16 copy of a weight only for leaves that require grad; the frozen weights
     (LoRA's base, the reference) are cast again at every forward, which in a decode loop of a few
-    rows per step costs about as much as the matmuls themselves. For the span of the block (run it
+    rows per step is a cost of the size of the matmuls themselves. For the span of the block (run it
     under ``torch.no_grad``, as generation is: no graph is built) the frozen floating-point weights
     are marked as requiring grad, so each is cast once; the flags are restored on exit. The values
     are those autocast computes anyway (the same rounding of the same fp32 weight). CPU only: on a
@@ -115,51 +115,15 @@ def frozen_linears_in_bf16(models: list[torch.nn.Module], on: bool) -> Iterator[
             param.data = data
 
 
-ONEDNN_MIN_WEIGHTS = 1 << 20
-"""Weights (``V x H``) from which ``fp32_product`` multiplies through oneDNN: about 2-3 times MKL's speed
-from here up on a 2-core AVX-512 CPU (measured 1M to 136M at 4, 32 and 256 rows), a wash below, where
-oneDNN's fixed cost per call is the larger part (the embedded model's head has 77k)."""
-
-
-def onednn_product(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``fp32_product`` multiplies these through oneDNN: fp32 on a CPU, a head of at least
-    ``ONEDNN_MIN_WEIGHTS`` weights, and this PyTorch's oneDNN linear kernel present and on. It depends on
-    the weight alone, so every pass of a model runs the same kernel."""
-    return (
-        hidden.device.type == "cpu"
-        and hidden.dtype == weight.dtype == torch.float32
-        and weight.numel() >= ONEDNN_MIN_WEIGHTS
-        and torch.backends.mkldnn.is_available()
-        and torch.backends.mkldnn.enabled
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
-
-
-def fp32_product(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(hidden, weight, bias)`` of fp32 tensors; a large head on a CPU through oneDNN's fp32
-    matmul (``onednn_product``).
-
-    ``F.linear`` multiplies fp32 on a CPU with MKL's sgemm, which runs a vocabulary-wide product of a
-    few rows well below the cores' fp32 rate (SmolLM2's ``[32, 576] x [576, 49152]`` at about 105
-    GFLOP/s); oneDNN's fp32 kernel computes the same product 2-3 times as fast. Both accumulate in fp32,
-    in different orders: the logits differ in the last bits (about 1e-6 of their scale), never by a
-    bf16 rounding. A row's logits do not depend on the other rows of the batch once it has two or more
-    (``tests/test_precision.py``). oneDNN's kernel has no autograd: with gradients, ``Fp32Head`` runs
-    it inside ``_HeadProduct``. Otherwise ``F.linear`` itself."""
-    if onednn_product(hidden, weight):
-        return torch.ops.mkldnn._linear_pointwise(hidden, weight, bias, "none", [], "")
-    return torch.nn.functional.linear(hidden, weight, bias)
-
-
 class _HeadProduct(torch.autograd.Function):
-    """``fp32_product(hidden, weight, bias)``, its backward's two products in ``low`` (autocast's dtype
-    under autocast, else fp32: then the products of ``F.linear``'s own backward)."""
+    """``fast.fp32_product(hidden, weight, bias, onednn)``, its backward's two products in ``low``
+    (autocast's dtype under autocast, else fp32: then the products of ``F.linear``'s own backward)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, low):
+    def forward(ctx, hidden, weight, bias, low, onednn):
         ctx.save_for_backward(hidden, weight)
         ctx.low = low
-        return fp32_product(hidden, weight, bias)
+        return fp32_product(hidden, weight, bias, onednn)
 
     @staticmethod
     def backward(ctx, grad):
@@ -174,7 +138,7 @@ class _HeadProduct(torch.autograd.Function):
             grad_weight = (rows.T @ hidden.reshape(-1, hidden.shape[-1]).to(ctx.low)).to(weight.dtype)  # [V, H]
         if ctx.needs_input_grad[2]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(dim=0)
-        return grad_hidden, grad_weight, grad_bias, None
+        return grad_hidden, grad_weight, grad_bias, None, None
 
 
 def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,14 +193,16 @@ def split_product_available(device: torch.device) -> bool:
 
 
 class Fp32Product(NamedTuple):
-    """``fp32_product`` (oneDNN's for a large head on a CPU), the backward's products in ``low_weight``'s dtype."""
+    """``fp32_product`` (oneDNN's for a large head on a CPU where ``onednn``), the backward's products in
+    ``low_weight``'s dtype."""
 
     weight: torch.Tensor  # [V, H] fp32
     bias: torch.Tensor | None
     low_weight: torch.Tensor  # [V, H]
+    onednn: bool = False
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return fp32_product(hidden, self.weight, self.bias)
+        return fp32_product(hidden, self.weight, self.bias, self.onednn)
 
 
 class SplitProduct(NamedTuple):
@@ -254,21 +220,23 @@ class SplitProduct(NamedTuple):
         return logits if self.bias is None else logits + self.bias
 
 
-def head_product(weight: torch.Tensor, bias: torch.Tensor | None, low: torch.dtype) -> Fp32Product | SplitProduct:
+def head_product(
+    weight: torch.Tensor, bias: torch.Tensor | None, low: torch.dtype, onednn: bool = False
+) -> Fp32Product | SplitProduct:
     """The scoring product of an fp32 head whose backward runs in ``low`` (autocast's dtype, else fp32):
     bf16x3 on CUDA under bf16 autocast (fp32 products run on the CUDA cores, at a small fraction of the
-    tensor cores' rate), ``fp32_product`` everywhere else."""
+    tensor cores' rate), ``fp32_product`` everywhere else (through oneDNN where ``onednn``)."""
     if low == torch.bfloat16 and split_product_available(weight.device):
         return SplitProduct(split_bf16(weight), bias)
-    return Fp32Product(weight, bias, weight.to(low))
+    return Fp32Product(weight, bias, weight.to(low), onednn)
 
 
 class Fp32Head(torch.nn.Linear):
     """The LM head computed in fp32 whatever the autocast: the product of the fp32 hidden states and the
-    fp32 weights (cast per call when the model holds bf16 weights; ``fp32_product``: a large head's through
-    oneDNN on a CPU), so logits, log-softmax and entropy carry fp32 digits. Under bf16 autocast a bf16 head
-    rounds every logit to 8 mantissa bits: on SmolLM2 (logits up to ~40) two scorings of the same ids
-    then differ by up to 0.4 nats, more than the clip range of the ratio (the fix TRL's
+    fp32 weights (cast per call when the model holds bf16 weights; ``fast.fp32_product``: a large head's
+    through oneDNN on a CPU where ``model.fast_paths`` allows), so logits, log-softmax and entropy carry fp32
+    digits. Under bf16 autocast a bf16 head rounds every logit to 8 mantissa bits: at logits of a few tens
+    two scorings of the same ids can differ by tenths of a nat, more than the clip range of the ratio (the fix TRL's
     ``cast_lm_head_to_fp32`` and MiniMax-M1, arXiv 2506.13585, apply). The body keeps its bf16 matmuls:
     only the head's ``V x H`` product runs in fp32.
 
@@ -276,8 +244,8 @@ class Fp32Head(torch.nn.Linear):
     a trainable head's weights) are products in autocast's dtype, as every other layer's backward is,
     from the fp32 gradient of the fp32 logits; without autocast they are fp32 products. Forward numbers
     are the same either way; the backward's fp32 ``[N, V] x [V, H]`` product would be the update's
-    largest matmul (on SmolLM2 about 2.6 times the bf16 one), and the gradient enters the body's bf16
-    backward next anyway.
+    largest matmul, and the gradient enters the body's bf16 backward next anyway. This backward is a
+    precision rule, not a fast path: it holds under ``model.fast_paths: off`` too.
 
     Scoring (``scores_requests``): while ``score_completions`` has handed it a ``core.head_scores.HeadRequest``,
     the head returns the log-probs and entropy of the requested ids, chunk by chunk, instead of logits
@@ -290,6 +258,8 @@ class Fp32Head(torch.nn.Linear):
     scores_requests = True
     head_request = None
     """A ``core.head_scores.HeadRequest`` while ``score_completions`` has handed it one (``head_request``)."""
+    fast_paths: FastPaths = FastPaths("auto")
+    """Whether the product may run through oneDNN (``fp32_head``'s ``fast_paths``, ``model.fast_paths``)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         kind = hidden.device.type
@@ -299,25 +269,30 @@ class Fp32Head(torch.nn.Linear):
         with torch.autocast(device_type=kind, enabled=False):
             hidden, weight = hidden.float(), self.weight.float()
             bias = None if self.bias is None else self.bias.float()
+            onednn = self.fast_paths.head_onednn(hidden, weight)
             tracked = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-            if tracked and (low is not None or onednn_product(hidden, weight)):
-                return _HeadProduct.apply(hidden, weight, bias, low or torch.float32)
-            return fp32_product(hidden, weight, bias)  # F.linear's own autograd where it is F.linear
+            if tracked and (low is not None or onednn):
+                return _HeadProduct.apply(hidden, weight, bias, low or torch.float32, onednn)
+            return fp32_product(hidden, weight, bias, onednn)  # F.linear's own autograd where it is F.linear
 
     def _scores(self, hidden: torch.Tensor, request, low: torch.dtype) -> torch.Tensor:
         """``request``'s scores [B, C, 2 or 1] from ``hidden`` [B, C + 1, H], the backward's products in ``low``."""
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             weight = self.weight.float()
             bias = None if self.bias is None else self.bias.float()
-            return request.score(hidden, weight, bias, lambda w, b: head_product(w, b, low))
+            onednn = self.fast_paths.head_onednn(hidden.float(), weight)
+            return request.score(hidden, weight, bias, lambda w, b: head_product(w, b, low, onednn))
 
 
-def fp32_head(model: torch.nn.Module) -> torch.nn.Module:
+def fp32_head(model: torch.nn.Module, fast_paths: FastPaths | None = None) -> torch.nn.Module:
     """Make ``model``'s output projection an ``Fp32Head`` (the same parameters, tied ones included; the
-    state dict's names are unchanged). Models whose head is not a plain ``nn.Linear`` are left alone."""
+    state dict's names are unchanged), whose product follows ``fast_paths`` (the run's ``model.fast_paths``;
+    ``None``: ``auto``). Models whose head is not a plain ``nn.Linear`` are left alone."""
     head = output_head(model)
     if type(head) is torch.nn.Linear:
         head.__class__ = Fp32Head
+    if isinstance(head, Fp32Head) and fast_paths is not None:
+        head.fast_paths = fast_paths
     return model
 
 
@@ -343,17 +318,4 @@ def describe(model: PreTrainedModel, device: torch.device, bf16: bool) -> str:
     return (
         f"weights {str(weights).removeprefix('torch.')}, compute {compute}, attention {attention}, "
         f"gradient checkpointing {'on' if checkpointing else 'off'}, device {device}"
-    )
-
-
-DROPOUT_RATES = ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")
-
-
-def has_dropout(model: torch.nn.Module) -> bool:
-    """Whether a training-mode forward of ``model`` is random: a dropout module with p > 0 (LoRA's
-    included) or a dropout rate in its config that attention applies in training."""
-    config = getattr(model, "config", None)
-    rates = [getattr(config, name, 0.0) for name in DROPOUT_RATES]
-    return any(isinstance(r, (int, float)) and r > 0 for r in rates) or any(
-        isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()
     )

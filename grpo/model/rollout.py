@@ -1,5 +1,6 @@
-"""Rollouts: G completions per prompt, sampled by the decode loop (``decode.py``: ``model.generate``'s
-tokens without its per-token overhead), as token ids (I3, I4, I5, I6).
+"""Rollouts: G completions per prompt, sampled by ``model.generate`` with the project's processors and stop
+ids (``generation.py``), or by its fast stand-in where ``model.fast_paths`` allows (``FastPaths.decode``:
+the same tokens), as token ids (I3, I4, I5, I6).
 
 The engine knows token ids only. Prompts arrive as ids from the one renderer, are left-padded, and
 the completions are cut at the absolute prompt width; the completion mask comes from positions up to
@@ -20,7 +21,7 @@ from grpo.core.batching import PaddedBatch, completion_ids_from_generated, compl
 from grpo.core.prefix import PromptPrefill, decode_cache, keep_prefills, prefilled_cache
 from grpo.errors import GrpoError
 from grpo.model.chat import end_of_turn_ids
-from grpo.model.decode import PromptPass, decode
+from grpo.model.fast import FastPaths, PromptPass
 from grpo.model.precision import cast_frozen_weights_once
 from grpo.model.sampling import EosSuppressor, build_logits_processors
 
@@ -95,6 +96,8 @@ def generate_rollout(
     shared_prefill: bool = False,
     with_entropy: bool = False,
     prompt_pass: PromptPass | None = None,
+    *,
+    fast: FastPaths,
 ) -> Rollout:
     """Sample ``group_size`` completions for every prompt (ids from ``chat.render_prompt``).
 
@@ -104,8 +107,9 @@ def generate_rollout(
     hence the sampled tokens, are those of a plain prefill. ``with_entropy``: the rollout carries each
     token's entropy under the sampling temperature (``Rollout.entropy``), taken from the logits that
     drew it, so no scoring pass is needed for it. ``prompt_pass``: a pass over these prompts shared by two
-    calls (``decode.PromptPass``): a call without ``shared_prefill`` keeps its pass over the whole prompts,
-    a later call with it starts from that pass where the numbers are those of its own prefill.
+    calls (``fast.prompt_pass()``): a call without ``shared_prefill`` keeps its pass over the whole prompts,
+    a later call with it starts from that pass where the numbers are those of its own prefill. ``fast``: the
+    run's fast paths (``model.fast_paths``), which say how to decode.
     """
     return sample_rollout(
         model,
@@ -119,6 +123,7 @@ def generate_rollout(
         shared_prefill,
         with_entropy=with_entropy,
         prompt_pass=prompt_pass,
+        fast=fast,
     )[0]
 
 
@@ -136,6 +141,8 @@ def sample_rollout(
     keep_segments: Sequence[Hashable] | None = None,
     with_entropy: bool = False,
     prompt_pass: PromptPass | None = None,
+    *,
+    fast: FastPaths,
 ) -> tuple[Rollout, tuple[PromptPrefill, ...]]:
     """``generate_rollout``, and with ``keep_segments`` (a label per prompt, e.g. its task) the
     prefill kept with its graph, one per label (``prefix.keep_prefills``), for the update's policy
@@ -164,7 +171,7 @@ def sample_rollout(
             prefilled = reused if reused is not None else prefilled_cache(model, *distinct, group_size)
             cache = {"past_key_values": prefilled}
         entropy = [] if with_entropy else None
-        sequences = decode(
+        sequences = fast.decode(
             model,
             prompt.input_ids.to(device),
             prompt.attention_mask.to(device),

@@ -93,6 +93,7 @@ BASE_MODEL_KEYS: tuple[str, ...] = tuple(
         "tokenizers_dir",
         "attn_implementation",
         "gradient_checkpointing",
+        "fast_paths",
     )
 )
 # The grpo keys pre-flight reads: the checks drive the step itself, so its precision, scoring path, loss,

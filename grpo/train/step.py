@@ -25,7 +25,6 @@ from transformers import PreTrainedTokenizerBase
 
 from grpo.config import Config
 from grpo.core.advantages import group_advantages, per_row
-from grpo.core.attention import takes_prepared_mask
 from grpo.core.grad_space import GradSpace
 from grpo.core.multitask import MultitaskError
 from grpo.core.prefix import PromptPrefill
@@ -34,7 +33,8 @@ from grpo.data.prompts import example_messages, render_records
 from grpo.data.schema import TASKS
 from grpo.health.metrics import completion_stats, task_reward_stats
 from grpo.model.engines import HFEngine, RolloutEngine, make_engine
-from grpo.model.precision import autocast_enabled, bf16_autocast, frozen_linears_in_bf16, has_dropout
+from grpo.model.fast import FastPaths
+from grpo.model.precision import autocast_enabled, bf16_autocast, frozen_linears_in_bf16
 from grpo.model.rollout import stop_ids
 from grpo.model.scoring import RolloutInputs, rollout_inputs
 from grpo.rewards import group_rewards
@@ -70,11 +70,13 @@ class Step:
     shares_prefix: bool
     """Each prompt is scored once for its group (``grpo.shared_prefix``; not under gradient checkpointing)."""
     reuses_prefill: bool
-    """The update's policy pass reuses the rollout's prefill of the prompts (``reuses_prefill``)."""
+    """The update's policy pass reuses the rollout's prefill of the prompts (``FastPaths.reuses_prefill``)."""
     header_tokens: list[str]
     """Special tokens that must never appear inside a completion (chat headers, BOS, role tags)."""
     end_of_turn_tokens: list[str]
     """The stop ids as tokens (the boundary monitor counts them)."""
+    fast: FastPaths
+    """The run's fast paths (``model.fast_paths``): how the rollout decodes, whether the prefill is reused."""
 
     @property
     def policy(self) -> Policy:
@@ -122,31 +124,6 @@ def shares_prefix(cfg: Config, model: torch.nn.Module) -> bool:
     return cfg.grpo.shared_prefix and not getattr(model, "is_gradient_checkpointing", False)
 
 
-def reuses_prefill(
-    cfg: Config, model: torch.nn.Module, engine: RolloutEngine, accelerator: Accelerator
-) -> bool:
-    """Whether the update's policy pass may reuse the rollout's prefill (``core.prefix.PromptPrefill``): only
-    where a fresh pass would be the very same computation and each prompt's graph is traversed by the
-    backward of its own task once. So: the trainer's model samples (the hf engine), one optimizer step on
-    one micro-batch per rollout (the weights are the rollout's), the groups trained as drawn (dynamic
-    sampling's selections drop the kept prefill), one process (DDP and FSDP wrap the forward the update
-    runs), a full-attention model that takes the prepared 4D mask, the prompt scored once
-    (``shares_prefix``), and no dropout (the rollout runs in eval mode, the update in train mode)."""
-    grpo = cfg.grpo
-    return (
-        shares_prefix(cfg, model)
-        and grpo.reuse_prefill
-        and isinstance(engine, HFEngine)
-        and grpo.num_iterations == 1
-        and grpo.grad_accum == 1
-        and grpo.dynamic_sampling == "none"
-        and accelerator.num_processes == 1
-        and not grad_space(model, accelerator).sharded
-        and takes_prepared_mask(model)
-        and not has_dropout(model)
-    )
-
-
 def header_tokens(tokenizer: PreTrainedTokenizerBase, eos_ids: Sequence[int]) -> list[str]:
     """Special tokens that must never appear inside a completion (chat headers, BOS, role tags)."""
     allowed = set(eos_ids) | {tokenizer.pad_token_id}
@@ -165,10 +142,12 @@ def build_step(
     The one construction: the trainer and the gate call it."""
     model, tokenizer = policy.model, policy.tokenizer
     eos_ids = stop_ids(model, tokenizer, cfg.model.extra_stop_tokens)
+    fast = FastPaths.resolve(cfg.model.fast_paths)
     if engine is None:
         engine = make_engine(
-            cfg.grpo.rollout, model, tokenizer, seed=cfg.seed, shared_prefill=cfg.grpo.shared_prefix
+            cfg.grpo.rollout, model, tokenizer, seed=cfg.seed, shared_prefill=cfg.grpo.shared_prefix, fast=fast
         )
+    one_process = accelerator.num_processes == 1 and not grad_space(model, accelerator).sharded
     return Step(
         cfg=cfg,
         model=model,
@@ -181,9 +160,16 @@ def build_step(
         reference=policy.reference,
         space=grad_space(model, accelerator),
         shares_prefix=shares_prefix(cfg, model),
-        reuses_prefill=reuses_prefill(cfg, model, engine, accelerator),
+        reuses_prefill=fast.reuses_prefill(
+            cfg.grpo,
+            model,
+            shares_prefix=shares_prefix(cfg, model),
+            samples_on_model=isinstance(engine, HFEngine),
+            one_process=one_process,
+        ),
         header_tokens=header_tokens(tokenizer, eos_ids),
         end_of_turn_tokens=tokenizer.convert_ids_to_tokens(eos_ids),
+        fast=fast,
     )
 
 
@@ -229,7 +215,7 @@ class ScoredBatch:
     is_weights: torch.Tensor | None = None  # [N, C] truncated IS weights; None when the trainer sampled
     prefills: tuple[
         PromptPrefill, ...
-    ] = ()  # the rollout's prefill kept for the policy pass (``reuses_prefill``)
+    ] = ()  # the rollout's prefill kept for the policy pass (``Step.reuses_prefill``)
 
     @property
     def completion_mask(self) -> torch.Tensor:  # [N, C] bool

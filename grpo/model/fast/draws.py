@@ -1,20 +1,22 @@
-"""``draw_one``: ``torch.multinomial(probs, 1)`` on a CPU, the same tokens from the same generator, faster.
+"""``draw_one``: ``torch.multinomial(probs, 1)`` on a CPU, the same tokens from the same generator, without
+its serial loop.
 
 For one sample per row PyTorch draws ``q ~ Exp(1)`` for every entry (``empty_like(probs).exponential_()``)
 and returns ``argmax(probs / q)``. Its CPU ``exponential_`` is a serial loop: per entry one 53-bit
-uniform ``u`` from the generator (``random64``), then ``-log1p(-u)`` in double, rounded to float. Over
-SmolLM2's 49,152-token vocabulary and 32 rows that is about 30 ms, a fifth of a decode step. The same
-uniforms come from ``uniform_`` on a float64 tensor (the same ``random64`` per entry, the generator left
-in the same state), and ``log1p`` over the whole tensor is vectorised, on every thread: half the time.
+uniform ``u`` from the generator (``random64``), then ``-log1p(-u)`` in double, rounded to float; over a
+vocabulary of tens of thousands of tokens and a batch of rows, that loop is a large part of a decode step.
+The same uniforms come from ``uniform_`` on a float64 tensor (the same ``random64`` per entry, the
+generator left in the same state), and ``log1p`` over the whole tensor is vectorised, on every thread.
 
 Vectorised ``log1p`` and the serial one may differ in the last bit of the double. The float they round
 to differs only when the double lies within a few units of its last place of a float rounding
-midpoint; those few entries (about 3 in 10^8) are recomputed with the C library's ``log1p``
-(Python's ``math.log1p``, the serial kernel's). So every ``q`` is the float the serial kernel makes.
+midpoint; those few entries are recomputed with the C library's ``log1p`` (Python's ``math.log1p``, the
+serial kernel's). So every ``q`` is the float the serial kernel makes.
 
-A self-check at the first draw compares the two ways on a copy of the generator's state (a PyTorch
-whose kernel changed fails it): where it fails, on a GPU, or for other dtypes, ``draw_one`` is
-``torch.multinomial`` itself. ``tests/test_draws.py`` and ``tests/test_decode.py`` compare the tokens.
+Self-check (``exponential_mismatch``, at the first draw): the two ways compared on a copy of the
+generator's state; where they differ (a PyTorch whose kernel changed), ``draw_one`` is
+``torch.multinomial`` itself, with a warning. So it is on a GPU and for other dtypes.
+``tests/test_draws.py`` and ``tests/test_decode.py`` compare the tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import functools
 import math
 
 import torch
+
+from grpo.model.fast.warning import fall_back
 
 _MIDPOINT = 1 << 28
 """Half a float ulp, in units of the double's last place (53 - 24 = 29 bits are rounded away)."""
@@ -47,9 +51,10 @@ def _from_uniform(uniform: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _matches_exponential_() -> bool:
-    """Whether ``_exponentials`` gives ``exponential_``'s draws and leaves the generator as it does, tried
-    on a copy of the global generator's state (restored afterwards: nothing of the stream is used)."""
+def exponential_mismatch() -> str | None:
+    """``None`` where ``_exponentials`` gives ``exponential_``'s draws and leaves the generator as it does,
+    tried on a copy of the global generator's state (restored afterwards: nothing of the stream is used);
+    else why not, with a warning (once per process)."""
     generator = torch.default_generator
     state = generator.get_state()
     try:
@@ -57,9 +62,14 @@ def _matches_exponential_() -> bool:
         after = generator.get_state()
         generator.set_state(state)
         got = _exponentials((64, 1024))
-        return torch.equal(expected, got) and torch.equal(after, generator.get_state())
+        same = torch.equal(expected, got) and torch.equal(after, generator.get_state())
     finally:
         generator.set_state(state)
+    if same:
+        return None
+    reason = "uniform_ then log1p no longer gives exponential_'s draws on this PyTorch"
+    fall_back("exponential draws", reason, "torch.multinomial")
+    return reason
 
 
 def draw_one(probs: torch.Tensor) -> torch.Tensor:
@@ -70,7 +80,7 @@ def draw_one(probs: torch.Tensor) -> torch.Tensor:
         and probs.dtype == torch.float32
         and probs.dim() == 2
         and probs.is_contiguous()
-        and _matches_exponential_()
+        and exponential_mismatch() is None
     )
     if not fast:
         return torch.multinomial(probs, num_samples=1).squeeze(1)

@@ -11,14 +11,15 @@ Python around them, and the input of the projections that share one is cast to a
 rotary embedding, the cache update, the attention function and the head are the model's own.
 
 Projections are not stacked into one product: a bf16 product of other shapes may run another kernel,
-which sums in another order (on the embedded model's 16-wide key projection, 1 element in about 40,000
-rounds the other way), so only the very shapes keep the very numbers.
+which sums in another order (on the embedded model's 16-wide key projection a few elements round the
+other way), so only the very shapes keep the very numbers.
 
 The first lean step of a kind (``_VERDICTS``: the model's class, attention, the weights' dtypes, autocast,
 the adapters' layout, the row count) also runs the model's own forward from the same cache and compares
 the logits and the keys and values written, bit for bit (``decode._step_logits``); where anything differs,
-that kind never runs lean in the process. A guard against a model this code does not describe (a
-transformers release whose layer computes otherwise), not against rounding: the operations are the same.
+that kind never runs lean in the process, with a warning (``FastPathWarning``). A guard against a model
+this code does not describe (a transformers release whose layer computes otherwise), not against
+rounding: the operations are the same.
 
 Not lean (``LeanStep.build`` returns ``None``; the model's own forward runs): other architectures, weights
 that are not plain CPU tensors (sharded), modules with forward hooks, LoRA variants (DoRA), several active
@@ -34,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from grpo.model.fast.warning import fall_back
 
 LEAN_CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 """Causal LMs whose decoder layer is Llama's: RMSNorm, attention with rotary q/k, SiLU gate/up/down MLP."""
@@ -173,7 +176,16 @@ class LeanStep:
         return _VERDICTS.get((*self.kind, rows))
 
     def record(self, rows: int, same: bool) -> None:
+        """Keep the verdict of this kind at ``rows`` rows; a step that gave other numbers is never run again,
+        and says so (a model or a transformers release this code does not describe)."""
         _VERDICTS[(*self.kind, rows)] = same
+        if not same:
+            fall_back(
+                "lean decode step",
+                f"its first step of kind {self.kind} at {rows} rows gave other logits or keys and values than "
+                "the model's forward",
+                "the model's own forward",
+            )
 
     def _operand(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as autocast hands it to a product (cast once, not once per product)."""

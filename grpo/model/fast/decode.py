@@ -1,34 +1,38 @@
-"""A lean decode loop: what ``model.generate`` does for a rollout, without its per-token overhead.
+"""The decode loop: what ``model.generate`` does for a rollout (``grpo/model/generation.py``), without its
+per-token overhead.
 
-``generate`` spends most of a small model's decode step outside the model: it rebuilds the 4D
-attention mask from the 2D one at every token, re-derives the inputs, checks stopping criteria
-objects. This loop runs the same computation with the mask prepared once per step by two tensor ops
-(``core.attention``), and is otherwise ``generate``'s sampling loop, step for step: the logits of
-the last position in fp32, the caller's processors then temperature, top-k and top-p (the order
-``generate`` applies them), ``softmax`` and ``torch.multinomial``'s draw on the global generator
-(``draws.draw_one``: the same draws, on a CPU in half the time) or argmax, the pad id after a row's
-stop token, and the loop ends when every row has stopped or ``max_new_tokens`` are out. The
-key/value cache writes each token into room reserved once (``ReservedLayer``) where ``generate``'s
-concatenates the whole cache again. After the first step, a Llama-family model on a CPU runs its
-one-token steps through ``lean_step.LeanStep``: the forward's very operations without the module and
-adapter machinery around them, checked against the model's own forward at its first step; on a GPU they
-replay a CUDA graph of the model's own forward over a static cache (``graph_step.GraphStep``), checked
-the same way. Same
-generator, same draws: the tokens are those of ``generate`` (``tests/test_decode.py`` compares them,
-sampled and greedy, with and without a prefilled cache).
+``generate`` spends much of a small model's decode step outside the model: it rebuilds the 4D attention
+mask from the 2D one at every token, re-derives the inputs, checks stopping criteria objects. This loop
+runs the same computation with the mask prepared once per step by two tensor ops (``core.attention``),
+and is otherwise ``generate``'s sampling loop, step for step: the logits of the last position in fp32,
+the caller's processors then temperature, top-k and top-p (the order ``generate`` applies them),
+``softmax`` and ``torch.multinomial``'s draw on the global generator (``draws.draw_one``: the same draws
+without its serial loop) or argmax, the pad id after a row's stop token, and the loop ends when every row
+has stopped or ``max_new_tokens`` are out. The key/value cache writes each token into room reserved once
+(``ReservedLayer``) where ``generate``'s concatenates the whole cache again. After the first step, a
+Llama-family model on a CPU runs its one-token steps through ``lean_step.LeanStep``: the forward's very
+operations without the module and adapter machinery around them, checked against the model's own
+forward at its first step; on a GPU they replay a CUDA graph of the model's own forward over a static
+cache (``graph_step.GraphStep``), checked against the model's own forward at its first step too. Same
+generator, same draws: the tokens are those of ``generate``
+(``tests/test_decode.py`` compares them, sampled and greedy, with and without a prefilled cache).
 Asked for it, the loop also hands back each generated token's entropy under the scorer's distribution
 (``softmax(z / T)`` of the same fp32 logits, ``core.logprobs.entropy_from_logits``): evaluation's
 entropy of the sampling policy without a second forward pass over the rollout.
+
+Self-check (``loop_mismatch``, once per process): on a small random Llama model, the loop and
+``generate`` sample the same tokens (warped and greedy, from left-padded prompts); where they do not (a
+transformers release whose ``generate`` samples otherwise), ``FastPaths`` runs ``generate`` instead.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
+import functools
 from collections.abc import Sequence
 
 import torch
-from transformers import LogitsProcessorList, PreTrainedModel
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
@@ -36,10 +40,12 @@ from grpo.config import SamplingConfig
 from grpo.core.attention import model_attention_mask
 from grpo.core.batching import position_ids_from_mask
 from grpo.core.logprobs import entropy_from_logits
-from grpo.model.draws import draw_one
-from grpo.model.graph_step import GraphStep
-from grpo.model.kernels import PrefixWatch, rows_independent, watch_prefix
-from grpo.model.lean_step import LeanStep
+from grpo.model.fast.draws import draw_one
+from grpo.model.fast.graph_step import GraphStep
+from grpo.model.fast.lean_step import LeanStep
+from grpo.model.fast.prompt_pass import PromptPass, watch_prefix
+from grpo.model.fast.warning import fall_back
+from grpo.model.generation import generate_sequences
 
 
 def warpers(sampling: SamplingConfig, greedy: bool) -> LogitsProcessorList:
@@ -59,9 +65,8 @@ def warpers(sampling: SamplingConfig, greedy: bool) -> LogitsProcessorList:
 
 class ReservedLayer(DynamicLayer):
     """A ``DynamicLayer`` that writes each step's keys and values into room reserved once, instead of
-    concatenating the whole cache anew at every token (per step a copy of every layer's cache: on
-    SmolLM2 with 32 rows of about 150 positions, a tenth of a decode step). Its keys and values are
-    views of the first ``length`` positions of the reserved buffers: the same values as
+    concatenating the whole cache anew at every token (per step a copy of every layer's cache). Its keys
+    and values are views of the first ``length`` positions of the reserved buffers: the same values as
     ``DynamicLayer``'s, hence the same logits."""
 
     reserve: int  # positions to reserve beyond the current length when (re)allocating
@@ -95,49 +100,6 @@ def reserve_room(cache, tokens: int) -> None:
         if type(layer) is DynamicLayer:
             layer.__class__ = ReservedLayer
             layer.reserve = tokens
-
-
-class PromptPass:
-    """The keys and values of a decode's pass over whole prompts, for a second decode of the same prompts
-    whose cache holds every prompt column but the last (``prefix.prefilled_cache``: evaluation samples its
-    prompts after decoding them greedily). Handed to ``decode`` as ``prompt_pass``, it keeps the first pass's
-    cache and watches its attention (``kernels.PrefixWatch``); ``prefilled`` gives the second decode's cache
-    where it is bit for bit the one ``prefilled_cache`` computes, and ``None`` otherwise."""
-
-    def __init__(self) -> None:
-        self.watch = PrefixWatch()
-        self.prompt_ids: torch.Tensor | None = None  # [n, P] the prompts of the pass
-        self.prompt_mask: torch.Tensor | None = None
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (keys, values) [n, heads, P, d]
-        self.cache_class: type | None = None
-
-    def keep(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache) -> None:
-        """Keep the cache of the pass over ``prompt_ids`` [n, P] (a ``DynamicCache``'s layers)."""
-        self.prompt_ids, self.prompt_mask = prompt_ids, prompt_mask
-        self.layers = [(layer.keys, layer.values) for layer in getattr(cache, "layers", ())]
-        self.cache_class = type(cache)
-
-    def prefilled(
-        self, model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, repeats: int
-    ):
-        """``prefix.prefilled_cache(model, prompt_ids, prompt_mask, repeats)`` from the kept pass, or ``None``
-        where that would not be its very numbers: other prompts, an attention the watch did not see at every
-        layer or saw move, or linear layers whose rows depend on the row count (``kernels.rows_independent``)."""
-        n, width = prompt_ids.shape
-        same = (
-            self.prompt_ids is not None
-            and torch.equal(self.prompt_ids, prompt_ids)
-            and torch.equal(self.prompt_mask, prompt_mask)
-        )
-        if not (same and width > 1 and self.watch.equal and self.watch.calls == len(self.layers) > 0):
-            return None
-        if not rows_independent(model, n * width, n * (width - 1)):
-            return None
-        cache = self.cache_class(
-            [(k[..., :-1, :], v[..., :-1, :]) for k, v in self.layers], config=model.config
-        )
-        cache.batch_repeat_interleave(repeats)
-        return cache
 
 
 @torch.no_grad()
@@ -218,7 +180,8 @@ def decode(
 def _graph_logits(model, graph: GraphStep, first: bool, step_ids, step_positions, mask, cache):
     """One decode step's logits ``[N, 1, V]`` from the graph, and the graph to use from here on. The first
     graph step also runs the model's own forward over the dynamic ``cache`` and keeps the graph only where
-    its logits are that forward's bit for bit; otherwise the decode goes on with the model's forward."""
+    its logits are that forward's within ``graph_step.STATIC_BOUND``; otherwise the decode goes on with the
+    model's forward, and says so."""
     logits = graph(step_ids, step_positions, mask)
     if not first:
         return logits, graph
@@ -226,7 +189,7 @@ def _graph_logits(model, graph: GraphStep, first: bool, step_ids, step_positions
     expected = _forward(model, step_ids, step_mask, step_positions, cache).logits
     if graph.check(expected):
         return logits, graph
-    warnings.warn(f"decode: the CUDA graph step is not used ({graph.failed}); the model's own forward runs", stacklevel=3)
+    fall_back("CUDA graph decode step", graph.failed, "the model's forward at each step")
     return expected, None
 
 
@@ -266,3 +229,33 @@ def _forward(model, step_ids, step_mask, step_positions, cache):
         use_cache=True,
         logits_to_keep=1,
     )
+
+
+@functools.cache
+def loop_mismatch() -> str | None:
+    """``None`` where the loop samples ``generate``'s tokens on a small random Llama model (two layers,
+    grouped key/value heads, three left-padded prompts of two rows each; warped sampling and greedy); else
+    why not, with a warning (once per process). The global generator's state is restored afterwards."""
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=1, attn_implementation="sdpa",
+    )
+    gen = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]), torch.autocast("cpu", enabled=False):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+        ids = torch.randint(2, 96, (6, 7), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[:2, :3] = mask[2:4, :1] = 0
+        ids = ids.masked_fill(mask == 0, 0)
+        sampling = SamplingConfig(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=6)
+        for greedy in (False, True):
+            runs = []
+            for sample in (decode, generate_sequences):
+                torch.manual_seed(1)
+                runs.append(sample(model, ids, mask, sampling, [1], 0, LogitsProcessorList(), greedy=greedy))
+            if not torch.equal(*runs):
+                reason = f"it sampled other tokens than generate ({'greedy' if greedy else 'warped sampling'})"
+                fall_back("decode loop", reason, "model.generate")
+                return reason
+    return None

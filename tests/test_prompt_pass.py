@@ -1,0 +1,126 @@
+"""grpo/model/fast/prompt_pass.py: evaluation's samples start from its greedy pass only where that pass holds
+their own prefill's numbers bit for bit (``PromptPass``, ``PrefixWatch``, ``rows_independent``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.core.batching import left_pad
+from grpo.core.prefix import prefilled_cache
+from grpo.model import chat, kernels
+from grpo.model.fast import prompt_pass as prompt_pass_module
+from grpo.model.fast.decode import decode
+from grpo.model.fast.prompt_pass import PromptPass, rows_independent
+from grpo.model.precision import bf16_autocast
+from grpo.model.sampling import build_logits_processors
+from tests.test_decode import SAMPLINGS, G
+from tests.weights import spread_weights
+
+
+def _deeper_model(tiny_tokenizer, tiny_sizes):
+    """The tiny model with three layers: a prompt's keys and values of the second and third layer follow the
+    attention of the layers before them."""
+    from grpo.model.tiny import build_tiny_model
+
+    model = build_tiny_model(tiny_tokenizer, tiny_sizes.model_copy(update={"num_hidden_layers": 3}), seed=0)
+    return spread_weights(model, torch.Generator().manual_seed(0)).eval()
+
+
+def _pass_and_prefill(model, tokenizer, width, bf16, gen):
+    """A greedy decode of 4 prompts left-padded to ``width`` with a ``PromptPass``, the cache it offers
+    for G samples of them, and ``prefilled_cache``'s."""
+    lengths = [width, *torch.randint(1, width + 1, (3,), generator=gen).tolist()]
+    batch = left_pad([torch.randint(5, 300, (n,), generator=gen).tolist() for n in lengths], tokenizer.pad_token_id)
+    sampling = SAMPLINGS["plain"].model_copy(update={"max_new_tokens": 2})
+    prompt_pass = PromptPass()
+    eos = chat.end_of_turn_ids(tokenizer)
+    with torch.no_grad(), bf16_autocast(torch.device("cpu"), bf16, force=bf16):
+        decode(model, batch.input_ids, batch.attention_mask, sampling, eos, tokenizer.pad_token_id,
+               build_logits_processors(width, eos, sampling)[0], greedy=True, prompt_pass=prompt_pass)
+        offered = prompt_pass.prefilled(model, batch.input_ids, batch.attention_mask, G)
+        fresh = prefilled_cache(model, batch.input_ids, batch.attention_mask, G)
+    return batch, prompt_pass, offered, fresh
+
+
+def _same_cache(a, b) -> bool:
+    return all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values) for x, y in zip(a.layers, b.layers, strict=True))
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_prompt_pass_offers_the_greedy_pass_only_as_the_prefills_very_cache(tiny_tokenizer, tiny_sizes, bf16):
+    """Whatever the width, a cache ``PromptPass`` offers is ``prefilled_cache``'s, bit for bit: where the
+    kernels move a width's numbers (in fp32 the CPU flash kernel does for many widths) it offers none; other
+    prompts are never offered one."""
+    model = _deeper_model(tiny_tokenizer, tiny_sizes)
+    gen = torch.Generator().manual_seed(1)
+    offered_widths = []
+    for width in range(2, 41):
+        batch, prompt_pass, offered, fresh = _pass_and_prefill(model, tiny_tokenizer, width, bf16, gen)
+        assert prompt_pass.watch.calls == 3, "the watch saw every layer's attention of the pass"
+        if offered is not None:
+            assert _same_cache(offered, fresh), f"width {width}: the offered cache is not the prefill's"
+            offered_widths.append(width)
+        other = batch.input_ids.clone()
+        other[0, -1] += 1
+        assert prompt_pass.prefilled(model, other, batch.attention_mask, G) is None, "other prompts: no offer"
+    assert len(offered_widths) >= 5, offered_widths
+
+
+def test_prompt_pass_offers_nothing_where_the_kernel_moves_a_shorter_prompts_attention(
+    tiny_tokenizer, tiny_sizes, monkeypatch
+):
+    """A kernel whose outputs follow the sequence length (here: a relative 1e-6 on odd lengths, below bf16's
+    resolution, in the first layer only, so that the later layers' own attention agrees) makes a prompt's
+    keys and values depend on its last column; the watch sees it and no cache is offered."""
+    attend = kernels._attend
+    monkeypatch.setattr(kernels, "_attend", lambda module, query, *args, **kwargs: (
+        attend(module, query, *args, **kwargs) * (1 + 1e-6 * (query.shape[-2] % 2) * (module.layer_idx == 0))))
+    model = _deeper_model(tiny_tokenizer, tiny_sizes)
+    gen = torch.Generator().manual_seed(1)
+    moved = 0
+    for width in range(2, 12):
+        _, prompt_pass, offered, fresh = _pass_and_prefill(model, tiny_tokenizer, width, False, gen)
+        assert offered is None and not prompt_pass.watch.equal
+        whole = prompt_pass.cache_class([(k[..., :-1, :], v[..., :-1, :]) for k, v in prompt_pass.layers])
+        whole.batch_repeat_interleave(G)
+        moved += not _same_cache(whole, fresh)
+    assert moved == 10, "the shift moved every width's cache: a real difference to catch"
+
+
+def test_prompt_pass_offers_nothing_where_a_linear_layers_rows_depend_on_the_row_count(
+    tiny_tokenizer, tiny_sizes, monkeypatch
+):
+    """``rows_independent`` is asked before a cache is offered: with it saying no, no offer."""
+    model = _deeper_model(tiny_tokenizer, tiny_sizes)
+    gen = torch.Generator().manual_seed(1)
+    for width in range(2, 41):
+        batch, prompt_pass, offered, _ = _pass_and_prefill(model, tiny_tokenizer, width, False, gen)
+        if offered is not None:
+            break
+    else:
+        pytest.fail("no width was offered a cache")
+    monkeypatch.setattr(prompt_pass_module, "rows_independent", lambda model, rows, fewer, **kwargs: False)
+    assert prompt_pass.prefilled(model, batch.input_ids, batch.attention_mask, G) is None
+
+
+def test_rows_independent_finds_a_linear_layer_whose_rows_depend_on_the_row_count(tiny_model):
+    """The probe behind ``PromptPass`` tries every linear layer but the head: one whose product moves
+    with the number of rows (here a scale by it) makes it say no, whichever layer it is; the head is left
+    out (the prompt pass reuses no logits)."""
+
+    class Batchwise(torch.nn.Linear):
+        def forward(self, hidden):
+            return super().forward(hidden) * (1 + 1e-3 * hidden.shape[0])
+
+    assert rows_independent(tiny_model, 40, 36), "the tiny model's fp32 products of 36 and 40 rows"
+    head = tiny_model.get_output_embeddings()
+    head_class = type(head)
+    head.__class__ = Batchwise
+    assert rows_independent(tiny_model, 40, 36), "the head is not probed"
+    head.__class__ = head_class
+    for layer in (tiny_model.model.layers[1].mlp.down_proj, tiny_model.model.layers[0].self_attn.k_proj):
+        plain = type(layer)
+        layer.__class__ = Batchwise
+        assert not rows_independent(tiny_model, 40, 36)
+        layer.__class__ = plain
