@@ -187,8 +187,9 @@ def test_the_run_log_names_the_fast_paths_once(capsys):
     assert lines[0].endswith("fell back: none") or not torch.backends.mkldnn.is_available()
     assert all(path.name in lines[0] for path in paths_module.PATHS)
     assert lines[1] == ("fast paths: model.fast_paths: off; the library paths run: model.generate, the model's "
-                        "forward per token, torch.multinomial, evaluation's own prefill of its samples, F.linear "
-                        "in the fp32 head, the update's own pass over the prompts")
+                        "forward per token on a CPU, the model's forward per token on a GPU, torch.multinomial, "
+                        "evaluation's own prefill of its samples, F.linear in the fp32 head, the update's own pass "
+                        "over the prompts")
 
 
 @pytest.mark.usefixtures("fresh_checks")

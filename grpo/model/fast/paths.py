@@ -35,7 +35,7 @@ class FastPath:
 
 
 DECODE_LOOP = FastPath("decode loop", "model.generate", loop.loop_mismatch)
-LEAN_STEP = FastPath("lean decode step", "the model's forward per token", inside_loop=True)
+LEAN_STEP = FastPath("lean decode step", "the model's forward per token on a CPU", inside_loop=True)
 GRAPH_STEP = FastPath("CUDA graph decode step", "the model's forward per token on a GPU", inside_loop=True)
 DRAWS = FastPath("exponential draws", "torch.multinomial", exponential_mismatch, inside_loop=True)
 PROMPT_PASS = FastPath("greedy-pass reuse", "evaluation's own prefill of its samples", inside_loop=True)
