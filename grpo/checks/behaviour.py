@@ -116,7 +116,7 @@ def check_sft_ends_answers(s: Gated) -> Check:
         check.hint,
         "I2",
         f">= {share} (preflight.min_ended_share)",
-        "share of answers",
+        "share",
     )
 
 
