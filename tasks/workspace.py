@@ -27,11 +27,18 @@ from pathlib import Path
 
 import yaml
 
-from grpo.config import read_params
+from grpo.config import PathsConfig, read_params
 
 WORKSPACES_DIR = ".workspaces"
 NOT_COPIED = ("params.yaml", "dvc.lock")
 """The workspace's own: its params (the one-off file) and what DVC recorded there."""
+
+
+def output_dirs(project: Path) -> tuple[str, ...]:
+    """The project's output folders (``paths.*`` of its params.yaml: data, models, metrics, reports,
+    runs): a workspace makes its own, so the project's are never copied (nor committed there)."""
+    paths = PathsConfig.model_validate(read_params(project / "params.yaml").get("paths") or {})
+    return tuple(Path(folder).as_posix().rstrip("/") + "/" for folder in paths.model_dump().values())
 
 
 class WorkspaceError(RuntimeError):
@@ -53,10 +60,9 @@ def code_files(project: Path) -> list[str]:
             "checkout; or run with params_path=params.yaml"
         )
     names = {name for name in listed.stdout.split("\0") if name}
+    skipped = (WORKSPACES_DIR + "/", *output_dirs(project))
     return sorted(
-        n
-        for n in names
-        if n not in NOT_COPIED and not n.startswith(WORKSPACES_DIR + "/") and (project / n).is_file()
+        n for n in names if n not in NOT_COPIED and not n.startswith(skipped) and (project / n).is_file()
     )
 
 

@@ -276,4 +276,5 @@ def test_dvc_metrics_work_in_every_workspace_a_profile_creates(project):
     diff = dvc(workspace, "metrics", "diff").stdout  # the first run against the workspace's first commit
     assert re.search(r"metrics/key/validate/rows\.json\s+value\s+-\s+\d+", diff), diff
     assert run_folder(project, project / "configs" / "seven.yaml") == workspace  # the next run commits it
-    assert dvc(workspace, "metrics", "diff").stdout.strip() == ""  # nothing changed since
+    again = dvc(workspace, "metrics", "diff").stdout  # nothing changed since (stages not run yet: a warning)
+    assert "metrics/key/" not in again, again

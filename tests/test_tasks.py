@@ -116,7 +116,10 @@ def test_a_workspace_is_its_own_git_repository_with_the_last_run_committed(tmp_p
     (project / "code.py").write_text("x = 1\n", encoding="utf-8")
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the project"]):  # a checkout, as a user's
         subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=project, check=True)
+    (project / "metrics" / "key" / "sft").mkdir(parents=True)  # the project's own run: untracked, not ignored
+    (project / "metrics" / "key" / "sft" / "loss_final.json").write_text('{"value": 9.0}\n', encoding="utf-8")
     workspace = run_folder(project, project / "configs" / "p.yaml")
+    assert not (workspace / "metrics").exists()  # a workspace makes its own outputs
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=workspace, capture_output=True, text=True, check=True).stdout
