@@ -3,8 +3,8 @@
 DVC reads ``params.yaml`` only. A run with another params file (``-p params_path=other.yaml``, or
 ``make run PROFILE=smollm2`` for ``configs/smollm2.yaml``) therefore gets its own DVC project,
 ``.workspaces/<name>/`` inside the project (git-ignored): the project's code and DVC config as git
-would commit them, that file as the workspace's ``params.yaml`` (a profile's ``extends`` resolved: the
-whole tree, every key DVC looks up written out),
+would commit them (not its outputs, the ``paths.*`` folders), that file as the workspace's
+``params.yaml`` (a profile's ``extends`` resolved: the whole tree, every key DVC looks up written out),
 and the project's DVC cache shared (``.dvc/config.local``), so nothing is stored twice. Its outputs
 (``data/``, ``models/``, ``reports/``, ``metrics/``, ``runs/``) and its ``dvc.lock`` live only there:
 the lock pins the one-off params, each model's ``lineage.json`` carries their hash, and the project's
