@@ -19,7 +19,7 @@ from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.exceptions import ObjectNotFound
 
 from flows.full_retrain import full_retrain
-from flows.schedule import nightly_cron
+from flows.schedule import drop_other_schedules, nightly_cron, schedule_label
 from grpo.config import load_config
 
 WORK_POOL = "grpo-process"
@@ -42,6 +42,7 @@ def deploy(project_dir: str | Path = ".", work_pool: str = WORK_POOL) -> str:
     schedule = load_config(params).schedule
     cron = nightly_cron(schedule, params)  # a bad cron fails here, before the server is touched
     ensure_work_pool(work_pool)
+    drop_other_schedules(f"{full_retrain.name}/{schedule.deployment}", cron.slug)
     flow = full_retrain.from_source(source=str(project), entrypoint=ENTRYPOINT)
     return str(
         flow.deploy(
@@ -50,6 +51,8 @@ def deploy(project_dir: str | Path = ".", work_pool: str = WORK_POOL) -> str:
             schedules=[cron],
             parameters={"force": schedule.force, "params_path": "params.yaml", "project_dir": str(project)},
             concurrency_limit=1,
+            description=f"On work pool {work_pool}: the nightly full retrain runs {schedule_label(schedule)} "
+            f"when a worker polls it (`prefect worker start --pool {work_pool}`).",
             build=False,
             push=False,
             print_next_steps=False,

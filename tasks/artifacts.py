@@ -3,6 +3,7 @@ figures as images embedded in markdown (``data:`` URIs: the UI shows them with n
 
 Artifacts only show files the CLI already wrote; nothing here computes a result. A missing file is
 logged and skipped, so a stage that failed before writing its report still fails with its own reason.
+Every artifact fits the UI at 1,280 px (tasks/markdown.py): markdown is fitted, table cells are short.
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from grpo.config import Config, load_config
+from tasks.markdown import CELL, fit
 
 MAX_MARKDOWN_CHARS = 50_000
 MAX_TABLE_ROWS = 500
-MAX_TABLE_LINE = 90
-"""A markdown table with a longer row is published as a list: the Prefect UI does not wrap table
-cells, so at 1,400 px a wide table's last column (the validation report's ``detail``) is cut off."""
 
 
 def project_config(project_dir: str | Path) -> Config:
@@ -46,52 +45,38 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
+def cell(value: Any) -> Any:
+    """One table cell: a float to 4 significant digits, nested values as compact JSON, nothing wider than
+    ``markdown.CELL`` characters (a long hash or list is shortened: the file keeps the whole value)."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    text = json.dumps(value, default=str) if isinstance(value, dict | list) else value
+    if isinstance(text, str) and len(text) > CELL:
+        return text[: CELL - 1] + "…"
+    return text
+
+
 def _cells(row: dict[str, Any]) -> dict[str, Any]:
-    """One table row: nested values become compact JSON, so every row has the same columns."""
-    return {key: json.dumps(v, default=str) if isinstance(v, dict | list) else v for key, v in row.items()}
+    return {key: cell(v) for key, v in row.items()}
 
 
-def _split_row(line: str) -> list[str]:
-    return [cell.strip() for cell in line.strip().strip("|").split("|")]
-
-
-def readable_tables(markdown: str, max_line: int = MAX_TABLE_LINE) -> str:
-    """Markdown whose wide tables (a row longer than ``max_line``) become lists that wrap.
-
-    ``| rule | column | result | detail |`` rows become ``- **rule** · column: ... · result: ... · detail: ...``;
-    narrow tables and everything else are kept as they are.
-    """
-    lines, out, i = markdown.splitlines(), [], 0
-    while i < len(lines):
-        end = i
-        while end < len(lines) and lines[end].lstrip().startswith("|"):
-            end += 1
-        table = lines[i:end]
-        if len(table) >= 2 and max(map(len, table)) > max_line:
-            header = _split_row(table[0])
-            for row in map(_split_row, table[2:]):
-                rest = " · ".join(f"{name}: {cell}" for name, cell in zip(header[1:], row[1:], strict=False))
-                out.append(f"- **{row[0]}** · {rest}")
-        else:
-            out += table or [lines[i]]
-        i = max(end, i + 1)
-    return "\n".join(out) + ("\n" if markdown.endswith("\n") else "")
+def publish_text(markdown: str, key: str, description: str) -> None:
+    """Markdown as an artifact, fitted to the UI's width (``markdown.fit``: wide tables become lists)."""
+    create_markdown_artifact(markdown=fit(markdown)[:MAX_MARKDOWN_CHARS], key=key, description=description)
 
 
 def publish_markdown(path: Path, key: str, description: str) -> None:
-    """A markdown file as a markdown artifact (wide tables as lists, so nothing is cut off in the UI)."""
+    """A markdown file as a markdown artifact (fitted, so nothing is cut off in the UI)."""
     text = _read(path)
     if text is not None:
-        create_markdown_artifact(
-            markdown=readable_tables(text)[:MAX_MARKDOWN_CHARS], key=key, description=description
-        )
+        publish_text(text, key, description)
 
 
 def publish_metrics(path: Path, key: str, description: str) -> None:
-    """A metrics JSON file as a two-column table (nested keys dotted)."""
+    """A metrics JSON file as a two-column table (nested keys dotted, values rounded)."""
     text = _read(path)
     if text is not None:
-        rows = [{"metric": name, "value": value} for name, value in flatten(json.loads(text)).items()]
+        rows = [{"metric": name, "value": cell(value)} for name, value in flatten(json.loads(text)).items()]
         create_table_artifact(table=rows, key=key, description=description)
 
 
@@ -102,7 +87,7 @@ def publish_rows(path: Path, field: str | None, key: str, description: str) -> N
         return
     data = json.loads(text)
     rows = data.get(field, []) if field and isinstance(data, dict) else data
-    rows = [_cells(row) if isinstance(row, dict) else {"value": row} for row in rows][:MAX_TABLE_ROWS]
+    rows = [_cells(row) if isinstance(row, dict) else {"value": cell(row)} for row in rows][:MAX_TABLE_ROWS]
     create_table_artifact(table=rows, key=key, description=description)
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from prefect import task
 from prefect.states import State
 
-from tasks.dvc_stage import run_stage, stage_state
+from tasks.states import stage_result
 
 
 @task(name="base")
 def base(project_dir: str, force: bool = False) -> State:
     """Run DVC stage ``base``; local and deterministic, so no retries."""
-    return stage_state("base", run_stage("base", project_dir, force))
+    return stage_result("base", project_dir, force)

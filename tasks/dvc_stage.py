@@ -29,9 +29,8 @@ import psutil
 from filelock import FileLock
 from prefect import get_run_logger
 from prefect.runtime import task_run
-from prefect.states import Completed, State
 
-from tasks.retry import InjectedFailure, StageFailed, exit_cause
+from tasks.retry import InjectedFailure, StageFailed, exit_cause, failure_reason
 
 LOCK_FILE = Path(".dvc/tmp/orchestration.lock")
 TAIL_LINES = 40
@@ -158,8 +157,9 @@ def run_stage(
 
     ``poll`` is called every few seconds while the stage runs (progress artifacts). A non-zero exit
     is logged at ERROR with its real cause (the stage command's exit code or signal, not DVC's 255)
-    and raises ``StageFailed`` with the last lines of stderr, so the reason shows in the Prefect UI;
-    ``StageFailed.transient`` says whether a retry can help (tasks/retry.py).
+    and raises ``StageFailed``: its message the one-line reason (the CLI's ``error:`` line), its
+    ``details`` the command and the last lines of stderr; ``StageFailed.transient`` says whether a
+    retry can help (tasks/retry.py).
     """
     logger = get_run_logger()
     kill_once = _fail_once(stage)
@@ -180,34 +180,21 @@ def run_stage(
         raise InjectedFailure(f"{FAIL_ONCE_ENV}={stage}: failing attempt 1 of stage {stage!r} on purpose")
     if returncode != 0:
         cause = exit_cause(returncode, err or out)
+        reason = failure_reason(err or out, cause)
+        how = "" if reason == cause.describe() else f"{cause.describe()}; "
         retry = "transient: Prefect retries it" if cause.transient else "deterministic: not retried"
         logger.error(
-            "stage %s failed on attempt %d: %s (%s)", stage, task_run.run_count, cause.describe(), retry
+            "stage %s failed on attempt %d: %s (%s%s)", stage, task_run.run_count, reason, how, retry
         )
         tail = "\n".join(err) or "\n".join(out[-TAIL_LINES:])
         raise StageFailed(
-            f"DVC stage {stage!r} failed: {cause.describe()} (`{command_line(project, cmd)}`); last lines of "
-            f"its stderr:\n{tail}\nFix the cause, then rerun the flow or `dvc repro {stage}`.",
+            reason,
             stage,
             cause.code,
             cause.transient,
+            details=f"DVC stage {stage!r}: {cause.describe()}.\n\n$ {command_line(project, cmd)}\n\n"
+            f"The last lines of its stderr:\n\n{tail}",
         )
     ran = any(line.startswith(f"Running stage '{stage}'") for line in out)
     logger.info("stage %s %s", stage, "ran" if ran else "was up to date (DVC skipped it)")
     return ran
-
-
-def stage_state(stage: str, ran: bool) -> State:
-    """A task's final state, named so the task list answers "did it train?" at a glance.
-
-    ``Skipped``: DVC found the stage up to date and ran nothing. ``Ran``: the stage ran on the first
-    attempt; ``Ran on attempt N``: it ran after N - 1 failures (each logged at ERROR with its cause).
-    All are Completed states whose result is ``ran``.
-    """
-    if not ran:
-        return Completed(
-            name="Skipped", message=f"DVC: stage {stage} was up to date; nothing ran", data=False
-        )
-    attempt = task_run.run_count
-    name = "Ran" if attempt <= 1 else f"Ran on attempt {attempt}"
-    return Completed(name=name, message=f"stage {stage} ran (attempt {attempt})", data=True)

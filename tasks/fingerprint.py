@@ -5,10 +5,10 @@ from __future__ import annotations
 from prefect import task
 from prefect.states import State
 
-from tasks.dvc_stage import run_stage, stage_state
+from tasks.states import stage_result
 
 
 @task(name="fingerprint")
 def fingerprint(project_dir: str) -> State:
     """Run the always-changed DVC stage ``fingerprint`` (`grpo fingerprint`); cheap, never retried."""
-    return stage_state("fingerprint", run_stage("fingerprint", project_dir))
+    return stage_result("fingerprint", project_dir)

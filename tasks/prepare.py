@@ -5,10 +5,10 @@ from __future__ import annotations
 from prefect import task
 from prefect.states import State
 
-from tasks.dvc_stage import run_stage, stage_state
+from tasks.states import stage_result
 
 
 @task(name="prepare")
 def prepare(project_dir: str, force: bool = False) -> State:
     """Run DVC stage ``prepare``; a bad raw file is not transient, so no retries."""
-    return stage_state("prepare", run_stage("prepare", project_dir, force))
+    return stage_result("prepare", project_dir, force)

@@ -24,20 +24,32 @@ from prefect import Task
 from prefect.client.schemas.objects import State, TaskRun
 
 _COMMAND_EXIT = re.compile(r"failed to run: .*, exited with (-?\d+)\s*$")
+_RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b:? ")
 _SHELL_SIGNAL_BASE = 128
+RETRY_DELAY_S = 30
+"""Seconds before a retried stage runs again: one number (a list of delays shows as "Retry Delay: NaNs"
+in the Prefect UI, whose task page expects a number); long enough for a neighbour's memory to free."""
 TRANSIENT_ERRORS = ("OutOfMemoryError", "CUDA error", "NCCL", "ConnectionError", "TimeoutError")
 """Exception names in a stage's traceback that a retry can get past (a neighbour's memory, a network)."""
 
 
 class StageFailed(RuntimeError):
-    """A DVC stage exited non-zero; the message carries the exit cause and the tail of its stderr.
+    """A DVC stage exited non-zero; the message is the one-line reason (``failure_reason``).
 
-    ``transient`` says whether running it again may succeed (``retry_transient`` reads it).
+    ``details``: the exit cause, the command and the tail of its stderr, for the logs and the failure
+    report. ``transient`` says whether running it again may succeed (``retry_transient`` reads it).
     """
 
-    def __init__(self, message: str, stage: str = "", exit_code: int | None = None, transient: bool = False):
+    def __init__(
+        self,
+        message: str,
+        stage: str = "",
+        exit_code: int | None = None,
+        transient: bool = False,
+        details: str = "",
+    ):
         super().__init__(message)
-        self.stage, self.exit_code, self.transient = stage, exit_code, transient
+        self.stage, self.exit_code, self.transient, self.details = stage, exit_code, transient, details
 
 
 class InjectedFailure(RuntimeError):
@@ -72,6 +84,17 @@ def exit_cause(returncode: int, output: Iterable[str]) -> ExitCause:
     text = "\n".join(lines)
     transient = code < 0 or any(name in text for name in TRANSIENT_ERRORS)
     return ExitCause(code=code, of=of, transient=transient)
+
+
+def failure_reason(lines: Iterable[str], cause: ExitCause) -> str:
+    """One line that says why a stage failed: the CLI's own ``error:`` line (it names the file, the key,
+    the value and the fix), else the exception a traceback ended with, else how the command ended."""
+    lines = [line.strip() for line in lines if line.strip()]
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    if errors:
+        return errors[-1]
+    raised = [line for line in lines if _RAISED.match(line)]
+    return raised[-1] if raised else cause.describe()
 
 
 def retry_transient(task: Task, task_run: TaskRun, state: State) -> bool:

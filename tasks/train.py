@@ -13,8 +13,8 @@ from prefect.states import State
 from grpo import paths
 from grpo.health.metrics import read_metrics
 from tasks.artifacts import project_config, publish_metrics, publish_rows
-from tasks.dvc_stage import run_stage, stage_state
-from tasks.retry import retry_transient
+from tasks.retry import RETRY_DELAY_S, retry_transient
+from tasks.states import stage_result
 
 
 class Progress:
@@ -48,7 +48,7 @@ def start_over(run_dir: Path) -> None:
         shutil.rmtree(run_dir)
 
 
-@task(name="grpo", retries=2, retry_delay_seconds=[30, 120], retry_condition_fn=retry_transient)
+@task(name="grpo", retries=2, retry_delay_seconds=RETRY_DELAY_S, retry_condition_fn=retry_transient)
 def train(project_dir: str, force: bool = False) -> State:
     """Run DVC stage ``grpo``; a retry resumes from the last checkpoint, a forced run starts from scratch."""
     cfg = project_config(project_dir)
@@ -56,7 +56,9 @@ def train(project_dir: str, force: bool = False) -> State:
     if force:
         start_over(run_dir)
     progress = Progress(run_dir, cfg.grpo.steps)
-    ran = run_stage("grpo", project_dir, force, poll=progress.poll)
+    state = stage_result("grpo", project_dir, force, poll=progress.poll)
+    if not state.is_completed():
+        return state
     progress.set(100.0)
     publish_metrics(
         Path(project_dir) / paths.metrics_file(cfg, "grpo"),
@@ -66,4 +68,4 @@ def train(project_dir: str, force: bool = False) -> State:
     publish_rows(
         paths.entropy_history_file(run_dir, cfg.experiment), None, "entropy-curve", "Entropy per GRPO step"
     )
-    return stage_state("grpo", ran)
+    return state

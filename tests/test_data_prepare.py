@@ -155,7 +155,7 @@ def test_cli_prepare_then_validate(tmp_path, capsys):
     }))
     assert main(["prepare", "--params", str(params)]) == 0
     assert main(["validate", "--params", str(params)]) == 0
-    assert json.loads((tmp_path / "metrics" / "key" / "validate.json").read_text())["rows"] == 60
+    assert json.loads((tmp_path / "metrics" / "key" / "validate" / "rows.json").read_text()) == {"value": 60}
     # A broken file makes the command fail with the rule in its message.
     train = tmp_path / "data" / "train.jsonl"
     train.write_text(train.read_text().replace('"task": "fairness"', '"task": "fair"', 1))

@@ -17,8 +17,10 @@ import pytest
 import yaml
 
 from grpo.cli import COMMANDS
+from grpo.eval.keymetrics import read_key_metrics
 from grpo.provenance import stages
 from grpo.provenance.fingerprint import import_closure
+from tasks.workspace import run_folder
 from tests.browser import CHROMIUM, browser
 from tests.project_copy import ROOT, clone, dvc, missing_stage_modules, stages_run, write_params
 
@@ -92,6 +94,8 @@ def test_outputs_cached_and_metrics_not():
                 assert not out.use_cache, f"{stage.name}: {out.def_path} must have cache: false"
     cached = {o.def_path for s in by_stage.values() for o in s.outs if o.use_cache}
     assert cached == {"data/processed", "models/base", "models/sft", "models/grpo"}
+    metrics = {o.def_path for s in by_stage.values() for o in s.outs if o.metric}
+    assert metrics == {f"metrics/key/{name}" for name in ("validate", "sft", "preflight", "grpo", "evaluate")}
 
 
 # --------------------------------------------------------------------------- real DVC
@@ -228,12 +232,18 @@ def test_repro_reruns_exactly_what_changed(project):
 @pytest.mark.slow
 @needs_all_stages
 def test_metrics_are_small_and_plots_render_offline(project):
-    """`dvc metrics diff` fits 100 columns (flat key files); `dvc plots show` needs no network."""
-    key = json.loads((project / "metrics" / "key" / "evaluate.json").read_text(encoding="utf-8"))
-    assert {"grpo.fairness/s_amb", "sft.hallucination/exact_match"} <= set(key)
-    assert all(isinstance(v, int | float | bool) or v is None for v in key.values()), key
+    """`dvc metrics show` fits 120 columns and `dvc metrics diff` 100 (one small file per number);
+    `dvc plots show` needs no network."""
+    key = read_key_metrics(project / "metrics" / "key" / "evaluate")
+    assert {"fairness/s_amb", "hallucination/exact_match"} <= set(key) and set(key["fairness/s_amb"]) == {
+        "base", "sft", "grpo"}
+    assert all(isinstance(v, int | float | bool) or v is None for row in key.values() for v in row.values()), key
+    show = dvc(project, "metrics", "show").stdout
+    assert max(len(line) for line in show.splitlines()) <= 120, show
+    assert "metrics/key/grpo/reward.json" in show and "pretrain" not in show, show  # only metrics/key/
     diff = dvc(project, "metrics", "diff", "--all").stdout  # HEAD has none: every key row, as new
-    assert "grpo.hallucination/over_abstention_rate" in diff and "process_weight_digests" not in diff, diff
+    assert "metrics/key/evaluate/hallucination/over_abstention_rate.json" in diff, diff
+    assert "process_weight_digests" not in diff, diff
     assert max(len(line) for line in diff.splitlines()) <= 100, diff
 
     dvc(project, "plots", "show", "--out", "dvc_plots")
@@ -262,3 +272,23 @@ def test_the_write_locks_sit_beside_the_outputs_and_leave_dvc_and_git_clean(proj
     listed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=project,
                             capture_output=True, text=True, check=True).stdout.splitlines()
     assert not [line for line in listed if PurePosixPath(line[3:]).name in {PurePosixPath(p).name for p in locks}]
+
+
+@pytest.mark.slow
+@needs_all_stages
+def test_dvc_metrics_work_in_every_workspace_a_profile_creates(project):
+    """A profile's workspace is a git repository: `dvc metrics diff` there compares with the last run."""
+    for profile in sorted((project / "configs").glob("*.yaml")):
+        workspace = run_folder(project, profile)
+        shown = dvc(workspace, "metrics", "diff")  # no run yet: nothing to compare, and no error
+        assert "Only supported for Git repositories" not in shown.stdout, (profile, shown.stdout)
+    (project / "configs" / "seven.yaml").write_text("extends: ../params.yaml\nseed: 7\n", encoding="utf-8")
+    workspace = run_folder(project, project / "configs" / "seven.yaml")
+    dvc(workspace, "repro", "validate")
+    show = dvc(workspace, "metrics", "show").stdout
+    assert "metrics/key/validate/rows.json" in show and max(map(len, show.splitlines())) <= 120, show
+    diff = dvc(workspace, "metrics", "diff").stdout  # the first run against the workspace's first commit
+    assert re.search(r"metrics/key/validate/rows\.json\s+value\s+-\s+\d+", diff), diff
+    assert run_folder(project, project / "configs" / "seven.yaml") == workspace  # the next run commits it
+    again = dvc(workspace, "metrics", "diff").stdout  # nothing changed since (stages not run yet: a warning)
+    assert "metrics/key/" not in again, again

@@ -22,9 +22,11 @@ from prefect.testing.utilities import prefect_test_harness
 
 from flows.full_retrain import full_retrain
 from tasks.dvc_stage import FAIL_ONCE_ENV
+from tasks.markdown import width_problems
+from tasks.retry import RETRY_DELAY_S
 from tasks.train import Progress, train
 from tasks.workspace import WORKSPACES_DIR
-from tests.prefect_runs import ARTIFACT_KEYS, artifact_keys, task_runs
+from tests.prefect_runs import ARTIFACT_KEYS, artifact_keys, artifacts, task_runs, width_report
 from tests.project_copy import clone, copy_project, merge, missing_stage_modules
 
 STAGES = ("fingerprint", "prepare", "validate", "base", "sft", "preflight", "grpo", "evaluate")
@@ -66,10 +68,16 @@ def test_full_retrain_runs_end_to_end_and_retries_a_transient_failure(harness, t
     with get_client(sync_client=True) as client:
         runs = task_runs(client, flow_run_id)
         assert set(runs) == {"params", *STAGES}
-        assert runs["evaluate"].run_count == 2 and runs["evaluate"].state.is_completed()
-        assert runs["evaluate"].state.name == "Ran on attempt 2"
+        retried = runs["evaluate"]
+        assert retried.run_count == 2 and retried.state.is_completed()
+        assert retried.state.name == "Ran on attempt 2" and retried.name == "evaluate: ran on attempt 2"
+        assert "attempt 1 failed: the stage command was killed by signal 9 (SIGKILL)" in retried.state.message
+        delay = retried.empirical_policy.retry_delay
+        assert isinstance(delay, int | float) and delay == RETRY_DELAY_S  # a number: the UI shows "30s", not "NaNs"
         assert all(run.run_count == 1 for name, run in runs.items() if name != "evaluate")
+        assert {runs[name].name for name in ("sft", "grpo")} == {"sft: ran", "grpo: ran"}  # the graph's labels
         assert ARTIFACT_KEYS <= artifact_keys(client, flow_run_id)
+        assert width_report(client, flow_run_id) == {}  # every artifact within 1,280 px
         chain = ["params", *STAGES]  # the graph is the pipeline: each stage waits for the one before
         for upstream, stage in zip(chain, chain[1:], strict=False):
             inputs = runs[stage].task_inputs
@@ -86,9 +94,16 @@ def test_full_retrain_runs_end_to_end_and_retries_a_transient_failure(harness, t
     monkeypatch.delenv(FAIL_ONCE_ENV)
     params, lock = (project / "params.yaml").read_bytes(), (project / "dvc.lock").read_bytes()
     oneoff = _one_off_broken_params(project)
-    assert oneoff.is_failed() and "text.template_slots" in oneoff.message, oneoff.message
+    assert oneoff.is_failed() and oneoff.message.startswith("validate failed: "), oneoff.message
+    assert oneoff.name.startswith("Failed at validate: data validation failed") and len(oneoff.name) <= 100
+    assert "text.template_slots" in oneoff.message and "\n" not in oneoff.message, oneoff.message
     assert (project / "params.yaml").read_bytes() == params and (project / "dvc.lock").read_bytes() == lock
-    assert (project / "runs" / "last_failure.md").is_file()  # the failure hook's trace
+    assert_failure_explained(oneoff, project, "validate")
+    bad_value = _bad_params_value(project)
+    assert bad_value.is_failed() and bad_value.message.startswith("params failed: "), bad_value.message
+    assert "grpo.lr" in bad_value.message and "params_lr.yaml" in bad_value.message, bad_value.message
+    assert "--set" not in bad_value.message  # a flow run cannot take it: the fix names the file
+    assert_failure_explained(bad_value, project, "params")
 
     again = full_retrain(project_dir=str(project), return_state=True)
     assert again.is_completed(), again.message
@@ -99,6 +114,8 @@ def test_full_retrain_runs_end_to_end_and_retries_a_transient_failure(harness, t
         runs = task_runs(client, again.state_details.flow_run_id)
         assert {name: runs[name].state.name for name in STAGES} == {
             name: "Ran" if name == "fingerprint" else "Skipped" for name in STAGES}
+        assert {runs[name].name for name in STAGES} == {"fingerprint: ran"} | {
+            f"{name}: skipped" for name in STAGES if name != "fingerprint"}  # the graph tells them apart
         commands = [m.removeprefix("$ ") for m in (log.message for log in _logs(client, again.state_details.flow_run_id))
                     if m.startswith("$ cd ")]
     assert len(commands) == len(STAGES)
@@ -121,9 +138,32 @@ def _one_off_broken_params(project: Path):
         runs = task_runs(client, state.state_details.flow_run_id)
         assert set(runs) == {"params", "fingerprint", "prepare", "validate"}
         assert runs["validate"].run_count == 1 and runs["validate"].state.is_failed()
+        assert "\n" not in runs["validate"].state.message and runs["validate"].name == "validate: failed"
         keys = artifact_keys(client, state.state_details.flow_run_id)
         assert {"validation-report", "full-retrain-failure"} <= keys, keys
+        assert width_report(client, state.state_details.flow_run_id) == {}
     return state
+
+
+def _bad_params_value(project: Path):
+    """A one-off run whose params file has a value the config refuses: it fails at the params task."""
+    (project / "params_lr.yaml").write_text("extends: params.yaml\ngrpo:\n  lr: -1.0\n", encoding="utf-8")
+    return full_retrain(project_dir=str(project), params_path="params_lr.yaml", return_state=True)
+
+
+def assert_failure_explained(state, project: Path, stage: str) -> None:
+    """The reason in one line first, wherever it is read: state, artifact, runs/last_failure.md, logs."""
+    reason = state.message.split(": ", 1)[1]
+    report = (project / "runs" / "last_failure.md").read_text(encoding="utf-8")
+    assert report.startswith(f"# full-retrain failed at {stage}\n\n**Why:** {reason[:60]}"), report[:400]
+    assert "Traceback" not in report.split("## Details")[0] and width_problems(report) == [], report
+    with get_client(sync_client=True) as client:
+        (artifact,) = [a for a in artifacts(client, state.state_details.flow_run_id) if a.key == "full-retrain-failure"]
+        assert artifact.data == report
+        errors = [log.message for log in _logs(client, state.state_details.flow_run_id) if log.level >= logging.ERROR]
+    first = next(m for m in errors if "Traceback" in m or reason[:40] in m)
+    assert reason[:40] in first and "Traceback" not in first, errors  # the reason before any traceback
+    assert any(m.startswith(f"full-retrain stopped: {state.message}") for m in errors), errors
 
 
 def test_force_retrains_grpo_from_scratch(harness, built_project, tmp_path):

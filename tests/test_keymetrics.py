@@ -1,11 +1,11 @@
-"""grpo/eval/keymetrics.py: each stage's full report becomes a handful of flat numbers (fast)."""
+"""grpo/eval/keymetrics.py: each stage's full report becomes a handful of numbers, one small file each (fast)."""
 
 from __future__ import annotations
 
 import json
 
 from grpo.config import config_from_dict
-from grpo.eval.keymetrics import KEY_METRICS, key_metrics_path, write_key_metrics
+from grpo.eval.keymetrics import KEY_METRICS, key_metrics_path, read_key_metrics, write_key_metrics
 from grpo.eval.metrics import KEY_ROWS
 
 
@@ -14,17 +14,21 @@ def _cfg(tmp_path):
                                        "reports_dir": str(tmp_path / "reports")}})
 
 
-def test_eval_key_file_is_flat_and_names_model_and_row(tmp_path):
+def test_eval_rows_are_one_file_each_with_the_models_side_by_side(tmp_path):
     cfg = _cfg(tmp_path)
     full = {model: {"greedy": {**dict.fromkeys(KEY_ROWS, 0.25), "nested": {"deep": [1, 2, 3]}},
                     "sampled": dict.fromkeys(KEY_ROWS, 0.5)} for model in ("base", "sft", "grpo")}
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics" / "eval.json").write_text(json.dumps(full))
     out = write_key_metrics(cfg, "evaluate")
-    key = json.loads(out.read_text())
-    assert out == key_metrics_path(cfg, "evaluate") and len(key) == 3 * len(KEY_ROWS)
-    assert key["grpo.hallucination/over_abstention_rate"] == 0.25
-    assert all(isinstance(v, float) for v in key.values())
+    assert out == key_metrics_path(cfg, "evaluate") == tmp_path / "metrics" / "key" / "evaluate"
+    assert json.loads((out / "hallucination" / "over_abstention_rate.json").read_text()) == {
+        "base": 0.25, "sft": 0.25, "grpo": 0.25}
+    key = read_key_metrics(out)
+    assert set(key) == set(KEY_ROWS) and all(set(row) == {"base", "sft", "grpo"} for row in key.values())
+    (out / "stale.json").write_text('{"value": 1}')  # a number the report no longer has
+    write_key_metrics(cfg, "evaluate")
+    assert not (out / "stale.json").exists()
 
 
 def test_every_stage_with_a_report_keeps_only_scalars(tmp_path):
@@ -43,7 +47,8 @@ def test_every_stage_with_a_report_keeps_only_scalars(tmp_path):
         folder = tmp_path / field.removesuffix("_dir")
         folder.mkdir(exist_ok=True)
         (folder / name).write_text(json.dumps(report))
-        key = json.loads(write_key_metrics(cfg, stage).read_text())
+        key = read_key_metrics(write_key_metrics(cfg, stage))
         assert key and all(isinstance(v, int | float | bool) for v in key.values()), (stage, key)
-    assert json.loads(key_metrics_path(cfg, "preflight").read_text()) == {"passed": True, "checks": 2, "failed": 1}
+    assert read_key_metrics(key_metrics_path(cfg, "preflight")) == {"passed": True, "checks": 2, "failed": 1}
+    assert json.loads((key_metrics_path(cfg, "grpo") / "reward.json").read_text()) == {"value": -1.0}
     assert write_key_metrics(cfg, "prepare") is None  # no report, no key file

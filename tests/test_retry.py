@@ -13,7 +13,7 @@ import pytest
 from prefect.states import Failed
 
 from tasks.dvc_stage import InjectedFailure, StageFailed
-from tasks.retry import exit_cause, retry_transient
+from tasks.retry import exit_cause, failure_reason, retry_transient
 
 pytest.importorskip("dvc")
 
@@ -85,3 +85,14 @@ def test_retry_condition_retries_only_transient_failures():
     assert not retry_transient(None, None, failed(StageFailed("StaleArtifactError", "grpo", 1, transient=False)))
     assert not retry_transient(None, None, failed(ValueError("a bug in a task")))
 
+
+
+def test_the_reason_is_one_line_the_clis_error_or_the_exception_or_the_exit(dvc_failures):
+    """The line a failed run's state message, ``--watch`` and last_failure.md lead with."""
+    reasons = {name: failure_reason(err, exit_cause(code, err)) for name, (code, err) in dvc_failures.items()}
+    assert reasons == {
+        "error": "params.yaml: grpo.group_size must be >= 2 (got 1)",  # the CLI's own words, fix included
+        "oom": "RuntimeError: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+        "kill": "the stage command was killed by signal 9 (SIGKILL)",
+    }
+    assert not any("Traceback" in reason or "\n" in reason for reason in reasons.values())

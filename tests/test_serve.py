@@ -8,6 +8,7 @@ worker, flow, tasks, DVC, artifacts) in seconds: DVC finds every stage up to dat
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import subprocess
 import sys
@@ -19,11 +20,11 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from tasks.artifacts import MAX_TABLE_LINE
 from tests.browser import CHROMIUM, browser
-from tests.prefect_runs import ARTIFACT_KEYS, artifact_keys, task_runs
+from tests.prefect_runs import ARTIFACT_KEYS, artifact_keys, task_runs, width_report
 from tests.prefect_server import BIN, running_server, wait_until
-from tests.project_copy import ROOT, clone, missing_stage_modules
+from tests.processes import stop
+from tests.project_copy import ROOT, clone, missing_stage_modules, write_params
 
 pytestmark = [
     pytest.mark.slow,
@@ -75,7 +76,9 @@ def test_served_deployment_runs_on_demand(server, built_project, tmp_path):
             deployment = _deployment(client)
             (schedule,) = deployment.schedules
             assert (schedule.schedule.cron, schedule.schedule.timezone) == ("0 2 * * *", "UTC")
+            assert schedule.slug == "every day at 02:00 (UTC)"  # what the deployment page shows
             assert deployment.parameters["project_dir"] == str(project.resolve())
+            assert f"pid {serving.pid} on " in deployment.description and not deployment.paused
 
             run, flow_run_id = _run_and_watch(server, project)
             assert run.returncode == 0, run.stdout + run.stderr
@@ -84,17 +87,63 @@ def test_served_deployment_runs_on_demand(server, built_project, tmp_path):
             assert flow_run.state.is_completed(), flow_run.state
             assert {"params", "fingerprint", "evaluate"} <= set(task_runs(client, flow_run_id))
             assert ARTIFACT_KEYS <= artifact_keys(client, flow_run_id)
+            assert width_report(client, flow_run_id) == {}
             assert_artifacts_readable(server, client, flow_run_id, tmp_path)
 
             failed, failed_id = _run_and_watch(server, project, "-p", "params_path=missing.yaml")
             assert failed.returncode == 1, failed.stdout + failed.stderr  # what a cron job or CI can mail
-            assert client.read_flow_run(failed_id).state.is_failed()
-            assert "full-retrain-failure" in artifact_keys(client, failed_id)
-            assert "missing.yaml" in (project / "runs" / "last_failure.md").read_text(encoding="utf-8")
+            state = client.read_flow_run(failed_id).state
+            assert state.is_failed() and state.message.startswith("params failed: missing.yaml: no such params")
+            assert state.name.startswith("Failed at params: missing.yaml: no such params file") and "\n" not in (
+                state.message)
+            printed = " ".join(failed.stdout.split())  # rich wraps at 80 columns without a terminal
+            assert f"Flow run finished in state '{state.name}'." in printed, failed.stdout  # --watch: why
+            assert "Traceback" not in failed.stdout, failed.stdout
+            assert "full-retrain-failure" in artifact_keys(client, failed_id) and width_report(client, failed_id) == {}
+            if CHROMIUM is not None:
+                with browser(width=UI_WIDTH, height=1000) as page:
+                    assert_fits_in_ui(page, server.api.removesuffix("/api"),
+                                      _artifact(client, failed_id, "full-retrain-failure"), "Why:",
+                                      tmp_path / "full-retrain-failure.png")
+            report = (project / "runs" / "last_failure.md").read_text(encoding="utf-8")
+            assert report.startswith("# full-retrain failed at params\n\n**Why:** missing.yaml: no such params")
+            relaunch = f"`prefect deployment run {DEPLOYMENT} -p params_path=missing.yaml`"  # as it was launched
+            assert relaunch in " ".join(report.split()), report
     finally:
-        from tests.prefect_server import stop
-
         stop(serving)
+
+
+def _described(client, text: str) -> bool:
+    deployment = _deployment(client)
+    return deployment is not None and text in (deployment.description or "")
+
+
+def test_a_stopped_serve_says_so_and_a_restart_keeps_the_deployment_served(server, built_project, tmp_path):
+    """Two `make serve` overlapping on a restart: the old one's stop leaves the new one's deployment alone;
+    the last one's stop pauses it and its description says it is not served."""
+    project = clone(built_project, tmp_path / "project")
+    old = server.start([sys.executable, "-m", "flows.serve"], project, "serve-old.log", server.env_for(project))
+    new = None
+    try:
+        with api_client(server) as client:
+            wait_until(lambda: _described(client, f"pid {old.pid} on "), 120, "the old serve", server.logs())
+            new = server.start([sys.executable, "-m", "flows.serve"], project, "serve-new.log",
+                               server.env_for(project))
+            wait_until(lambda: _described(client, f"pid {new.pid} on "), 120, "the new serve", server.logs())
+            stop(old)
+            assert old.returncode is not None
+            deployment = _deployment(client)
+            assert not deployment.paused and f"pid {new.pid} on " in deployment.description, deployment
+            stop(new)
+            deployment = _deployment(client)
+            assert deployment.paused, deployment
+            assert deployment.description.startswith("Not served: `make serve` (pid ") and (
+                f"pid {new.pid} on " in deployment.description), deployment.description
+            (schedule,) = deployment.schedules  # one schedule, however many times it was served
+    finally:
+        for proc in (old, new):
+            if proc is not None:
+                stop(proc)
 
 
 def test_work_pool_deployment_runs_on_a_worker(server, built_project, tmp_path):
@@ -118,6 +167,14 @@ def test_work_pool_deployment_runs_on_a_worker(server, built_project, tmp_path):
         flow_run = client.read_flow_run(flow_run_id)
         assert flow_run.state.is_completed() and flow_run.work_pool_name == "grpo-process", flow_run
         assert ARTIFACT_KEYS <= artifact_keys(client, flow_run_id)
+        assert deployment.description.startswith("On work pool grpo-process"), deployment.description
+
+        write_params(project, {"schedule": {"cron": "30 3 * * *", "timezone": "Europe/Paris"}})
+        again = subprocess.run([sys.executable, "-m", "flows.deploy"], cwd=project, env=env, capture_output=True,
+                               text=True, timeout=300)
+        assert again.returncode == 0, again.stdout + again.stderr
+        (schedule,) = _deployment(client).schedules  # the new schedule replaces the old one
+        assert (schedule.schedule.cron, schedule.slug) == ("30 3 * * *", "every day at 03:30 (Europe/Paris)")
 
 
 def _artifact(client, flow_run_id: UUID, key: str):
@@ -126,27 +183,41 @@ def _artifact(client, flow_run_id: UUID, key: str):
     return found
 
 
+UI_WIDTH = 1280
+"""The window the artifacts must fit without horizontal scrolling (tasks/markdown.py's bounds)."""
+OVERFLOWING = ("[...document.querySelectorAll('*')].filter(e => e.scrollWidth > e.clientWidth + 1"
+               " && ['auto', 'scroll', 'hidden'].includes(getComputedStyle(e).overflowX))"
+               ".map(e => `${e.tagName}.${e.className} ${e.scrollWidth} > ${e.clientWidth}`)")
+"""Every element whose content is wider than its box and scrolls or is cut: a table's or a code block's
+box scrolls sideways (the UI wraps neither cells nor code lines)."""
+
+
+def assert_fits_in_ui(page, ui: str, artifact, shown_when: str, shot: Path) -> None:
+    """The artifact's page at ``UI_WIDTH`` px: no table, code block, list item or paragraph is clipped."""
+    page.goto(f"{ui}/artifacts/artifact/{artifact.id}")
+    page.wait_for(f"document.body.innerText.includes({json.dumps(shown_when)})")
+    overflowing = page.evaluate(OVERFLOWING)
+    page.screenshot(shot)
+    assert overflowing == [], f"{artifact.key} scrolls sideways at {UI_WIDTH} px ({shot}): {overflowing}"
+
+
 def assert_artifacts_readable(server, client, flow_run_id: UUID, shots: Path) -> None:
-    """Figures are embedded images, tables fit: in the markdown, and (with chromium) in the UI at 1,400 px."""
+    """Figures are embedded images, text fits: in the markdown, and (with chromium) in the UI at 1,280 px."""
     figures = _artifact(client, flow_run_id, "training-curves")
     assert figures.data.count("](data:image/png;base64,") == 2 and "http" not in figures.data
-    validation = _artifact(client, flow_run_id, "validation-report")
-    assert max((len(line) for line in validation.data.splitlines() if line.startswith("|")), default=0) <= MAX_TABLE_LINE
     if CHROMIUM is None:
         return
     ui = server.api.removesuffix("/api")
-    with browser(width=1400, height=1000) as page:
+    with browser(width=UI_WIDTH, height=1000) as page:
         page.goto(f"{ui}/artifacts/artifact/{figures.id}")
         shown = page.wait_for("[...document.images].filter(i => i.src.startsWith('data:image/png') && i.complete"
                               " && i.naturalWidth > 0).length")
         assert shown == 2
         page.screenshot(shots / "training-curves.png")
-        page.goto(f"{ui}/artifacts/artifact/{validation.id}")
-        page.wait_for("document.body.innerText.includes('Data validation: PASSED')")
-        overflowing = page.evaluate("[...document.querySelectorAll('table, pre, li, p')].filter("
-                                    "e => e.scrollWidth > e.clientWidth + 1).length")
-        page.screenshot(shots / "validation-report.png")
-        assert overflowing == 0, f"clipped elements in the validation report at 1,400 px: {shots}"
+        for key, shown_when in (("validation-report", "Data validation: PASSED"), ("preflight-checks", "passed"),
+                                ("preflight-details", "Pre-flight"), ("eval-report", "Evaluation"),
+                                ("eval-details", "Evaluation"), ("grpo-metrics", "reward_std")):
+            assert_fits_in_ui(page, ui, _artifact(client, flow_run_id, key), shown_when, shots / f"{key}.png")
 
 
 def assert_readme_shows(printed: str) -> None:

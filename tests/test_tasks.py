@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
-from tasks.artifacts import _cells, flatten, readable_tables
+import pytest
+
+from flows.schedule import nightly_cron, schedule_label
+from grpo.config import ConfigError, ScheduleConfig, load_config
+from tasks.artifacts import _cells, cell, flatten
 from tasks.dvc_stage import stage_env
+from tasks.markdown import CELL, cells, fit, width_problems
+from tasks.notify import for_flow_run
+from tasks.workspace import run_folder
 
 
 def test_stage_env_is_offline_and_runs_the_project_code(tmp_path, monkeypatch):
@@ -31,14 +39,112 @@ def test_metrics_and_rows_flatten_to_table_cells():
     assert flatten({"sft": {"greedy": {"acc": 0.5}}, "steps": 2}) == {"sft.greedy.acc": 0.5, "steps": 2}
     assert _cells({"name": "I7", "numbers": {"d": 1.0}, "passed": True}) == {
         "name": "I7", "numbers": '{"d": 1.0}', "passed": True}
+    assert cell(0.123456789) == 0.1235 and cell(4.76837158203125e-07) == 4.768e-07  # rounded, never to 0
+    digest = cell(["63d0f59a60e411e3e4395d9f164149e0c61f056228dc370db08fd7426f197799"])
+    assert len(digest) == CELL and digest.endswith("…")
+
+
+WIDE = "| rule | column | result | detail |\n| --- | --- | --- | --- |\n" + (
+    "| balance.ambig.train | ambig_train | pass | observed 0.5, expected between 0.19381378215210276 and "
+    "0.8061862178478972 |\n")
+NARROW = "| metric | value |\n| --- | --- |\n| loss | 0.5 |\n"
 
 
 def test_wide_tables_become_lists_that_wrap_and_narrow_ones_stay():
-    wide = "| rule | column | result | detail |\n| --- | --- | --- | --- |\n" + (
-        "| balance.ambig.train | ambig_train | pass | observed 0.5, expected between 0.19381378215210276 and "
-        "0.8061862178478972 |\n")
-    narrow = "| metric | value |\n| --- | --- |\n| loss | 0.5 |\n"
-    out = readable_tables(f"# Report\n\n{wide}\nafter\n\n{narrow}")
+    out = fit(f"# Report\n\n{WIDE}\nafter\n\n{NARROW}")
     assert "- **balance.ambig.train** · column: ambig_train · result: pass · detail: observed 0.5" in out
-    assert "| balance.ambig.train" not in out and narrow in out and out.startswith("# Report\n\n")
+    assert "| balance.ambig.train" not in out and NARROW in out and out.startswith("# Report\n\n")
     assert out.rstrip().endswith("| loss | 0.5 |") and "\nafter\n" in out
+    assert width_problems(out) == [] and fit(out) == out
+
+
+@pytest.mark.parametrize("markdown, problem", [
+    (WIDE, "table row"),  # a cell over 40 characters
+    ("| " + " | ".join(["x" * 18] * 4) + " |\n| --- | --- | --- | --- |\n", "table row"),  # a row of 85 > 80
+    ("word " * 30, "line of 150"),  # prose over 90
+    ("- " + "item " * 30, "line of 152"),  # a list item
+    ("```\n" + "x " * 45 + "\n```\n", "code line of 90"),  # a code line over 80
+])
+def test_width_problems_finds_every_kind_of_wide_line_and_fit_mends_it(markdown, problem):
+    found = width_problems(markdown)
+    assert len(found) == 1 and found[0].startswith(problem), found
+    fitted = fit(markdown)
+    assert width_problems(fitted) == []
+    assert "".join(fitted.split()).replace("`", "") == "".join(markdown.split()).replace("`", "") or problem == "table row"
+
+
+def test_what_fits_is_left_alone_and_images_are_exempt():
+    text = "# T\n\n" + "word " * 17 + "\n\n" + NARROW + "\n```\n" + "x" * 80 + "\n```\n"
+    image = "![curve](data:image/png;base64," + "A" * 5000 + ")\n"
+    assert width_problems(text + image) == [] and fit(text + image) == text + image
+    assert cells("| a | b \\| c |") == ["a", "b \\| c"]  # an escaped pipe stays in its cell
+    assert width_problems("| x | " + "a\\|" * 14 + " |\n| --- | --- |\n")  # 42 characters in one cell
+
+
+def test_a_flow_runs_fix_names_the_params_file_never_a_cli_flag(tmp_path):
+    """A flow run takes no --set and no --params: the fix the CLI suggests is rephrased for the file."""
+    bad = tmp_path / "configs" / "lr.yaml"
+    bad.parent.mkdir()
+    bad.write_text("grpo:\n  lr: -1.0\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as raised:
+        load_config(bad)
+    cli = str(raised.value)
+    assert "--set grpo.lr=" in cli  # what the CLI says ...
+    flow = for_flow_run(cli, "configs/lr.yaml")  # ... and what a flow run says
+    assert "--set" not in flow and "grpo.lr" in flow and flow.endswith(f"fix it in {bad}"), flow
+    assert for_flow_run("give it with --set model.name_or_path=PATH", "configs/x.yaml") == (
+        "give it with `model.name_or_path` in configs/x.yaml")
+    assert for_flow_run("/p/.workspaces/x/params.yaml: grpo.lr must be > 0", "configs/x.yaml") == (
+        "configs/x.yaml: grpo.lr must be > 0")  # the workspace's params.yaml is written from the run's file
+    assert "--params" not in for_flow_run("run from the project root or pass --params PATH", "a.yaml")
+
+
+def test_the_schedule_label_carries_the_time_zone():
+    daily = ScheduleConfig(cron="30 2 * * *", timezone="Europe/Paris")
+    assert schedule_label(daily) == "every day at 02:30 (Europe/Paris)"
+    assert schedule_label(ScheduleConfig(cron="0 2 * * 1-5")) == "cron 0 2 * * 1-5 (UTC)"
+    assert nightly_cron(daily, Path("params.yaml")).slug == "every day at 02:30 (Europe/Paris)"
+
+
+def test_a_workspace_is_its_own_git_repository_with_the_last_run_committed(tmp_path):
+    """`dvc metrics diff` there compares with HEAD: the state the last run left."""
+    project = tmp_path / "project"
+    (project / "configs").mkdir(parents=True)
+    (project / ".gitignore").write_text("/models/\n/.workspaces/\n", encoding="utf-8")
+    (project / "params.yaml").write_text("seed: 1\n", encoding="utf-8")
+    (project / "configs" / "p.yaml").write_text("extends: ../params.yaml\nseed: 2\n", encoding="utf-8")
+    (project / "code.py").write_text("x = 1\n", encoding="utf-8")
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the project"]):  # a checkout, as a user's
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=project, check=True)
+    (project / "metrics" / "key" / "sft").mkdir(parents=True)  # the project's own run: untracked, not ignored
+    (project / "metrics" / "key" / "sft" / "loss_final.json").write_text('{"value": 9.0}\n', encoding="utf-8")
+    workspace = run_folder(project, project / "configs" / "p.yaml")
+    assert not (workspace / "metrics").exists()  # a workspace makes its own outputs
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=workspace, capture_output=True, text=True, check=True).stdout
+
+    assert (workspace / ".git").is_dir() and git("status", "--porcelain") == ""
+    assert len(git("log", "--format=%s").splitlines()) == 1 and "no_scm" not in (
+        workspace / ".dvc" / "config.local").read_text()
+    (workspace / "metrics" / "key" / "sft").mkdir(parents=True)  # what a run leaves
+    (workspace / "metrics" / "key" / "sft" / "loss_final.json").write_text('{"value": 1.5}\n', encoding="utf-8")
+    (workspace / "models").mkdir()
+    (workspace / "models" / "weights.bin").write_bytes(b"0")
+    (project / "code.py").write_text("x = 2\n", encoding="utf-8")
+    assert run_folder(project, project / "configs" / "p.yaml") == workspace  # the next run
+    assert git("show", "HEAD:metrics/key/sft/loss_final.json") == '{"value": 1.5}\n'
+    assert git("show", "HEAD:code.py") == "x = 1\n" and (workspace / "code.py").read_text() == "x = 2\n"
+    assert "models/weights.bin" not in git("ls-files")  # git-ignored outputs stay out
+    assert run_folder(project, project / "configs" / "p.yaml") == workspace
+    assert len(git("log", "--format=%s").splitlines()) == 3  # the code change is the third commit's
+
+
+def test_every_retried_task_waits_a_number_of_seconds():
+    """The task page formats the retry delay as a number: a list of delays shows as "Retry Delay: NaNs"."""
+    from flows.full_retrain import STAGES
+
+    retried = {name: task for name, task in STAGES.items() if task.retries}
+    assert set(retried) == {"sft", "grpo", "evaluate"}
+    assert all(isinstance(task.retry_delay_seconds, int | float) for task in retried.values()), {
+        name: task.retry_delay_seconds for name, task in retried.items()}

@@ -81,6 +81,7 @@ def check_sft_supervises_stop(s: Gated) -> Check:
         f"{len(examples)} probe conversations through causal_lm.batch_loss: {unsupervised} whose stop "
         "token carries no loss",
         "the SFT loss mask must keep the end-of-turn token (chat.render_sft)",
+        "conversations",
     )
 
 
@@ -108,7 +109,14 @@ def check_sft_ends_answers(s: Gated) -> Check:
         "it trained enough, or raise grpo.sampling.max_new_tokens",
     )
     return Check(
-        check.name, check.status, ended, detail, check.hint, "I2", f">= {share} (preflight.min_ended_share)"
+        check.name,
+        check.status,
+        ended,
+        detail,
+        check.hint,
+        "I2",
+        f">= {share} (preflight.min_ended_share)",
+        "share",
     )
 
 
@@ -171,6 +179,7 @@ def check_processors_see_completion(s: Gated) -> Check:
         0,
         detail,
         "build the rollout's processors with the padded prompt width (sampling.build_logits_processors)",
+        "problems",
     )
 
 

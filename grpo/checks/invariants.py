@@ -60,6 +60,7 @@ def check_render_parity(s: Gated) -> Check:
         0,
         f"{len(s.records)} records through sft.build_examples; " + "; ".join(problems),
         "the SFT example builder must render through chat.render_sft (the one renderer)",
+        "problems",
     )
 
 
@@ -76,7 +77,13 @@ def check_special_tokens(s: Gated) -> Check:
         problems.append("rollout.stop_ids must include the tokenizer's eos")
     detail = f"stop ids {s.eos_ids} = {names}, pad id {s.tokenizer.pad_token_id}"
     return bounded(
-        "special_tokens", "I2, I5", len(problems), 0, "; ".join([detail, *problems]), "; ".join(problems)
+        "special_tokens",
+        "I2, I5",
+        len(problems),
+        0,
+        "; ".join([detail, *problems]),
+        "; ".join(problems),
+        "problems",
     )
 
 
@@ -148,6 +155,7 @@ def check_rollout_cut_and_mask(s: Gated) -> Check:
         detail,
         "cut completions at the padded prompt width (not a per-row count) and mask up to the first "
         "stop token by position (never `ids != pad`)",
+        "rows",
     )
 
 
@@ -213,6 +221,7 @@ def check_left_padded_extraction(s: Gated) -> Check:
         s.tolerance(),
         detail,
         "score with position ids from the attention mask and the generated ids (I3, I11)",
+        "nats",
     )
     if problems:
         return Check(
@@ -223,6 +232,7 @@ def check_left_padded_extraction(s: Gated) -> Check:
             "join the generated ids to the prompt ids; cut at the padded prompt width",
             check.invariant,
             check.bound,
+            check.unit,
         )
     return check
 
@@ -252,6 +262,7 @@ def check_penalty_scope(s: Gated) -> Check:
         0.0,
         f"max change of a non-stop logit after a {len(prompt)}-token prompt, no completion yet",
         "penalties and EOS suppression must count completion tokens only (slice off the prompt)",
+        "logit",
     )
     if not suppressed:
         return Check(
@@ -262,6 +273,7 @@ def check_penalty_scope(s: Gated) -> Check:
             "EosSuppressor must count completion tokens only",
             check.invariant,
             check.bound,
+            check.unit,
         )
     return check
 

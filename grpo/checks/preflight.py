@@ -88,6 +88,15 @@ def _cell(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
+def _bound(check: dict[str, Any]) -> str:
+    return f"{_cell(check['bound'])} {check.get('unit', '')}".strip()
+
+
+def _row(*texts: str) -> str:
+    """A markdown table row; a pipe in a value or detail (``|logp|``) is escaped, or it would split the cell."""
+    return "| " + " | ".join(text.replace("|", "\\|") for text in texts) + " |"
+
+
 def write_report(cfg: Config, report: dict[str, Any]) -> None:
     path = report_path(cfg)
     rows = [
@@ -95,8 +104,7 @@ def write_report(cfg: Config, report: dict[str, Any]) -> None:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     rows += [
-        f"| {c['name']} | {c['invariant']} | {c['status']} | {_cell(c['value'])} | {_cell(c['bound'])} | "
-        f"{c['detail']} |"
+        _row(c["name"], c["invariant"], c["status"], _cell(c["value"]), _bound(c), c["detail"])
         for c in report["checks"]
     ]
     write_atomically(

@@ -43,6 +43,8 @@ class Check:
     """The DESIGN.md invariants the check guards (I1-I12)."""
     bound: Any = None
     """What ``value`` was compared with (a tolerance, a threshold, an expected value)."""
+    unit: str = ""
+    """What ``value`` and ``bound`` count or measure (``nats``, ``problems``, ...); empty for a plain number."""
 
     @property
     def passed(self) -> bool:
@@ -52,10 +54,12 @@ class Check:
         return asdict(self) | {"passed": self.passed}
 
 
-def bounded(name: str, invariant: str, value: float, bound: float, detail: str, hint: str) -> Check:
+def bounded(
+    name: str, invariant: str, value: float, bound: float, detail: str, hint: str, unit: str = ""
+) -> Check:
     """``pass`` when ``value <= bound`` (a NaN fails), else ``fail`` with ``hint``."""
     ok = value <= bound  # False for NaN
-    return Check(name, "pass" if ok else "fail", value, detail, "" if ok else hint, invariant, bound)
+    return Check(name, "pass" if ok else "fail", value, detail, "" if ok else hint, invariant, bound, unit)
 
 
 @torch.no_grad()

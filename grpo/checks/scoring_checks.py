@@ -175,6 +175,7 @@ def check_temperature(s: Gated) -> Check:
         s.tolerance(),
         detail,
         "divide the logits by the rollout's temperature before log-softmax AND entropy",
+        "nats",
     )
     if wrong_record:
         return Check(
@@ -185,6 +186,7 @@ def check_temperature(s: Gated) -> Check:
             "the rollout must record the temperature it sampled at",
             check.invariant,
             check.bound,
+            check.unit,
         )
     return check
 
@@ -225,6 +227,7 @@ def check_entropy_sign(s: Gated) -> Check:
         "" if status == "pass" else "a positive entropy_coef must raise entropy: its sign is flipped (I7)",
         "I7",
         f"> {ENTROPY_TOL}",
+        "nats",
     )
 
 

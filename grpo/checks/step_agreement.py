@@ -279,6 +279,7 @@ def check_step_agreement(s: Gated) -> Check:
         else "",
         "I3-I12",
         0,
+        "failures",
     )
 
 

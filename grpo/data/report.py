@@ -239,9 +239,12 @@ def to_markdown(report: ValidationReport, sources: dict[str, Any] | None = None)
 
 
 def failure_message(report: ValidationReport, details: str) -> str:
-    """The error text: each failed rule, its column, and its first example rows."""
+    """The error text: the broken rules named on its first line (the line a failed run leads with), then
+    each failed rule, its column, and its first example rows."""
+    names = [rule.rule for rule in report.failures]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     parts = [
-        f"data validation failed: {len(report.failures)} of {len(report.rules)} rules broken "
+        f"data validation failed: {len(names)} of {len(report.rules)} rules broken: {shown} "
         f"(every rule and row: {details})"
     ]
     for rule in report.failures:

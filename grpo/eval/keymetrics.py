@@ -1,16 +1,22 @@
-"""Small flat key-metrics files, one per stage, for ``dvc metrics show`` and ``dvc metrics diff``.
+"""The key numbers of each stage, one small file per number, for ``dvc metrics show`` and ``dvc metrics diff``.
 
 The full reports (``reports/validation.json``, ``metrics/sft.json``, ``reports/preflight.json``,
 ``metrics/grpo.json``, ``metrics/eval.json``) are nested and long: as DVC metrics they made
 ``dvc metrics show`` print rows of thousands of characters. Each stage therefore also writes
-``<metrics_dir>/key/<stage>.json``: a handful of flat numbers (the README's key rows), which is all
-dvc.yaml declares as metrics; the full report stays beside it as a plain output. Written by the CLI
-(``grpo <stage>`` and ``grpo pipeline``) after the stage succeeds, from the report the stage wrote.
+``<metrics_dir>/key/<stage>/``: a handful of numbers (the README's key rows), which is all dvc.yaml
+declares as metrics; the full report stays beside it as a plain output.
+
+One file per number, ``<name>.json`` holding ``{"value": x}`` (the evaluation's rows hold one value
+per model, ``{"base": x, "sft": y, "grpo": z}``): ``dvc metrics show`` prints one row per file and one
+column per key, so this layout is a few narrow columns (``base grpo sft value``) and one row per
+number, where one file per stage made a column of every number. Written by the CLI (``grpo <stage>``
+and ``grpo pipeline``) after the stage succeeds, from the report the stage wrote.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,10 +44,9 @@ def _preflight(report: dict) -> dict:
 
 
 def _evaluation(report: dict) -> dict:
+    """``{row: {model: greedy value}}``: one file per row, the models side by side."""
     return {
-        f"{model}.{key}": modes.get("greedy", {}).get(key)
-        for model, modes in report.items()
-        for key in KEY_ROWS
+        key: {model: modes.get("greedy", {}).get(key) for model, modes in report.items()} for key in KEY_ROWS
     }
 
 
@@ -64,13 +69,26 @@ KEY_METRICS: dict[str, tuple[str, str, Callable[[dict], dict]]] = {
 
 
 def key_metrics_path(cfg: Config, stage: str) -> Path:
-    return Path(cfg.paths.metrics_dir) / "key" / f"{stage}.json"
+    """``<metrics_dir>/key/<stage>/``: the folder dvc.yaml declares as the stage's metrics."""
+    return Path(cfg.paths.metrics_dir) / "key" / stage
+
+
+def read_key_metrics(folder: Path) -> dict[str, Any]:
+    """``{name: value}`` (``{name: {model: value}}`` for the evaluation's rows) of one stage's folder."""
+    rows = {}
+    for path in sorted(folder.rglob("*.json")):
+        row = json.loads(path.read_text(encoding="utf-8"))
+        rows[path.relative_to(folder).with_suffix("").as_posix()] = (
+            row["value"] if set(row) == {"value"} else row
+        )
+    return rows
 
 
 def write_key_metrics(cfg: Config, stage: str) -> Path | None:
-    """``<metrics_dir>/key/<stage>.json`` from the stage's full report; None when there is none to read.
+    """``<metrics_dir>/key/<stage>/`` from the stage's full report; None when there is none to read.
 
-    (No report: a stage without one, or ``grpo train --max-steps`` that stopped before the final save.)
+    The folder is written afresh (a number the report no longer has leaves no file behind). (No
+    report: a stage without one, or ``grpo train --max-steps`` that stopped before the final save.)
     """
     if stage not in KEY_METRICS:
         return None
@@ -80,6 +98,10 @@ def write_key_metrics(cfg: Config, stage: str) -> Path | None:
         return None
     report: dict[str, Any] = json.loads(full.read_text(encoding="utf-8"))
     out = key_metrics_path(cfg, stage)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(pick(report), indent=2) + "\n", encoding="utf-8")
+    shutil.rmtree(out, ignore_errors=True)
+    for metric, value in pick(report).items():
+        path = out / f"{metric}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        row = value if isinstance(value, dict) else {"value": value}
+        path.write_text(json.dumps(row) + "\n", encoding="utf-8")
     return out
