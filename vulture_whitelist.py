@@ -35,6 +35,7 @@ defect  # variable in tests/test_data_validate.py
 harness  # function in tests/test_flows.py
 pytestmark  # variable in tests/test_flows.py
 _._path_matches_source  # method in grpo/config/
+_._categories_of_bbq  # method in grpo/config/
 _._one_model_source  # method in grpo/config/
 _._loadable_offline  # method in grpo/config/
 _._vllm_installed  # method in grpo/config/
