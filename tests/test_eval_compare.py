@@ -84,4 +84,4 @@ def test_intervals_markdown_prints_every_metric_with_its_interval():
     lines = intervals_markdown({"greedy": paired_bootstrap(right, wrong, 100, 0)}, 100)
     reward = next(line for line in lines if line.startswith("| reward |"))
     assert reward == "| reward | +2.000 | [+2.000, +2.000] |"
-    assert sum(line.startswith("| fairness/") or line.startswith("| hallucination/") for line in lines) == 7
+    assert sum(line.startswith("| fairness/") or line.startswith("| hallucination/") for line in lines) == 9

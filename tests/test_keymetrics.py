@@ -47,3 +47,16 @@ def test_every_stage_with_a_report_keeps_only_scalars(tmp_path):
         assert key and all(isinstance(v, int | float | bool) for v in key.values()), (stage, key)
     assert json.loads(key_metrics_path(cfg, "preflight").read_text()) == {"passed": True, "checks": 2, "failed": 1}
     assert write_key_metrics(cfg, "prepare") is None  # no report, no key file
+
+
+def test_eval_key_file_carries_each_verdict_as_a_short_string(tmp_path):
+    cfg = _cfg(tmp_path)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "eval.json").write_text(json.dumps({"grpo": {"greedy": dict.fromkeys(KEY_ROWS, 0.5)}}))
+    verdicts = {"greedy": {"fairness": {"verdict": "traded", "better": ["a"], "worse": ["b"], "summary": "s"},
+                           "hallucination": {"verdict": "improved", "better": [], "worse": [], "summary": "s"}}}
+    (tmp_path / "metrics" / "eval_compare.json").write_text(json.dumps({"verdicts": verdicts}))
+    key = json.loads(write_key_metrics(cfg, "evaluate").read_text())
+    assert key["verdict.greedy.fairness"] == "traded" and key["verdict.greedy.hallucination"] == "improved"
+    assert key["grpo.fairness/accuracy_ambig"] == 0.5
+

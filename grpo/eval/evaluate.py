@@ -52,6 +52,7 @@ from grpo.eval.metrics import (
     self_bleu,
 )
 from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy, plot_eval_comparison
+from grpo.eval.verdict import kinds_markdown, verdict_markdown, verdicts
 from grpo.files import write_atomically
 from grpo.locks import writes
 from grpo.model.decode import PromptPass
@@ -132,7 +133,7 @@ def task_metrics(texts: Sequence[str], records: Sequence[dict], cfg: Config) -> 
     if hall:
         out |= flatten(hallucination_metrics([hallucination_item(t, r) for t, r in hall]), "hallucination/")
     rewards = {
-        task: [weighted_reward(task, t, r, cfg.rewards.weights) for t, r in pairs]
+        task: [weighted_reward(task, t, r, cfg.rewards) for t, r in pairs]
         for task, pairs in (("fairness", fair), ("hallucination", hall))
     }
     out["reward"] = mean(rewards["fairness"] + rewards["hallucination"])
@@ -200,7 +201,9 @@ def evaluate_model(
         prompt_pass = PromptPass() if group else None
         with bf16_autocast(model_device(model), cfg.grpo.bf16):
             args = (model, tokenizer, batch)
-            greedy.add(generate_rollout(*args, 1, sampling, eos_ids, cfg.seed, greedy=True, prompt_pass=prompt_pass))
+            greedy.add(
+                generate_rollout(*args, 1, sampling, eos_ids, cfg.seed, greedy=True, prompt_pass=prompt_pass)
+            )
             if group:
                 # Seeded by batch index, not by model: every model draws from the same random stream.
                 rollout = generate_rollout(
@@ -252,16 +255,25 @@ def markdown_report(
     cfg: Config,
     compare: dict | None = None,
 ) -> str:
-    """Markdown: the headline against the baselines, GRPO − SFT intervals, then one table per decoding
-    mode (rows = metrics, columns base / SFT / GRPO and deltas)."""
+    """Markdown: the verdict per task and every kind of item's row (``grpo/eval/verdict.py``), then the
+    headline against the baselines, GRPO − SFT intervals, and one table per decoding mode (rows =
+    metrics, columns base / SFT / GRPO and deltas)."""
     sampling, group = cfg.grpo.sampling, cfg.eval.samples_per_prompt
     decoding = (
         f"greedy decoding, and {group} samples per prompt at temperature {sampling.temperature}"
         if group
         else "greedy decoding only (`eval.samples_per_prompt: 0`)"
     )
+    intervals = None if compare is None else compare["grpo_minus_sft"]
+    missing = ", ".join(f"{LABELS[n]} skipped ({skipped[n]})" for n in ("sft", "grpo") if n in skipped)
     lines = [
         "# Evaluation",
+        "",
+        *verdict_markdown(verdicts(intervals), missing or None),
+        "",
+        *kinds_markdown(results, intervals, decoded_modes(results)),
+        "",
+        "## setup",
         "",
         f"{n_records} eval records from `{paths.data_file(cfg, 'eval')}` (seed {cfg.seed}); {decoding}. "
         "`—`: not measured (no item of that kind) or model absent.",
@@ -341,8 +353,8 @@ def grpo_intervals(texts: dict[str, dict], records: Sequence[dict], cfg: Config)
     rows = {"greedy": records, "sampled": per_row(records, cfg.eval.samples_per_prompt)}
     return {
         mode: paired_bootstrap(
-            score(texts["grpo"][mode], rows[mode], cfg.rewards.weights),
-            score(texts["sft"][mode], rows[mode], cfg.rewards.weights),
+            score(texts["grpo"][mode], rows[mode], cfg.rewards),
+            score(texts["sft"][mode], rows[mode], cfg.rewards),
             cfg.eval.bootstrap,
             cfg.seed,
         )
@@ -357,9 +369,11 @@ def run(cfg: Config) -> int:
     records = eval_records(cfg)
     texts: dict[str, dict] = {}
     results, skipped = evaluate(cfg, records, texts=texts)
+    intervals = grpo_intervals(texts, records, cfg)
     compare = {
         "baselines": baseline_metrics(records, cfg),
-        "grpo_minus_sft": grpo_intervals(texts, records, cfg),
+        "grpo_minus_sft": intervals,
+        "verdicts": verdicts(intervals),
     }
     metrics, report = paths.metrics_file(cfg, "eval"), paths.report_file(cfg, "eval.md")
     write_atomically(
@@ -373,6 +387,9 @@ def run(cfg: Config) -> int:
         print(f"evaluate: {LABELS[name]} skipped: {reason}")
     plot = plot_run_entropy(cfg)
     plot_eval_comparison(results, paths.report_file(cfg, "eval.png"))
+    for mode, tasks in compare["verdicts"].items():
+        for verdict in tasks.values():
+            print(f"evaluate: {mode}: {verdict['summary']}")
     print(
         f"evaluate: {', '.join(LABELS[n] for n in results)} -> {metrics}, {report}"
         + (f", {plot}" if plot else "")
