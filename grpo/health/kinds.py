@@ -14,7 +14,9 @@ earlier half (a trend, not a step's noise):
 
 - ``kind_trade``: one kind's reward fell by at least ``threshold`` while another kind's rose by at least
   ``threshold``;
-- ``abstention_rise``: the abstention rate on a kind whose context answers rose by at least ``threshold``.
+- ``abstention_rise``: the abstention rate on a kind whose context answers rose by at least ``threshold``;
+
+each change also beyond noise (``NOISE_Z`` standard errors, from the spread of the per-step values).
 
 A rule fires on the step its condition starts to hold (again), naming the kinds, both halves' means and
 the steps; it needs ``window`` steps of history (a resumed run is primed with the history it restored).
@@ -22,8 +24,9 @@ the steps; it needs ``window`` steps of history (a resumed run is primed with th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -107,51 +110,79 @@ def progress(metrics: Mapping[str, Any]) -> str:
 # --------------------------------------------------------------------------- trend rules
 
 
-def halves(history: Sequence[Mapping[str, Any]], key: str) -> tuple[float, float] | None:
-    """Means of ``key`` over the earlier and the later half of ``history`` (steps lacking it skipped);
-    None when a half has no value. An odd middle step counts in neither half."""
+NOISE_Z = 2.0
+"""A trend counts only where the change also exceeds this many standard errors of the difference of the
+two halves' means (estimated from the spread of the per-step values): a small batch holds a few rows of
+each kind, and their noise alone must not name a trade."""
+
+
+class Move(NamedTuple):
+    """How one kind's metric moved over a window: the earlier and the later half's means."""
+
+    kind: str
+    before: float
+    after: float
+    noise: float
+    """Standard error of ``after - before``."""
+
+    @property
+    def change(self) -> float:
+        return self.after - self.before
+
+    def beyond(self, threshold: float, sign: int) -> bool:
+        """Moved by at least ``threshold`` in the direction ``sign`` (+1 up, -1 down), and beyond noise."""
+        return sign * self.change >= max(threshold, NOISE_Z * self.noise)
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.before:+.3f} -> {self.after:+.3f} ({self.change:+.3f}, noise ±{self.noise:.3f})"
+
+
+def halves(history: Sequence[Mapping[str, Any]], key: str) -> tuple[float, float, float] | None:
+    """``(earlier mean, later mean, standard error of their difference)`` of ``key`` over the two halves
+    of ``history`` (steps lacking it skipped; an odd middle step counts in neither); None when a half
+    has fewer than two values (no spread to measure its noise by)."""
     half = len(history) // 2
     parts = [
         [float(m[key]) for m in part if m.get(key) is not None]
         for part in (history[:half], history[len(history) - half :])
     ]
-    if not all(parts):
+    if any(len(part) < 2 for part in parts):
         return None
-    return sum(parts[0]) / len(parts[0]), sum(parts[1]) / len(parts[1])
+    means = [sum(part) / len(part) for part in parts]
+    variances = [
+        sum((v - mean) ** 2 for v in part) / (len(part) - 1) / len(part)
+        for part, mean in zip(parts, means, strict=True)
+    ]
+    return means[0], means[1], math.sqrt(sum(variances))
 
 
-def _moves(history: Sequence[Mapping[str, Any]], kinds: Sequence[str], key: Callable[[str], str]) -> dict:
-    """``{kind: (earlier mean, later mean)}`` of ``key(kind)`` for each kind measured in both halves."""
+def _moves(
+    history: Sequence[Mapping[str, Any]], kinds: Sequence[str], key: Callable[[str], str]
+) -> list[Move]:
+    """How ``key(kind)`` moved, for each kind measured in both halves (at least two steps each)."""
     found = {kind: halves(history, key(kind)) for kind in kinds}
-    return {kind: pair for kind, pair in found.items() if pair is not None}
-
-
-def _pair(kind: str, pair: tuple[float, float]) -> str:
-    return f"{kind} {pair[0]:+.3f} -> {pair[1]:+.3f} ({pair[1] - pair[0]:+.3f})"
+    return [Move(kind, *values) for kind, values in found.items() if values is not None]
 
 
 def kind_trade(history: Sequence[Mapping[str, Any]], threshold: float) -> tuple[bool, str]:
-    """A kind's mean reward fell by >= ``threshold`` while another's rose by >= ``threshold``."""
+    """A kind's mean reward fell by >= ``threshold`` while another's rose by >= ``threshold``, both beyond
+    noise."""
     moves = _moves(history, ALL_KINDS, reward_key)
-    if not moves:
-        return False, "no kind measured"
-    fallen = min(moves, key=lambda k: moves[k][1] - moves[k][0])
-    risen = max(moves, key=lambda k: moves[k][1] - moves[k][0])
-    holds = (
-        moves[fallen][1] - moves[fallen][0] <= -threshold and moves[risen][1] - moves[risen][0] >= threshold
-    )
-    return holds, f"reward of {_pair(fallen, moves[fallen])} while {_pair(risen, moves[risen])}"
+    if len(moves) < 2:
+        return False, "fewer than two kinds measured"
+    fallen = min(moves, key=lambda m: m.change)
+    risen = max(moves, key=lambda m: m.change)
+    holds = fallen.beyond(threshold, -1) and risen.beyond(threshold, +1)
+    return holds, f"reward of {fallen} while {risen}"
 
 
 def abstention_rise(history: Sequence[Mapping[str, Any]], threshold: float) -> tuple[bool, str]:
-    """The abstention rate of a kind whose context answers rose by >= ``threshold``."""
+    """The abstention rate of a kind whose context answers rose by >= ``threshold``, beyond noise."""
     moves = _moves(history, ANSWERED_KINDS, abstention_key)
     if not moves:
         return False, "no answered kind measured"
-    risen = max(moves, key=lambda k: moves[k][1] - moves[k][0])
-    return moves[risen][1] - moves[risen][
-        0
-    ] >= threshold, f'"unknown"/abstention rate on {_pair(risen, moves[risen])}'
+    risen = max(moves, key=lambda m: m.change)
+    return risen.beyond(threshold, +1), f'"unknown"/abstention rate on {risen}'
 
 
 TREND_RULES: dict[str, Callable[[Sequence[Mapping[str, Any]], float], tuple[bool, str]]] = {
