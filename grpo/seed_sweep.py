@@ -3,8 +3,9 @@
 Each seed runs every stage (``grpo pipeline``) with ``seed`` set and every output folder under
 ``<runs_dir>/seeds/seed-<n>/`` (data, models, metrics, reports, runs), so seeds never share or
 overwrite an artifact and the default outputs are untouched. The table (printed and written to
-``<reports_dir>/seeds.md``) shows, per seed, the headline reward of SFT and GRPO and the GRPO − SFT
-difference of the key metrics with their 95 % paired-bootstrap intervals (``grpo/eval/compare.py``),
+``<reports_dir>/seeds.md``) counts each task's verdict over the seeds (``grpo/eval/verdict.py``) and shows,
+per seed, each task's verdict, the headline reward of SFT and GRPO and the GRPO − SFT difference of the
+key metrics with their 95 % paired-bootstrap intervals (``grpo/eval/compare.py``),
 and a last row that says in how many seeds each difference went the wanted way beyond noise: once
 for greedy replies, once for sampled ones (the policy GRPO trains) when evaluation sampled any.
 """

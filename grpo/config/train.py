@@ -149,9 +149,10 @@ class SelectionConfig(Section):
     kind of item changed most favourably against the SFT model on the validation split (ties: the larger mean
     change, then the earlier step), so a gain on one kind bought with a loss on another cannot win. ``last``:
     the last step, with no validation split and no evaluation (``grpo train --select last``)."""
-    every: int = Field(5, ge=1)
+    every: int = Field(10, ge=1)
     """Steps between greedy evaluations of the validation split (the last step is always evaluated); every
-    evaluated step is checkpointed, and the best one is kept whatever checkpoint.keep_last says."""
+    evaluated step is checkpointed, and the best one is kept whatever checkpoint.keep_last says. Each
+    evaluation costs about a third of a step's time on the embedded model (docs/experiments/trades.md)."""
     records: int = Field(64, ge=4)
     """Validation records set aside from GRPO's training prompts (never eval items), in equal shares of each
     kind of item; GRPO never samples them."""

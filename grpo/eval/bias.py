@@ -11,7 +11,8 @@ and question polarity, and rendered by the one renderer as the run's fairness pr
 are parsed and counted as the evaluation stage counts them (``eval.metrics.bias_scores``).
 
 Outputs: ``<metrics_dir>/bias.json`` (per model: BBQ accuracy and bias scores overall and per category;
-paired bootstrap 95 % intervals of GRPO − SFT and GRPO − base) and ``<reports_dir>/bias.md``.
+paired bootstrap 95 % intervals of GRPO − SFT and GRPO − base; the verdict of GRPO − SFT on BBQ,
+``grpo/eval/verdict.py``) and ``<reports_dir>/bias.md``, which opens with that verdict and each kind's rows.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ module only wires them together:
   and mean token entropy of the sampling distribution on the sampled ids (I10).
 
 Outputs: ``<metrics_dir>/eval.json`` (``{model: {greedy: {...}, sampled: {...}}}``, inner keys flat
-for ``dvc metrics diff``), ``<reports_dir>/eval.md`` (one table per decoding mode with the deltas
+for ``dvc metrics diff``), ``<metrics_dir>/eval_compare.json`` (baselines, GRPO − SFT intervals and the
+verdict per task, ``grpo/eval/verdict.py``), ``<reports_dir>/eval.md`` (the verdict and every kind of
+item's rows first, then the headline, the intervals and one table per decoding mode with the deltas
 GRPO-SFT and SFT-base) and, when the run left them, ``<reports_dir>/entropy.png``.
 """
 

@@ -108,17 +108,24 @@ def _correct(text: str, record: dict) -> bool:
     return hallucination_outcome(text, record).correct
 
 
+def batch_size(cfg: Config) -> int:
+    """Prompts per greedy call: the rollout's rows (``prompts_per_step * group_size``, which the trainer
+    already holds at once), or ``eval.batch_size`` when larger. Few large calls cost less than many
+    small ones: a decode loop's time goes mostly to its steps, not its rows."""
+    return max(cfg.eval.batch_size, cfg.grpo.prompts_per_step * cfg.grpo.group_size)
+
+
 def _replies(step: Step, model: Any, records: Sequence[dict]) -> list[str]:
     """Greedy replies of ``model`` to ``records`` through the one renderer and the rollout's stop ids."""
-    cfg = step.cfg
+    cfg, size = step.cfg, batch_size(step.cfg)
     prompts = render_records(step.tokenizer, records, cfg.model.chat_template_kwargs)
     texts: list[str] = []
-    for start in range(0, len(prompts), cfg.eval.batch_size):
+    for start in range(0, len(prompts), size):
         with step.autocast():
             rollout = generate_rollout(
                 model,
                 step.tokenizer,
-                prompts[start : start + cfg.eval.batch_size],
+                prompts[start : start + size],
                 1,
                 cfg.grpo.sampling,
                 step.eos_ids,

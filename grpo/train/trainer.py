@@ -6,7 +6,9 @@ optimizer step. With ``model.lora.enabled`` the policy is a LoRA adapter on the 
 reference is the same model with the adapter disabled (I9), so no second copy of the weights exists;
 without it every weight trains and the reference is a frozen copy of the SFT model. Every step is
 seeded by (seed, step), which is what makes a resumed run end with the same weights as an
-uninterrupted one.
+uninterrupted one. Which checkpoint becomes ``models/grpo`` is checkpoint selection's choice
+(``selection.py``: the best on a validation split by its worst kind of item; the last step under
+``grpo.selection.rule: last``).
 
 Several processes (``accelerate launch``, torchrun): each draws its shard of the step's prompts and
 the per-task gradients are summed over processes before they are combined; under an FSDP launch the
