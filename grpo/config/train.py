@@ -152,7 +152,7 @@ class SelectionConfig(Section):
     every: int = Field(10, ge=1)
     """Steps between greedy evaluations of the validation split (the last step is always evaluated); every
     evaluated step is checkpointed, and the best one is kept whatever checkpoint.keep_last says. Each
-    evaluation costs about a third of a step's time on the embedded model (docs/experiments/trades.md)."""
+    evaluation of 64 records costs about one step's time on the embedded model."""
     records: int = Field(64, ge=4)
     """Validation records set aside from GRPO's training prompts (never eval items), in equal shares of each
     kind of item; GRPO never samples them."""
