@@ -147,7 +147,7 @@ class SelectionConfig(Section):
     rule: Literal["worst_kind", "last"] = "worst_kind"
     """Which checkpoint becomes models/grpo. ``worst_kind``: of the evaluated checkpoints, the one whose worst
     kind of item changed most favourably against the SFT model on the validation split (ties: the larger mean
-    change, then the earlier step), so a gain on one kind bought with a loss on another cannot win. ``last``:
+    change, then the later step), so a gain on one kind bought with a loss on another cannot win. ``last``:
     the last step, with no validation split and no evaluation (``grpo train --select last``)."""
     every: int = Field(10, ge=1)
     """Steps between greedy evaluations of the validation split (the last step is always evaluated); every

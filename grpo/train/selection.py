@@ -10,7 +10,8 @@ the accuracy on each kind of item (the rewards' own parsers); it enters that ste
 ``selection/<kind>`` (metrics.jsonl, W&B, the checkpoint's history) and the step is checkpointed.
 
 ``choose`` takes the evaluated step whose WORST kind changed most favourably against SFT (ties: the
-larger mean change over kinds, then the earlier step): a checkpoint that gains on one kind and loses on
+larger mean change over kinds, then the later step: where the split cannot tell checkpoints apart,
+the last one stands, as without selection): a checkpoint that gains on one kind and loses on
 another ranks by its loss. Its checkpoint is never pruned, and at the end its weights are what
 ``models/grpo`` holds; the choice and its reason go to ``metrics/grpo.json``, ``<run_dir>/selection.json``
 and the run log.
@@ -34,6 +35,7 @@ from accelerate.utils import gather_object
 from grpo.config import Config
 from grpo.data.kinds import ALL_KINDS, record_kind
 from grpo.data.prompts import render_records
+from grpo.data.schema import TASKS
 from grpo.data.validation import validation_split
 from grpo.errors import GrpoError
 from grpo.files import write_json
@@ -83,7 +85,7 @@ def carve(cfg: Config, records: Sequence[dict]) -> tuple[list[dict], list[dict]]
     if not selecting(cfg):
         return list(records), []
     train, validation = validation_split(records, cfg.grpo.selection.records, cfg.seed)
-    tasks = {task for task in ("fairness", "hallucination") if any(r["task"] == task for r in records)}
+    tasks = {task for task in TASKS if any(r["task"] == task for r in records)}
     left = {task for task in tasks if any(r["task"] == task for r in train)}
     if not validation or left != tasks:
         raise SelectionError(
@@ -182,7 +184,8 @@ def changes(scores: Mapping[str, float], sft: Mapping[str, float]) -> dict[str, 
 
 def choose(evaluated: Sequence[tuple[int, Mapping[str, float]]], sft: Mapping[str, float]) -> Choice:
     """The step whose worst kind changed most favourably against ``sft`` (ties: larger mean change, then
-    the earlier step). ``evaluated``: ``(step, {kind: accuracy})``, as ``evaluations`` returns them.
+    the later step: where the validation split cannot tell them apart, the most trained one, as without
+    selection). ``evaluated``: ``(step, {kind: accuracy})``, as ``evaluations`` returns them.
 
     | step | ambiguous | disambiguated | worst | chosen                                   |
     | ---- | --------- | ------------- | ----- | ---------------------------------------- |
@@ -191,7 +194,7 @@ def choose(evaluated: Sequence[tuple[int, Mapping[str, float]]], sft: Mapping[st
     | 30   | +0.05     | +0.05         | +0.05 | no: same worst, smaller mean             |
     """
     if not evaluated:
-        raise SelectionError("no evaluated step to choose from: the run evaluated its validation split never")
+        raise SelectionError("no evaluated step to choose from: the run never evaluated its validation split")
     ranked = []
     for step, scores in evaluated:
         moved = changes(scores, sft)
@@ -199,10 +202,10 @@ def choose(evaluated: Sequence[tuple[int, Mapping[str, float]]], sft: Mapping[st
             raise SelectionError(
                 f"step {step} was scored on no kind of item SFT was scored on: {sorted(scores)}"
             )
-        ranked.append((min(moved.values()), sum(moved.values()) / len(moved), -step, step, moved))
-    worst, mean, _, step, moved = max(ranked)
+        ranked.append((min(moved.values()), sum(moved.values()) / len(moved), step, moved))
+    worst, mean, step, moved = max(ranked)
     kinds = ", ".join(f"{kind} {change:+.3f}" for kind, change in moved.items())
-    others = ", ".join(f"{s}: {w:+.3f}" for w, _, _, s, _ in ranked if s != step) or "none"
+    others = ", ".join(f"{s}: {w:+.3f}" for w, _, s, _ in ranked if s != step) or "none"
     reason = (
         f"step {step}: its worst kind changed {worst:+.3f} against SFT on the validation split ({kinds}); "
         f"the other evaluated steps' worst changes: {others}"
