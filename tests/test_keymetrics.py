@@ -36,7 +36,8 @@ def test_every_stage_with_a_report_keeps_only_scalars(tmp_path):
         "preflight": {"passed": True, "checks": [{"name": "I1", "passed": True}, {"name": "I7", "passed": False}],
                       "lineage": {"code_fingerprint": "abc"}},
         "grpo": {"reward": -1.0, "reward_std": 0.0, "frac_reward_zero_std": 1.0, "entropy": 5.7, "kl": 0.0,
-                 "steps": 2, "reward_first": -1.0, "process_weight_digests": ["f" * 64]},
+                 "steps": 2, "reward_first": -1.0, "process_weight_digests": ["f" * 64], "selected_step": 2,
+                 "selection": {"rule": "worst_kind", "step": 2, "reason": "..."}},
     }
     for stage, report in reports.items():
         field, name, _ = KEY_METRICS[stage]
@@ -47,6 +48,7 @@ def test_every_stage_with_a_report_keeps_only_scalars(tmp_path):
         assert key and all(isinstance(v, int | float | bool) for v in key.values()), (stage, key)
     assert json.loads(key_metrics_path(cfg, "preflight").read_text()) == {"passed": True, "checks": 2, "failed": 1}
     assert write_key_metrics(cfg, "prepare") is None  # no report, no key file
+    assert json.loads(key_metrics_path(cfg, "grpo").read_text())["selected_step"] == 2  # the step models/grpo holds
 
 
 def test_eval_key_file_carries_each_verdict_as_a_short_string(tmp_path):
@@ -59,4 +61,3 @@ def test_eval_key_file_carries_each_verdict_as_a_short_string(tmp_path):
     key = json.loads(write_key_metrics(cfg, "evaluate").read_text())
     assert key["verdict.greedy.fairness"] == "traded" and key["verdict.greedy.hallucination"] == "improved"
     assert key["grpo.fairness/accuracy_ambig"] == 0.5
-

@@ -67,7 +67,16 @@ KEY_METRICS: dict[str, tuple[str, str, Callable[[dict, Path], dict]]] = {
     "grpo": (
         "metrics_dir",
         "grpo.json",
-        _pick("reward_first", "reward", "reward_std", "frac_reward_zero_std", "entropy", "kl", "steps"),
+        _pick(
+            "reward_first",
+            "reward",
+            "reward_std",
+            "frac_reward_zero_std",
+            "entropy",
+            "kl",
+            "steps",
+            "selected_step",
+        ),
     ),
     "evaluate": ("metrics_dir", "eval.json", _evaluation),
 }
