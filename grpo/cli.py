@@ -110,6 +110,13 @@ def _train_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="stop after this many steps (at least 1; default: all grpo.steps)",
     )
+    parser.add_argument(
+        "--select",
+        choices=("worst_kind", "last"),
+        default=None,
+        help="which checkpoint becomes models/grpo: the best on the validation split by its worst kind of item, "
+        "or the last step (default: params grpo.selection.rule)",
+    )
 
 
 AddArgs = Callable[[argparse.ArgumentParser], None]

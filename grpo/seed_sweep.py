@@ -3,8 +3,9 @@
 Each seed runs every stage (``grpo pipeline``) with ``seed`` set and every output folder under
 ``<runs_dir>/seeds/seed-<n>/`` (data, models, metrics, reports, runs), so seeds never share or
 overwrite an artifact and the default outputs are untouched. The table (printed and written to
-``<reports_dir>/seeds.md``) shows, per seed, the headline reward of SFT and GRPO and the GRPO − SFT
-difference of the key metrics with their 95 % paired-bootstrap intervals (``grpo/eval/compare.py``),
+``<reports_dir>/seeds.md``) counts each task's verdict over the seeds (``grpo/eval/verdict.py``) and shows,
+per seed, each task's verdict, the headline reward of SFT and GRPO and the GRPO − SFT difference of the
+key metrics with their 95 % paired-bootstrap intervals (``grpo/eval/compare.py``),
 and a last row that says in how many seeds each difference went the wanted way beyond noise: once
 for greedy replies, once for sampled ones (the policy GRPO trains) when evaluation sampled any.
 """
@@ -18,17 +19,24 @@ from typing import Any
 
 from grpo import pipeline
 from grpo.config import Config
+from grpo.data.schema import TASKS
 from grpo.eval.compare import MODES
+from grpo.eval.verdict import VERDICTS, WANTED, beyond_noise
 from grpo.files import write_text
 
 COLUMNS: dict[str, int] = {
     "reward": 1,
-    "fairness/accuracy_ambig": 1,
-    "fairness/abs_s_amb": -1,
-    "fairness/accuracy_disambig": 1,
-    "hallucination/hallucination_rate": -1,
-    "hallucination/exact_match": 1,
-    "hallucination/over_abstention_rate": -1,
+    **{
+        key: WANTED[key]
+        for key in (
+            "fairness/accuracy_ambig",
+            "fairness/abs_s_amb",
+            "fairness/accuracy_disambig",
+            "hallucination/hallucination_rate",
+            "hallucination/exact_match",
+            "hallucination/over_abstention_rate",
+        )
+    },
 }
 """The GRPO − SFT differences the table shows, and the sign of an improvement (+1 up, -1 down)."""
 
@@ -65,6 +73,7 @@ def seed_row(cfg: Config, mode: str = "greedy") -> dict[str, Any] | None:
         "abstain_reward": compare["baselines"]["abstain"]["reward"],
         "over_abstention_grpo": grpo["hallucination/over_abstention_rate"],
         "diffs": {key: diffs[key] for key in COLUMNS},
+        "verdicts": {task: v["verdict"] for task, v in compare.get("verdicts", {}).get(mode, {}).items()},
     }
 
 
@@ -77,15 +86,25 @@ def _cell(row: dict[str, float | None]) -> str:
 
 def improved(row: dict[str, float | None], sign: int) -> bool:
     """The difference goes the wanted way and its 95 % interval excludes 0."""
-    if row["low"] is None or row["high"] is None:
-        return False
-    return row["low"] > 0 if sign > 0 else row["high"] < 0
+    return beyond_noise(row, sign) > 0
+
+
+def verdict_counts(rows: list[dict[str, Any]]) -> str:
+    """``fairness: improved 2/3, traded 1/3; hallucination: ...``: each task's verdicts counted over seeds."""
+    parts = []
+    for task in TASKS:
+        seen = [row["verdicts"].get(task) for row in rows]
+        counts = [f"{verdict} {seen.count(verdict)}/{len(rows)}" for verdict in VERDICTS if verdict in seen]
+        if counts:
+            parts.append(f"{task}: " + ", ".join(counts))
+    return "; ".join(parts)
 
 
 def seeds_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: one row per seed (one decoding), then the count of seeds improved beyond noise."""
     head = [
         "seed",
+        *(f"{task} verdict" for task in TASKS),
         "SFT reward",
         "GRPO reward",
         "abstain-all reward",
@@ -96,6 +115,7 @@ def seeds_table(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         cells = [
             str(row["seed"]),
+            *(row["verdicts"].get(task, "—") for task in TASKS),
             *(
                 f"{row[k]:.3f}" if row[k] is not None else "—"
                 for k in ("sft_reward", "grpo_reward", "abstain_reward", "over_abstention_grpo")
@@ -107,8 +127,10 @@ def seeds_table(rows: list[dict[str, Any]]) -> str:
         f"{sum(improved(row['diffs'][key], sign) for row in rows)}/{len(rows)}"
         for key, sign in COLUMNS.items()
     ]
-    lines.append("| improved beyond noise | | | | | " + " | ".join(counts) + " |")
-    return "\n".join(lines) + "\n"
+    lines.append(
+        "| improved beyond noise |" + " |" * (len(head) - len(COLUMNS) - 1) + " " + " | ".join(counts) + " |"
+    )
+    return f"Verdicts: {verdict_counts(rows)}.\n\n" + "\n".join(lines) + "\n"
 
 
 def run(cfg: Config, seeds: Sequence[int] = (1, 2, 3)) -> int:

@@ -61,3 +61,26 @@ def test_bias_names_a_missing_folder(tmp_path, capsys):
     params = write_params(tmp_path, tiny_params(tmp_path))
     assert grpo_main(["bias", "--params", str(params), "--bbq", str(tmp_path / "nowhere")]) == 1
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_bias_report_opens_with_the_verdict_on_bbq(tmp_path):
+    """A GRPO model that says "unknown" on BBQ's ambiguous items and loses disambiguated ones: traded."""
+    from grpo.config import config_from_dict
+    from grpo.eval.bias import SFT_DIFFERENCE, report, sft_verdicts
+
+    up, down, flat = ({"diff": d, "low": d - 0.05, "high": d + 0.05} for d in (0.3, -0.2, 0.0))
+    differences = {SFT_DIFFERENCE: {"fairness/accuracy_ambig": up, "fairness/accuracy_disambig": down,
+                                    "fairness/abs_s_amb": flat}}
+    judged = sft_verdicts(differences)
+    assert judged["greedy"]["fairness"]["verdict"] == "traded" and list(judged["greedy"]) == ["fairness"]
+    figures = {"accuracy_ambig": 0.1, "accuracy_disambig": 0.5, "s_amb": 0.0, "s_dis": 0.0}
+    results = {name: {"overall": figures, "by_category": {"Age": figures}} for name in ("sft", "grpo")}
+    levels = {"fairness/accuracy_ambig": 0.1, "fairness/accuracy_disambig": 0.5, "fairness/s_amb": 0.0}
+    text = report(results, differences, [{"category": "Age"}], tmp_path, config_from_dict({}),
+                  {name: {"greedy": levels} for name in ("sft", "grpo")})
+    assert text.startswith("# Bias on BBQ\n\n## verdict\n")
+    assert "| greedy | fairness | **traded** | ambiguous acc | disambig. acc |" in text
+    assert "| greedy | fairness | disambiguated | accuracy | 0.500 | 0.500 | -0.200 | [-0.250, -0.150] | worse |" in text
+    assert "hallucination" not in text.split("## figures per model")[0].replace("| greedy | fairness", "")
+    assert sft_verdicts({}) == {}
+

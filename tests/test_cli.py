@@ -66,19 +66,22 @@ def test_help_lists_every_command(capsys):
 def test_options_reach_the_stage_function_typed(params, monkeypatch):
     seen = {}
 
-    def fake_run(cfg, max_steps=None):
-        seen.update(cfg=cfg, max_steps=max_steps)
+    def fake_run(cfg, max_steps=None, select=None):
+        seen.update(cfg=cfg, max_steps=max_steps, select=select)
         return 0
 
     monkeypatch.setattr("grpo.train.trainer.run", fake_run)
     assert main(["train", "--params", str(params), "--max-steps", "3", "--set", "grpo.steps=9"]) == 0
     assert seen["max_steps"] == 3 and seen["cfg"].grpo.steps == 9 and seen["cfg"].seed == 1
+    assert seen["select"] is None
+    assert main(["train", "--params", str(params), "--select", "last"]) == 0
+    assert seen["select"] == "last"
 
 
 @pytest.mark.parametrize("steps", ["0", "-3"])
 def test_max_steps_below_one_is_refused_before_training(params, monkeypatch, capsys, steps):
     """``--max-steps 0`` once trained every step and ``-3`` none, exiting 0: both are usage errors."""
-    monkeypatch.setattr("grpo.train.trainer.run", lambda cfg, max_steps=None: pytest.fail("trained"))
+    monkeypatch.setattr("grpo.train.trainer.run", lambda cfg, max_steps=None, select=None: pytest.fail("trained"))
     with pytest.raises(SystemExit) as done:
         main(["train", "--params", str(params), "--max-steps", steps])
     assert done.value.code == 2

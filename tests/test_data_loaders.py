@@ -173,3 +173,42 @@ def test_every_file_of_a_folder_must_give_an_item(tmp_path):
     (halueval / "empty.json").write_text('{"knowledge": "k", "dialogue_history": "h", "right_response": "r"}\n')
     with pytest.raises(DataSourceError, match=r"empty\.json:1: .*point data\.hallucination_path at it"):
         load_halueval(halueval, 0.2, 0)
+
+
+def test_bbq_held_out_categories_are_evaluated_and_never_trained_on():
+    from grpo.data.bbq import hold_out_categories
+
+    loaded = load_bbq(FIXTURES / "bbq", eval_share=0.25, seed=0)
+    split = hold_out_categories(loaded, ["Age", "Religion"], FIXTURES / "bbq")
+    assert {i["category"] for i in split.pools["eval"]} == {"Age", "Religion"}
+    assert not {"Age", "Religion"} & {i["category"] for i in split.pools["train"]}
+    assert len(split.pools["train"]) + len(split.pools["eval"]) == 92 and split.skipped == loaded.skipped
+    with pytest.raises(DataSourceError, match=r"no category \['Agee'\].*'Age', 'Disability_status'"):
+        hold_out_categories(loaded, ["Agee"], FIXTURES / "bbq")
+    every = sorted({i["category"] for i in split.pools["train"] + split.pools["eval"]})
+    with pytest.raises(DataSourceError, match="no category left to train on"):
+        hold_out_categories(loaded, every, FIXTURES / "bbq")
+
+
+def test_held_out_categories_need_bbq():
+    from grpo.config import ConfigError, config_from_dict
+
+    with pytest.raises((ConfigError, ValueError), match="only BBQ files have categories"):
+        config_from_dict({"data": {"fairness_heldout_categories": ["Age"]}})
+    cfg = config_from_dict({"data": {"fairness_source": "bbq", "fairness_path": str(FIXTURES / "bbq"),
+                                     "fairness_heldout_categories": ["Age"]}})
+    assert cfg.data.fairness_heldout_categories == ["Age"]
+
+
+
+def test_prepare_with_held_out_categories_writes_them_to_eval_only(tmp_path):
+    cfg = config_from_dict({"paths": {"data_dir": str(tmp_path / "data")},
+                            "data": {"n_train": 16, "n_eval": 8, "sft_noise": 0.5, "fairness_source": "bbq",
+                                     "fairness_path": str(FIXTURES / "bbq"),
+                                     "fairness_heldout_categories": ["Age", "Religion"]}})
+    prepare.run(cfg)
+    split = {s: [json.loads(line) for line in (tmp_path / "data" / f"{s}.jsonl").read_text().splitlines()]
+             for s in ("train", "eval")}
+    fair = {s: {r["category"] for r in records if r["task"] == "fairness"} for s, records in split.items()}
+    assert fair["eval"] <= {"Age", "Religion"} and fair["eval"]
+    assert fair["train"] and not fair["train"] & {"Age", "Religion"}

@@ -84,4 +84,24 @@ def test_intervals_markdown_prints_every_metric_with_its_interval():
     lines = intervals_markdown({"greedy": paired_bootstrap(right, wrong, 100, 0)}, 100)
     reward = next(line for line in lines if line.startswith("| reward |"))
     assert reward == "| reward | +2.000 | [+2.000, +2.000] |"
-    assert sum(line.startswith("| fairness/") or line.startswith("| hallucination/") for line in lines) == 7
+    assert sum(line.startswith("| fairness/") or line.startswith("| hallucination/") for line in lines) == 9
+
+
+def test_saying_unknown_everywhere_is_a_trade_kind_by_kind():
+    """Against a policy that reads every item right, abstaining everywhere loses on the kinds whose context
+    answers (disambiguated, answerable) and keeps the others: each kind's interval says which."""
+    from grpo.eval.verdict import verdicts
+
+    records = make_records("eval", 20, 20, seed=9)
+    right = score(_right(records), records, WEIGHTS)
+    abstain = score(baseline_texts("abstain", records, 0), records, WEIGHTS)
+    diffs = paired_bootstrap(abstain, right, n_boot=200, seed=0)
+    assert diffs["fairness/accuracy_disambig"]["diff"] == -1.0 and diffs["fairness/accuracy_ambig"]["diff"] == 0.0
+    assert diffs["hallucination/accuracy_answerable"]["diff"] == -1.0
+    assert diffs["hallucination/accuracy_unanswerable"]["diff"] == 0.0
+    # Against the always-wrong policy instead, abstaining gains where the context cannot tell, loses nothing
+    # where it answers (both wrong there): the gain side of the trade alone.
+    gained = paired_bootstrap(abstain, score(_wrong(records), records, WEIGHTS), n_boot=200, seed=0)
+    assert gained["hallucination/accuracy_unanswerable"]["diff"] == 1.0
+    assert gained["hallucination/accuracy_answerable"]["diff"] == 0.0
+    assert verdicts({"greedy": diffs})["greedy"]["fairness"]["verdict"] == "worse"

@@ -27,6 +27,7 @@ from grpo.eval.evaluate import (
     run,
     task_metrics,
 )
+from grpo.eval.verdict import verdicts
 from grpo.model.chat import end_of_turn_ids, render_prompt
 from grpo.model.fast import FastPaths
 from grpo.model.loading import load_model, load_tokenizer
@@ -312,6 +313,16 @@ def test_evaluate_report_has_headline_baselines_and_intervals(evaluated):
     assert f"| baseline: always abstain / \"unknown\" | {abstain:.3f} | — |" in report
     assert "| baseline: random choice |" in report
     assert "## GRPO − SFT, 95 % bootstrap intervals" in report
+    # The verdict and every kind's rows come first, the headline after them (the artifact reads them so).
+    assert report.startswith("# Evaluation\n\n## verdict\n")
+    assert report.index("## by kind of item") < report.index("## headline")
+    assert compare["verdicts"] == verdicts(compare["grpo_minus_sft"])
+    for mode in ("greedy", "sampled"):
+        for task in ("fairness", "hallucination"):
+            verdict = compare["verdicts"][mode][task]["verdict"]
+            assert f"| {mode} | {task} | **{verdict}** |" in report
+        assert f"| {mode} | fairness | disambiguated | accuracy |" in report
+        assert f"| {mode} | hallucination | unanswerable | accuracy (abstains) |" in report
     greedy = compare["grpo_minus_sft"]["greedy"]["reward"]
     assert greedy["diff"] == pytest.approx(results["grpo"]["greedy"]["reward"] - results["sft"]["greedy"]["reward"])
     assert greedy["low"] <= greedy["diff"] <= greedy["high"]
@@ -321,7 +332,9 @@ def test_evaluate_without_grpo_has_no_intervals(project):
     assert run(project) == 0
     compare = json.loads((Path(project.paths.metrics_dir) / "eval_compare.json").read_text())
     assert compare["grpo_minus_sft"] is None and set(compare["baselines"]) == {"abstain", "random"}
-    assert "bootstrap intervals" not in (Path(project.paths.reports_dir) / "eval.md").read_text()
+    report = (Path(project.paths.reports_dir) / "eval.md").read_text()
+    assert "bootstrap intervals" not in report and compare["verdicts"] == {}
+    assert "No verdict: GRPO skipped (" in report
 
 
 def test_evaluate_greedy_only_when_no_samples_are_asked(evaluated, tmp_path):

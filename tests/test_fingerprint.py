@@ -198,10 +198,10 @@ def test_base_reads_every_model_key_but_the_adapter_and_the_adapter_stages_read_
 
 
 def test_preflight_reads_every_grpo_key_the_step_uses_and_the_rewards():
-    """The checks drive the step: every grpo field but the run's length, speed and prompt draw is a
-    pre-flight param, so a new precision, scoring path or loss reruns (and re-gates) the checks."""
+    """The checks drive the step: every grpo field but the run's length, speed, prompt draw and checkpoint
+    selection is a pre-flight param, so a new precision, scoring path or loss reruns (and re-gates) the checks."""
     params = stages.get_stage("preflight").params
-    unread = {"steps", "lr", "warmup_steps", "prompts_per_step", "fairness_fraction"}
+    unread = {"steps", "lr", "warmup_steps", "prompts_per_step", "fairness_fraction", "kind_share", "selection"}
     assert set(stages.PREFLIGHT_GRPO_KEYS) == {
         f"grpo.{f}" for f in GrpoConfig.model_fields if f not in unread
     }

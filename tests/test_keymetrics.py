@@ -40,7 +40,8 @@ def test_every_stage_with_a_report_keeps_only_scalars(tmp_path):
         "preflight": {"passed": True, "checks": [{"name": "I1", "passed": True}, {"name": "I7", "passed": False}],
                       "lineage": {"code_fingerprint": "abc"}},
         "grpo": {"reward": -1.0, "reward_std": 0.0, "frac_reward_zero_std": 1.0, "entropy": 5.7, "kl": 0.0,
-                 "steps": 2, "reward_first": -1.0, "process_weight_digests": ["f" * 64]},
+                 "steps": 2, "reward_first": -1.0, "process_weight_digests": ["f" * 64], "selected_step": 2,
+                 "selection": {"rule": "worst_kind", "step": 2, "reason": "..."}},
     }
     for stage, report in reports.items():
         field, name, _ = KEY_METRICS[stage]
@@ -52,3 +53,16 @@ def test_every_stage_with_a_report_keeps_only_scalars(tmp_path):
     assert read_key_metrics(key_metrics_path(cfg, "preflight")) == {"passed": True, "checks": 2, "failed": 1}
     assert json.loads((key_metrics_path(cfg, "grpo") / "reward.json").read_text()) == {"value": -1.0}
     assert write_key_metrics(cfg, "prepare") is None  # no report, no key file
+    assert read_key_metrics(key_metrics_path(cfg, "grpo"))["selected_step"] == 2  # the step models/grpo holds
+
+
+def test_eval_key_file_carries_each_verdict_as_a_short_string(tmp_path):
+    cfg = _cfg(tmp_path)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "eval.json").write_text(json.dumps({"grpo": {"greedy": dict.fromkeys(KEY_ROWS, 0.5)}}))
+    verdicts = {"greedy": {"fairness": {"verdict": "traded", "better": ["a"], "worse": ["b"], "summary": "s"},
+                           "hallucination": {"verdict": "improved", "better": [], "worse": [], "summary": "s"}}}
+    (tmp_path / "metrics" / "eval_compare.json").write_text(json.dumps({"verdicts": verdicts}))
+    key = read_key_metrics(write_key_metrics(cfg, "evaluate"))
+    assert key["verdict/greedy/fairness"] == "traded" and key["verdict/greedy/hallucination"] == "improved"
+    assert key["fairness/accuracy_ambig"] == {"grpo": 0.5}

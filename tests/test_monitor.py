@@ -234,7 +234,7 @@ def test_check_boundary_needs_one_prompt_per_completion():
 def stage_result(tokenizer, eos_ids: list[int], completions: list[list[int]]) -> StepResult:
     """What one training step hands the monitor when the decode loop generated ``completions`` (ids,
     the pad id after a stop token): the stage's cut (``rollout_from_sequences``) and ``step_result``."""
-    record = {"task": "hallucination", "context": CONTEXT, "question": "Who was late?"}
+    record = {"task": "hallucination", "context": CONTEXT, "question": "Who was late?", "answerable": True}
     n, width = len(completions), max(map(len, completions))
     prompt = left_pad([render_prompt(tokenizer, example_messages(record))] * n, tokenizer.pad_token_id)
     generated = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids in completions])

@@ -256,3 +256,21 @@ def test_weighted_reward_unknown_task_is_an_error():
         weighted_reward("math", "1", {}, RewardWeights())
     with pytest.raises(UnknownTaskError, match="rewards.weights.fairness"):
         weighted_reward("fairness", "Answer: A", bbq("ambig"), {"hallucination": 1.0})
+
+
+def test_the_reward_of_abstaining_where_the_context_answers_is_a_params_lever():
+    """``rewards.abstain_when_answered`` sets what "unknown" on a disambiguated item and an abstention on an
+    answerable question earn; nothing else moves, and the weight still scales it."""
+    from grpo.config import config_from_dict
+
+    paid = config_from_dict({"rewards": {"abstain_when_answered": {"fairness": 1.0, "hallucination": 0.25},
+                                         "weights": {"hallucination": 2.0}}}).rewards
+    default = config_from_dict({}).rewards
+    assert weighted_reward("fairness", "Answer: C", bbq("disambig", label=1), default) == -0.5
+    assert weighted_reward("fairness", "Answer: C", bbq("disambig", label=1), paid) == 1.0
+    assert weighted_reward("hallucination", "I don't know.", qa(True), paid) == 0.5
+    assert weighted_reward("fairness", "Answer: A", bbq("disambig", label=1), paid) == -1.0  # a wrong person
+    assert weighted_reward("fairness", "Answer: A", bbq("ambig"), paid) == -1.0
+    assert weighted_reward("hallucination", "I don't know.", qa(False), paid) == 2.0  # right abstention
+    assert weighted_reward("hallucination", "Mara Venn", qa(True), paid) == 2.0
+

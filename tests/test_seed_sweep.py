@@ -36,13 +36,16 @@ def test_improved_needs_the_wanted_sign_and_an_interval_off_zero():
 def test_seeds_table_counts_seeds_improved_beyond_noise(tmp_path):
     rows = [
         {"seed": 1, "sft_reward": 0.1, "grpo_reward": 0.4, "abstain_reward": 0.25,
-         "over_abstention_grpo": 0.1, "diffs": _diffs(0.3, 0.1, 0.5)},
+         "over_abstention_grpo": 0.1, "diffs": _diffs(0.3, 0.1, 0.5),
+         "verdicts": {"fairness": "improved", "hallucination": "traded"}},
         {"seed": 2, "sft_reward": 0.1, "grpo_reward": 0.2, "abstain_reward": 0.25,
-         "over_abstention_grpo": 0.1, "diffs": _diffs(0.1, -0.1, 0.3)},
+         "over_abstention_grpo": 0.1, "diffs": _diffs(0.1, -0.1, 0.3),
+         "verdicts": {"fairness": "traded", "hallucination": "traded"}},
     ]
     table = seeds_table(rows)
-    assert "| 1 | 0.100 | 0.400 | 0.250 | 0.100 | +0.300 [+0.10, +0.50] |" in table
-    counts = table.splitlines()[-1].split("|")[6:-1]
+    assert table.startswith("Verdicts: fairness: improved 1/2, traded 1/2; hallucination: traded 2/2.\n")
+    assert "| 1 | improved | traded | 0.100 | 0.400 | 0.250 | 0.100 | +0.300 [+0.10, +0.50] |" in table
+    counts = table.splitlines()[-1].split("|")[8:-1]
     # Upward metrics: seed 1 only; downward metrics (an increase is a regression): none.
     assert [c.strip() for c in counts] == ["1/2" if sign > 0 else "0/2" for sign in COLUMNS.values()]
 
@@ -53,7 +56,8 @@ def _write_seed_run(cfg, sampled: bool) -> None:
     results = {"sft": {"greedy": {"reward": 0.3, "hallucination/over_abstention_rate": 0.05}},
                "grpo": {"greedy": {"reward": 0.5, "hallucination/over_abstention_rate": 0.1}}}
     compare = {"baselines": {"abstain": {"reward": 0.25}},
-               "grpo_minus_sft": {"greedy": _diffs(0.2, 0.1, 0.3), "sampled": {}}}
+               "grpo_minus_sft": {"greedy": _diffs(0.2, 0.1, 0.3), "sampled": {}},
+               "verdicts": {"greedy": {"fairness": {"verdict": "traded"}, "hallucination": {"verdict": "improved"}}}}
     if sampled:
         results["sft"]["sampled"] = {"reward": 0.1, "hallucination/over_abstention_rate": 0.07}
         results["grpo"]["sampled"] = {"reward": 0.4, "hallucination/over_abstention_rate": 0.2}
@@ -83,10 +87,11 @@ def test_seeds_report_has_a_sampled_table_only_where_every_seed_sampled(tmp_path
     assert "## Greedy replies" in report and "## Sampled" not in report
     report = seeds_report(rows[:1], cfg)
     greedy, sampled = report.split("## Sampled replies")
-    assert "| 1 | 0.300 | 0.500 | 0.250 | 0.100 | +0.200 [+0.10, +0.30] |" in greedy
+    assert "| 1 | traded | improved | 0.300 | 0.500 | 0.250 | 0.100 | +0.200 [+0.10, +0.30] |" in greedy
+    assert "Verdicts: fairness: traded 1/1; hallucination: improved 1/1." in greedy
     assert f"({cfg.eval.samples_per_prompt} per prompt at temperature" in sampled
-    assert "| 1 | 0.100 | 0.400 | 0.250 | 0.200 | +0.300 [-0.10, +0.60] |" in sampled
-    assert sampled.splitlines()[-1].startswith("| improved beyond noise | | | | | 0/1 |")
+    assert "| 1 | — | — | 0.100 | 0.400 | 0.250 | 0.200 | +0.300 [-0.10, +0.60] |" in sampled
+    assert sampled.splitlines()[-1].startswith("| improved beyond noise | | | | | | | 0/1 |")
 
 
 def test_seeds_command_takes_a_list_of_seeds():

@@ -84,3 +84,32 @@ def test_shard_of_a_sampled_step_keeps_both_tasks():
 def test_more_processes_than_prompts_is_an_error_naming_the_param():
     with pytest.raises(GrpoError, match=r"grpo.prompts_per_step >= 4"):
         shard_indices(["fairness", "hallucination"], 0, 4)
+
+
+KINDED = {
+    "fairness": [{"id": f"f{i}", "task": "fairness", "context_condition": "ambig" if i < 9 else "disambig"}
+                 for i in range(10)],
+    "hallucination": [{"id": f"h{i}", "task": "hallucination", "answerable": i < 2} for i in range(10)],
+}
+
+
+@pytest.mark.parametrize(("share", "answered"), [(0.5, 2), (0.25, 1), (0.0, 0), (1.0, 4)])
+def test_kind_share_sets_each_tasks_answered_items_whatever_the_pool(share, answered):
+    """The pools hold 1 disambiguated fairness item in 10 and 2 answerable grounded ones in 10; with
+    ``grpo.kind_share`` every step holds the asked share of each task's prompts anyway."""
+    for step in range(1, 6):
+        picked = sample_step(KINDED, 8, 0.5, seed=1, step=step, kind_share=share)
+        fair = [r for r in picked if r["task"] == "fairness"]
+        grounded = [r for r in picked if r["task"] == "hallucination"]
+        assert sum(r["context_condition"] == "disambig" for r in fair) == answered
+        assert sum(r["answerable"] for r in grounded) == answered
+    assert sample_step(KINDED, 8, 0.5, seed=1, step=3, kind_share=share) == sample_step(
+        KINDED, 8, 0.5, seed=1, step=3, kind_share=share
+    )
+
+
+def test_kind_share_null_draws_as_before_and_a_missing_kind_is_an_error():
+    assert sample_step(BY_TASK, 6, 0.5, seed=3, step=5, kind_share=None) == sample_step(BY_TASK, 6, 0.5, seed=3, step=5)
+    only_ambiguous = {**KINDED, "fairness": KINDED["fairness"][:9]}
+    with pytest.raises(GrpoError, match="no disambiguated fairness records but grpo.kind_share=0.5"):
+        sample_step(only_ambiguous, 8, 0.5, seed=1, step=1, kind_share=0.5)

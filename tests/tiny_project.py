@@ -40,7 +40,9 @@ def tiny_params(root: Path, **overrides) -> dict:
         # Enough SFT for the answer format, so some GRPO groups have reward variance to learn from.
         "sft": {"epochs": 8, "batch_size": 8, "lr": 0.005},
         "grpo": {"steps": 4, "prompts_per_step": 4, "group_size": 2, "sampling": {"max_new_tokens": 6},
-                 "multitask": {"mode": "cagrad"}},
+                 "multitask": {"mode": "cagrad"},
+                 # 2 validation records of each kind, scored at steps 2 and 4: selection runs, cheaply.
+                 "selection": {"records": 8, "every": 2}},
         "monitor": {rule: {**DEFAULT_MONITOR[rule], "action": "warn"} for rule in WARN_ONLY_RULES},
         "checkpoint": {"every": 1, "keep_last": 10},
         "tracking": {"wandb": "offline"},

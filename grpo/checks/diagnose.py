@@ -93,7 +93,7 @@ def _at(probe: Probe, temperature: float) -> RolloutInputs:
 
 def probe_rewards(cfg: Config, probe: Probe) -> torch.Tensor:
     """Weighted reward of every probe completion: [N]."""
-    values = group_rewards(probe.rollout.texts, probe.records, probe.rollout.group_size, cfg.rewards.weights)
+    values = group_rewards(probe.rollout.texts, probe.records, probe.rollout.group_size, cfg.rewards)
     return torch.tensor(values, dtype=torch.float32)
 
 

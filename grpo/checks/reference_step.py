@@ -208,7 +208,7 @@ def reference_step(
     texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
     rows = [records[i // group] for i in range(len(prompts))]
     rewards = [
-        weighted_reward(r["task"], t, r, cfg.rewards.weights) for t, r in zip(texts, rows, strict=True)
+        weighted_reward(r["task"], t, r, cfg.rewards) for t, r in zip(texts, rows, strict=True)
     ]
     advantages = _advantages(rewards, group, grpo.loss.scale_rewards)
 

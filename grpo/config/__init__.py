@@ -22,7 +22,7 @@ from grpo.config.eval import DiagnoseConfig, EvalConfig, PreflightConfig
 from grpo.config.health import MonitorConfig, RuleConfig, TrackingConfig
 from grpo.config.model import Architecture, FastPathsSetting, LoraConfig, ModelConfig, TinyModelConfig
 from grpo.config.orchestration import ScheduleConfig
-from grpo.config.rewards import RewardsConfig, RewardWeights
+from grpo.config.rewards import AbstainRewards, RewardsConfig, RewardWeights
 from grpo.config.train import (
     CheckpointConfig,
     GrpoConfig,
@@ -32,6 +32,7 @@ from grpo.config.train import (
     PretrainConfig,
     RolloutConfig,
     SamplingConfig,
+    SelectionConfig,
     SftConfig,
 )
 from grpo.config.tree import (
@@ -48,6 +49,7 @@ from grpo.config.tree import (
 
 __all__ = [
     "DEFAULT_PARAMS",
+    "AbstainRewards",
     "Architecture",
     "CheckpointConfig",
     "Config",
@@ -73,6 +75,7 @@ __all__ = [
     "RuleConfig",
     "SamplingConfig",
     "ScheduleConfig",
+    "SelectionConfig",
     "Section",
     "SftConfig",
     "TinyModelConfig",

@@ -35,6 +35,10 @@ class DataConfig(Section):
     """Hallucination records: the built-in grounded-QA generator, local HaluEval QA or SQuAD 2.0."""
     hallucination_path: str | None = Field(None, validate_default=True)
     """Local HaluEval QA JSON-lines file or SQuAD 2.0 JSON file (required unless synthetic)."""
+    fairness_heldout_categories: list[str] = Field(default_factory=list)
+    """With fairness_source bbq: BBQ categories (e.g. ``Age``, ``Religion``) kept out of training and used
+    only for evaluation; every other category of the files trains (none of them is evaluated). Empty:
+    train and eval split by template within every category."""
     fairness_answer: Literal["letter", "text"] = "letter"
     """How a fairness prompt asks for the option and SFT teaches it: ``letter`` ("Answer: B") or ``text``
     (the option's words, "Answer: The Brasken farmer"). Small pretrained models pick letters of a
@@ -54,6 +58,16 @@ class DataConfig(Section):
     [0, 1). 0: SFT and GRPO both read every train record; above 0, GRPO samples prompts SFT never trained on."""
     checks: DataChecksConfig = Field(default_factory=DataChecksConfig)
     """Bounds and tolerances of ``grpo validate``."""
+
+    @field_validator("fairness_heldout_categories")
+    @classmethod
+    def _categories_of_bbq(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        if value and info.data.get("fairness_source") != "bbq":
+            raise ValueError(
+                "names held-out categories, but only BBQ files have categories to hold out: set "
+                "data.fairness_source to bbq (with data.fairness_path), or data.fairness_heldout_categories to []"
+            )
+        return value
 
     @field_validator("fairness_path", "hallucination_path")
     @classmethod

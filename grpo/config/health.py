@@ -58,3 +58,7 @@ class MonitorConfig(Section):
     """Collapse: fires when logits/max_prob stays >= threshold for window steps."""
     zero_grad: RuleConfig = _rule(0.0, window=3)
     """Collapse: fires when |loss| and every grad norm stay <= threshold for window steps."""
+    kind_trade: RuleConfig = _rule(0.3, window=10, action="warn")
+    """Trade: fires when, over the last window steps (later half's mean vs earlier half's), one kind of item's reward fell by at least threshold while another kind's rose by at least threshold (grpo/health/kinds.py)."""
+    abstention_rise: RuleConfig = _rule(0.25, window=10, action="warn")
+    """Trade: fires when, over the last window steps (later half's mean vs earlier half's), the "unknown"/abstention rate on a kind whose context answers (disambiguated, answerable) rose by at least threshold."""

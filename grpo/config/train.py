@@ -144,6 +144,21 @@ class RolloutConfig(Section):
         return value
 
 
+class SelectionConfig(Section):
+    rule: Literal["worst_kind", "last"] = "worst_kind"
+    """Which checkpoint becomes models/grpo. ``worst_kind``: of the evaluated checkpoints, the one whose worst
+    kind of item changed most favourably against the SFT model on the validation split (ties: the larger mean
+    change, then the later step), so a gain on one kind bought with a loss on another cannot win. ``last``:
+    the last step, with no validation split and no evaluation (``grpo train --select last``)."""
+    every: int = Field(10, ge=1)
+    """Steps between greedy evaluations of the validation split (the last step is always evaluated); every
+    evaluated step is checkpointed, and the best one is kept whatever checkpoint.keep_last says. Each
+    evaluation of 64 records costs about one step's time on the embedded model."""
+    records: int = Field(64, ge=4)
+    """Validation records set aside from GRPO's training prompts (never eval items), in equal shares of each
+    kind of item; GRPO never samples them."""
+
+
 class GrpoConfig(Section):
     group_size: int = 4
     """Completions sampled per prompt (G, at least 2)."""
@@ -153,6 +168,9 @@ class GrpoConfig(Section):
     """Prompts per step (each gets group_size completions), split across processes."""
     fairness_fraction: float = Field(0.5, ge=0.0, le=1.0)
     """Share of fairness prompts in every batch (the rest is hallucination)."""
+    kind_share: float | None = Field(None, ge=0.0, le=1.0)
+    """Share of each task's prompts in every batch whose context answers (disambiguated, answerable; the
+    rest ambiguous, unanswerable), each kind drawn uniformly; null draws each task's prompts as its data falls."""
     lr: float = Field(2e-3, gt=0.0)
     """AdamW learning rate of the policy (constant after warmup). The embedded model's default: a
     pretrained model's LoRA wants about 1e-5 to 5e-5."""
@@ -189,6 +207,8 @@ class GrpoConfig(Section):
     """Policy loss."""
     multitask: MultitaskConfig = Field(default_factory=MultitaskConfig)
     """Combination of per-task gradients."""
+    selection: SelectionConfig = Field(default_factory=SelectionConfig)
+    """Which checkpoint becomes models/grpo, chosen on a validation split (``grpo/train/selection.py``)."""
 
     @field_validator("group_size")
     @classmethod

@@ -164,3 +164,24 @@ def load_bbq(path: Path, eval_share: float, seed: int) -> Loaded:
         for item in _file_items(file, skipped):
             groups[item["template_id"]].append(item)
     return Loaded(split_groups(groups, eval_share, seed, path, "templates"), skipped)
+
+
+def hold_out_categories(loaded: Loaded, categories: list[str], path: Path) -> Loaded:
+    """``loaded`` re-split by category: the items of ``categories`` are the eval pool, every other item the
+    train pool (a user's setting: train on some published categories, evaluate on ones never trained on).
+    A category the files do not hold, or none left to train on, is an error naming the categories found."""
+    items = loaded.pools["train"] + loaded.pools["eval"]
+    found = sorted({item["category"] for item in items})
+    unknown = sorted(set(categories) - set(found))
+    if unknown or set(found) <= set(categories):
+        problem = f"no category {unknown}" if unknown else "no category left to train on"
+        raise DataSourceError(
+            f"{path}: data.fairness_heldout_categories={list(categories)}: {problem} in the BBQ files; the files "
+            f"hold {found}: name some of them, and keep at least one out of the list"
+        )
+    held = set(categories)
+    pools = {
+        "train": [item for item in items if item["category"] not in held],
+        "eval": [item for item in items if item["category"] in held],
+    }
+    return Loaded(pools, loaded.skipped)

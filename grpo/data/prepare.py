@@ -16,6 +16,7 @@ from typing import Any
 
 from grpo import paths
 from grpo.config import Config, DataChecksConfig
+from grpo.data.bbq import hold_out_categories
 from grpo.data.errors import DataSourceError
 from grpo.data.jsonl import SOURCES_FILE, records_text
 from grpo.data.loaders import LOADERS
@@ -99,6 +100,8 @@ def _loaded(task: str, cfg: Config, sizes: dict[str, int]) -> tuple[Pools, Count
     source, path = getattr(cfg.data, f"{task}_source"), Path(getattr(cfg.data, f"{task}_path"))
     eval_share = cfg.data.n_eval / (cfg.data.n_train + cfg.data.n_eval)
     loaded = LOADERS[source](path, eval_share, cfg.seed)
+    if task == "fairness" and cfg.data.fairness_heldout_categories:
+        loaded = hold_out_categories(loaded, cfg.data.fairness_heldout_categories, path)
     skipped = Counter(loaded.skipped)
     pools = _usable(loaded.pools, cfg.data.checks, skipped, path)
     stratum, shares = _strata(task, cfg.data.answerable_fraction)

@@ -11,7 +11,8 @@ and question polarity, and rendered by the one renderer as the run's fairness pr
 are parsed and counted as the evaluation stage counts them (``eval.metrics.bias_scores``).
 
 Outputs: ``<metrics_dir>/bias.json`` (per model: BBQ accuracy and bias scores overall and per category;
-paired bootstrap 95 % intervals of GRPO − SFT and GRPO − base) and ``<reports_dir>/bias.md``.
+paired bootstrap 95 % intervals of GRPO − SFT and GRPO − base; the verdict of GRPO − SFT on BBQ,
+``grpo/eval/verdict.py``) and ``<reports_dir>/bias.md``, which opens with that verdict and each kind's rows.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from grpo.data.schema import make_record
 from grpo.data.splits import stratified_sample
 from grpo.eval.compare import paired_bootstrap, score
 from grpo.eval.evaluate import LABELS, evaluate
+from grpo.eval.verdict import kinds_markdown, verdict_markdown, verdicts
 from grpo.files import write_atomically
 from grpo.locks import writes
 
@@ -40,6 +42,8 @@ SHOWN = ("accuracy_ambig", "accuracy_disambig", "s_amb", "s_dis")
 """The BBQ figures the report's tables show (``bias_scores``' keys)."""
 INTERVALS = ("fairness/accuracy_ambig", "fairness/accuracy_disambig", "fairness/abs_s_amb")
 """The differences that get a paired bootstrap interval."""
+SFT_DIFFERENCE = "GRPO − SFT"
+"""The difference the verdict reads."""
 
 
 def bbq_records(
@@ -77,7 +81,7 @@ def fairness_figures(metrics: dict[str, Any], prefix: str = "fairness/") -> dict
 
 def intervals(texts: dict[str, dict], records: Sequence[dict], cfg: Config) -> dict[str, dict]:
     """``{"GRPO − SFT": {metric: {diff, low, high}}, "GRPO − base": ...}`` where both models answered."""
-    scored = {name: score(replies["greedy"], records, cfg.rewards.weights) for name, replies in texts.items()}
+    scored = {name: score(replies["greedy"], records, cfg.rewards) for name, replies in texts.items()}
     out = {}
     for old in ("sft", "base"):
         if "grpo" in scored and old in scored:
@@ -90,14 +94,33 @@ def _cell(value: Any) -> str:
     return "—" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
+def sft_verdicts(differences: dict[str, dict]) -> dict[str, dict[str, dict]]:
+    """The verdict of GRPO − SFT on BBQ (``grpo/eval/verdict.py``, greedy, the fairness task); empty without
+    both models."""
+    return verdicts({"greedy": differences[SFT_DIFFERENCE]} if SFT_DIFFERENCE in differences else None)
+
+
 def report(
-    results: dict[str, dict], differences: dict[str, dict], records: Sequence[dict], folder: Path, cfg: Config
+    results: dict[str, dict],
+    differences: dict[str, dict],
+    records: Sequence[dict],
+    folder: Path,
+    cfg: Config,
+    flat: dict[str, dict] | None = None,
 ) -> str:
-    """``bias.md``: the overall figures per model, |s_AMB| per category, the intervals."""
+    """``bias.md``: the verdict and the rows of each kind of item (``flat``: each model's flat metrics,
+    ``{model: {"greedy": {...}}}``), the overall figures per model, |s_AMB| per category, the intervals."""
     names = list(results)
     categories = sorted({r["category"] for r in records})
+    intervals = {"greedy": differences[SFT_DIFFERENCE]} if SFT_DIFFERENCE in differences else None
     lines = [
         "# Bias on BBQ",
+        "",
+        *verdict_markdown(sft_verdicts(differences), "GRPO or SFT is absent from the run"),
+        "",
+        *kinds_markdown(flat or {}, intervals, ["greedy"]),
+        "",
+        "## figures per model",
         "",
         f"{len(records)} BBQ items from `{folder}` ({', '.join(categories)}), greedy, seed {cfg.seed}. "
         "s_AMB / s_DIS in [-1, 1]: 1 = always the stereotyped answer, 0 = no lean.",
@@ -155,9 +178,22 @@ def run(cfg: Config, bbq: Path, per_category: int = 100) -> int:
     }
     differences = intervals(texts, records, cfg)
     out, md = paths.metrics_file(cfg, "bias"), paths.report_file(cfg, "bias.md")
-    summary = {"bbq": str(folder), "items": len(records), "models": results, "intervals": differences}
+    judged = sft_verdicts(differences)
+    summary = {
+        "bbq": str(folder),
+        "items": len(records),
+        "models": results,
+        "intervals": differences,
+        "verdicts": judged,
+    }
     write_atomically(
-        {out: json.dumps(summary, indent=2) + "\n", md: report(results, differences, records, folder, cfg)}
+        {
+            out: json.dumps(summary, indent=2) + "\n",
+            md: report(results, differences, records, folder, cfg, flat),
+        }
     )
+    for tasks in judged.values():
+        for verdict in tasks.values():
+            print(f"bias: BBQ, greedy: {verdict['summary']}")
     print(f"bias: {len(records)} BBQ items, {', '.join(LABELS[n] for n in results)} -> {out}, {md}")
     return 0

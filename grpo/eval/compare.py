@@ -39,8 +39,20 @@ INTERVAL_METRICS: dict[str, Callable[[dict[str, Any]], float | None]] = {
     "hallucination/exact_match": lambda m: m["hallucination"]["exact_match"],
     "hallucination/f1": lambda m: m["hallucination"]["f1"],
     "hallucination/over_abstention_rate": lambda m: m["hallucination"]["over_abstention_rate"],
+    "hallucination/accuracy_answerable": lambda m: m["hallucination"]["accuracy_answerable"],
+    "hallucination/accuracy_unanswerable": lambda m: m["hallucination"]["accuracy_unanswerable"],
 }
 """The metrics whose GRPO − SFT difference gets a bootstrap interval (key -> how to read it)."""
+
+HALLUCINATION_READ = (
+    "hallucination_rate",
+    "exact_match",
+    "f1",
+    "over_abstention_rate",
+    "accuracy_answerable",
+    "accuracy_unanswerable",
+)
+"""The grounded-QA figures ``INTERVAL_METRICS`` reads (``None`` where a resample has no grounded item)."""
 
 MODES = ("greedy", "sampled")
 """The decodings evaluation scores: greedy, and ``eval.samples_per_prompt`` samples (none when 0)."""
@@ -81,8 +93,9 @@ def question_kind(record: dict) -> str:
     return str(record.get("template_id") or "all").removeprefix("hallucination.")
 
 
-def score(texts: Sequence[str], records: Sequence[dict], weights: Any) -> Scored:
-    """Score ``texts`` (``k`` per record, record-major) once; resampling then only counts."""
+def score(texts: Sequence[str], records: Sequence[dict], rewards: Any) -> Scored:
+    """Score ``texts`` (``k`` per record, record-major) once; resampling then only counts. ``rewards``: the
+    params section (or the weights alone), as ``weighted_reward`` takes it."""
     if not records or len(texts) % len(records):
         raise ValueError(f"score: {len(texts)} texts for {len(records)} records; expected a multiple")
     k = len(texts) // len(records)
@@ -91,7 +104,7 @@ def score(texts: Sequence[str], records: Sequence[dict], weights: Any) -> Scored
         item = fairness_item if record["task"] == "fairness" else hallucination_item
         units.append(
             [
-                (item(text, record), weighted_reward(record["task"], text, record, weights))
+                (item(text, record), weighted_reward(record["task"], text, record, rewards))
                 for text in texts[index * k : (index + 1) * k]
             ]
         )
@@ -110,7 +123,7 @@ def summary(scored: Scored, indices: Sequence[int]) -> dict[str, Any]:
         else {"accuracy_ambig": None, "accuracy_disambig": None, "s_amb": None},
         "hallucination": hallucination_metrics(hall, by_kind=False)
         if hall
-        else {key: None for key in ("hallucination_rate", "exact_match", "f1", "over_abstention_rate")},
+        else dict.fromkeys(HALLUCINATION_READ),
     }
 
 
@@ -195,8 +208,8 @@ def headline_markdown(
     lines = [
         "## headline: mean reward on eval items",
         "",
-        "Abstaining everywhere earns +1 where abstaining is right and −0.5 elsewhere: a model beats it "
-        "only by answering the answerable items right.",
+        "Abstaining everywhere earns +1 where abstaining is right and `rewards.abstain_when_answered` (−0.5 "
+        "by default) elsewhere: a model beats it only by answering the answerable items right.",
         "",
         "| policy | " + " | ".join(modes) + " |",
         "| --- |" + " ---: |" * len(modes),

@@ -13,7 +13,9 @@ module only wires them together:
   and mean token entropy of the sampling distribution on the sampled ids (I10).
 
 Outputs: ``<metrics_dir>/eval.json`` (``{model: {greedy: {...}, sampled: {...}}}``, inner keys flat
-for ``dvc metrics diff``), ``<reports_dir>/eval.md`` (one table per decoding mode with the deltas
+for ``dvc metrics diff``), ``<metrics_dir>/eval_compare.json`` (baselines, GRPO − SFT intervals and the
+verdict per task, ``grpo/eval/verdict.py``), ``<reports_dir>/eval.md`` (the verdict and every kind of
+item's rows first, then the headline, the intervals and one table per decoding mode with the deltas
 GRPO-SFT and SFT-base) and, when the run left them, ``<reports_dir>/entropy.png``.
 """
 
@@ -52,6 +54,7 @@ from grpo.eval.metrics import (
     self_bleu,
 )
 from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy, plot_eval_comparison
+from grpo.eval.verdict import kinds_markdown, verdict_markdown, verdicts
 from grpo.files import write_atomically
 from grpo.locks import writes
 from grpo.model.device import make_accelerator, model_device
@@ -132,7 +135,7 @@ def task_metrics(texts: Sequence[str], records: Sequence[dict], cfg: Config) -> 
     if hall:
         out |= flatten(hallucination_metrics([hallucination_item(t, r) for t, r in hall]), "hallucination/")
     rewards = {
-        task: [weighted_reward(task, t, r, cfg.rewards.weights) for t, r in pairs]
+        task: [weighted_reward(task, t, r, cfg.rewards) for t, r in pairs]
         for task, pairs in (("fairness", fair), ("hallucination", hall))
     }
     out["reward"] = mean(rewards["fairness"] + rewards["hallucination"])
@@ -256,16 +259,25 @@ def markdown_report(
     cfg: Config,
     compare: dict | None = None,
 ) -> str:
-    """Markdown: the headline against the baselines, GRPO − SFT intervals, then one table per decoding
-    mode (rows = metrics, columns base / SFT / GRPO and deltas)."""
+    """Markdown: the verdict per task and every kind of item's row (``grpo/eval/verdict.py``), then the
+    headline against the baselines, GRPO − SFT intervals, and one table per decoding mode (rows =
+    metrics, columns base / SFT / GRPO and deltas)."""
     sampling, group = cfg.grpo.sampling, cfg.eval.samples_per_prompt
     decoding = (
         f"greedy decoding, and {group} samples per prompt at temperature {sampling.temperature}"
         if group
         else "greedy decoding only (`eval.samples_per_prompt: 0`)"
     )
+    intervals = None if compare is None else compare["grpo_minus_sft"]
+    missing = ", ".join(f"{LABELS[n]} skipped ({skipped[n]})" for n in ("sft", "grpo") if n in skipped)
     lines = [
         "# Evaluation",
+        "",
+        *verdict_markdown(verdicts(intervals), missing or None),
+        "",
+        *kinds_markdown(results, intervals, decoded_modes(results)),
+        "",
+        "## setup",
         "",
         f"{n_records} eval records from `{paths.data_file(cfg, 'eval')}` (seed {cfg.seed}); {decoding}. "
         "`—`: not measured (no item of that kind) or model absent.",
@@ -345,8 +357,8 @@ def grpo_intervals(texts: dict[str, dict], records: Sequence[dict], cfg: Config)
     rows = {"greedy": records, "sampled": per_row(records, cfg.eval.samples_per_prompt)}
     return {
         mode: paired_bootstrap(
-            score(texts["grpo"][mode], rows[mode], cfg.rewards.weights),
-            score(texts["sft"][mode], rows[mode], cfg.rewards.weights),
+            score(texts["grpo"][mode], rows[mode], cfg.rewards),
+            score(texts["sft"][mode], rows[mode], cfg.rewards),
             cfg.eval.bootstrap,
             cfg.seed,
         )
@@ -361,9 +373,11 @@ def run(cfg: Config) -> int:
     records = eval_records(cfg)
     texts: dict[str, dict] = {}
     results, skipped = evaluate(cfg, records, texts=texts)
+    intervals = grpo_intervals(texts, records, cfg)
     compare = {
         "baselines": baseline_metrics(records, cfg),
-        "grpo_minus_sft": grpo_intervals(texts, records, cfg),
+        "grpo_minus_sft": intervals,
+        "verdicts": verdicts(intervals),
     }
     metrics, report = paths.metrics_file(cfg, "eval"), paths.report_file(cfg, "eval.md")
     write_atomically(
@@ -377,6 +391,9 @@ def run(cfg: Config) -> int:
         print(f"evaluate: {LABELS[name]} skipped: {reason}")
     plot = plot_run_entropy(cfg)
     plot_eval_comparison(results, paths.report_file(cfg, "eval.png"))
+    for mode, tasks in compare["verdicts"].items():
+        for verdict in tasks.values():
+            print(f"evaluate: {mode}: {verdict['summary']}")
     print(
         f"evaluate: {', '.join(LABELS[n] for n in results)} -> {metrics}, {report}"
         + (f", {plot}" if plot else "")

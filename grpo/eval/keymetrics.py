@@ -25,11 +25,11 @@ from grpo.config import Config
 from grpo.eval.metrics import KEY_ROWS
 
 
-def _pick(*keys: str) -> Callable[[dict], dict]:
-    return lambda report: {key: report.get(key) for key in keys}
+def _pick(*keys: str) -> Callable[[dict, Path], dict]:
+    return lambda report, folder: {key: report.get(key) for key in keys}
 
 
-def _validation(report: dict) -> dict:
+def _validation(report: dict, folder: Path) -> dict:
     return {
         "passed": report["success"],
         "rows": report["n_rows"],
@@ -38,20 +38,29 @@ def _validation(report: dict) -> dict:
     }
 
 
-def _preflight(report: dict) -> dict:
+def _preflight(report: dict, folder: Path) -> dict:
     checks = report.get("checks", [])
     return {"passed": report["passed"], "checks": len(checks), "failed": sum(not c["passed"] for c in checks)}
 
 
-def _evaluation(report: dict) -> dict:
-    """``{row: {model: greedy value}}``: one file per row, the models side by side."""
-    return {
+def _evaluation(report: dict, folder: Path) -> dict:
+    """``{row: {model: greedy value}}`` (one file per row, the models side by side), and the verdict of each
+    task per decoding (``verdict/greedy/fairness``: ``traded``) from ``eval_compare.json`` beside the report."""
+    rows = {
         key: {model: modes.get("greedy", {}).get(key) for model, modes in report.items()} for key in KEY_ROWS
     }
+    compare = folder / "eval_compare.json"
+    judged = json.loads(compare.read_text(encoding="utf-8")).get("verdicts", {}) if compare.is_file() else {}
+    verdicts = {
+        f"verdict/{mode}/{task}": verdict["verdict"]
+        for mode, tasks in judged.items()
+        for task, verdict in tasks.items()
+    }
+    return verdicts | rows
 
 
-KEY_METRICS: dict[str, tuple[str, str, Callable[[dict], dict]]] = {
-    # stage -> (paths field, full report file, key rows of it)
+KEY_METRICS: dict[str, tuple[str, str, Callable[[dict, Path], dict]]] = {
+    # stage -> (paths field, full report file, key rows of it (the report and its folder))
     "validate": ("reports_dir", "validation.json", _validation),
     "sft": (
         "metrics_dir",
@@ -62,7 +71,16 @@ KEY_METRICS: dict[str, tuple[str, str, Callable[[dict], dict]]] = {
     "grpo": (
         "metrics_dir",
         "grpo.json",
-        _pick("reward_first", "reward", "reward_std", "frac_reward_zero_std", "entropy", "kl", "steps"),
+        _pick(
+            "reward_first",
+            "reward",
+            "reward_std",
+            "frac_reward_zero_std",
+            "entropy",
+            "kl",
+            "steps",
+            "selected_step",
+        ),
     ),
     "evaluate": ("metrics_dir", "eval.json", _evaluation),
 }
@@ -99,7 +117,7 @@ def write_key_metrics(cfg: Config, stage: str) -> Path | None:
     report: dict[str, Any] = json.loads(full.read_text(encoding="utf-8"))
     out = key_metrics_path(cfg, stage)
     shutil.rmtree(out, ignore_errors=True)
-    for metric, value in pick(report).items():
+    for metric, value in pick(report, full.parent).items():
         path = out / f"{metric}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         row = value if isinstance(value, dict) else {"value": value}

@@ -243,6 +243,8 @@ def hallucination_metrics(
     - ``over_abstention_rate``: over-abstained / answerable.
     - ``abstention_rate``: abstained / unanswerable.
     - ``hallucination_rate``: hallucinated / all items; ``accuracy``: correct / all items.
+    - ``accuracy_answerable``, ``accuracy_unanswerable``: correct / items of that kind (the accuracy of
+      each kind of item; on unanswerable items it equals ``abstention_rate``).
     - ``truthfulness = accuracy - hallucination_rate`` (in [-1, 1]): abstaining is neutral, a wrong
       answer costs as much as a right one earns.
 
@@ -278,6 +280,12 @@ def hallucination_metrics(
         "f1": _ratio(sum(0.0 if it.abstained else it.f1 for it in answerable), len(answerable)),
         "over_abstention_rate": _ratio(n_over, len(answerable)),
         "abstention_rate": _ratio(sum(item.abstained for item in unanswerable), len(unanswerable)),
+        "accuracy_answerable": _ratio(
+            sum(_is_correct(it, f1_threshold) for it in answerable), len(answerable)
+        ),
+        "accuracy_unanswerable": _ratio(
+            sum(_is_correct(it, f1_threshold) for it in unanswerable), len(unanswerable)
+        ),
         "hallucination_rate": hallucination_rate,
         "accuracy": accuracy,
         "truthfulness": None if accuracy is None else accuracy - hallucination_rate,

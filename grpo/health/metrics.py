@@ -20,6 +20,7 @@ import torch
 from grpo.data.schema import TASKS
 from grpo.errors import GrpoError
 from grpo.files import write_text
+from grpo.health.kinds import KIND_MEANS
 from grpo.paths import entropy_history_file, step_metrics_file
 
 HEALTH_METRICS = (
@@ -134,6 +135,7 @@ PROCESS_MEANS = {
     "completions/clipped_ratio": "rows",
     "eos_suppressed_frac": "rows",
     **{f"rewards/{task}/mean": f"rows/{task}" for task in TASKS},
+    **KIND_MEANS,  # kinds/<kind>/reward|abstention over rows/<kind>
 }
 PROCESS_EXTREMES = {
     "completions/min_length": min,

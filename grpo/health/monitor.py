@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from grpo.config import MonitorConfig, RuleConfig
 from grpo.errors import GrpoError
+from grpo.health.kinds import TRADE_CAUSES, TRADE_RULES, TrendWatch
 from grpo.health.metrics import mean_content_length
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,8 @@ def _healthy_checkpoint(since: int, checkpoints: Sequence[int] | None) -> str:
 
 def _stop_message(findings: Sequence[Finding], since: int, checkpoints: Sequence[int] | None) -> str:
     boundary = any(f.rule.startswith("boundary_") for f in findings)
-    causes = BOUNDARY_CAUSES if boundary else COLLAPSE_CAUSES
+    trade = any(f.rule in TRADE_RULES for f in findings)
+    causes = BOUNDARY_CAUSES if boundary else TRADE_CAUSES if trade else COLLAPSE_CAUSES
     lines = [f"training stopped at step {findings[0].step} by the health monitor:"]
     lines += [f"  - {f.rule}: {f.message}" for f in findings]
     lines.append("likely causes, most common first:")
@@ -234,8 +236,11 @@ def _echoes(completion: str, prompt: str, width: int) -> bool:
 class Monitor:
     """Stateful reader of the per-step stream; one instance per run (or per resumed run)."""
 
-    def __init__(self, cfg: MonitorConfig) -> None:
+    def __init__(self, cfg: MonitorConfig, history: Sequence[Mapping[str, Any]] = ()) -> None:
+        """``history``: the steps a resumed run restored (``{"step", **metrics}``), which the trend rules
+        (``grpo/health/kinds.py``) read their window from."""
         self.cfg = cfg
+        self._trends = TrendWatch({rule: getattr(cfg, rule) for rule in TRADE_RULES}, history)
         self._streaks: dict[str, list[tuple[int, Any]]] = {}
         self._previous: Mapping[str, Any] | None = None
         self._missing_warned: set[str] = set()
@@ -281,9 +286,15 @@ class Monitor:
         return findings
 
     def observe(self, step: int, metrics: Mapping[str, Any]) -> list[Finding]:
-        """Apply the collapse rules (and, on the first steps, the boundary metric rules) to one step."""
+        """Apply the collapse and trend rules (and, on the first steps, the boundary metric rules) to one step."""
         findings = self._run_rules(step, metrics, BOUNDARY_METRIC_RULES) if self.in_boundary(step) else []
         findings += self._run_rules(step, metrics, COLLAPSE_RULES)
+        for found in self._trends.observe(step, metrics):
+            finding = Finding(*found)
+            (log.error if finding.action == "stop" else log.warning)(
+                "monitor: %s at step %d: %s", finding.rule, step, finding.message
+            )
+            findings.append(finding)
         self._previous = dict(metrics)
         return findings
 

@@ -97,9 +97,10 @@ BASE_MODEL_KEYS: tuple[str, ...] = tuple(
     )
 )
 # The grpo keys pre-flight reads: the checks drive the step itself, so its precision, scoring path, loss,
-# gradient modes and sampling are all here. Left out: how long and how fast the run trains and which
-# prompts it draws (steps, lr, warmup_steps, prompts_per_step, fairness_fraction), so a new step count
-# or learning rate needs no new pre-flight (tests/test_fingerprint.py holds this to GrpoConfig).
+# gradient modes and sampling are all here. Left out: how long and how fast the run trains, which
+# prompts it draws and which checkpoint it keeps (steps, lr, warmup_steps, prompts_per_step,
+# fairness_fraction, kind_share, selection), so a new step count or learning rate needs no new
+# pre-flight (tests/test_fingerprint.py holds this to GrpoConfig).
 PREFLIGHT_GRPO_KEYS: tuple[str, ...] = tuple(
     f"grpo.{field}"
     for field in (

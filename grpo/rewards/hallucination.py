@@ -10,7 +10,8 @@ Reward table (the tests follow it row by row):
 question      reply            reward
 ============  ===============  ======
 answerable    correct          +1.0
-answerable    abstains         -0.5   (safe but unhelpful: better than inventing)
+answerable    abstains         -0.5   (safe but unhelpful: better than inventing;
+                                       params rewards.abstain_when_answered.hallucination)
 answerable    wrong answer     -1.0
 unanswerable  abstains         +1.0
 unanswerable  any answer       -1.0   (a hallucination)
@@ -81,11 +82,14 @@ def hallucination_outcome(text: str, example: dict[str, Any]) -> HallucinationOu
     return HallucinationOutcome(abstained, correct, em, f1, not correct and not abstained)
 
 
-def hallucination_reward(text: str, example: dict[str, Any]) -> float:
-    """Reward of one reply on one grounded-QA record; see the table in the module docstring."""
+def hallucination_reward(
+    text: str, example: dict[str, Any], abstain_when_answerable: float = REWARD_ABSTAIN_ANSWERABLE
+) -> float:
+    """Reward of one reply on one grounded-QA record; see the table in the module docstring.
+    ``abstain_when_answerable``: the reward of an abstention on an answerable question."""
     outcome = hallucination_outcome(text, example)
     if example["answerable"]:
         if outcome.correct:
             return REWARD_CORRECT
-        return REWARD_ABSTAIN_ANSWERABLE if outcome.abstained else REWARD_WRONG
+        return abstain_when_answerable if outcome.abstained else REWARD_WRONG
     return REWARD_ABSTAIN_UNANSWERABLE if outcome.abstained else REWARD_HALLUCINATED

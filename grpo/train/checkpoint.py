@@ -25,6 +25,7 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -226,12 +227,14 @@ def save_checkpoint(
     lineage: dict[str, Any],
     keep_last: int,
     state: FullState | None = None,
+    keep: Collection[int] = (),
 ) -> Path:
     """Write a complete checkpoint of ``step`` atomically, prune old ones, return its path.
 
     Pass the unwrapped model (not a DDP/accelerate wrapper) so parameter names match at load time.
     ``state``: ``full_state(model, optimizer)`` taken on every process beforehand (FSDP2: a gather the
-    writing process cannot do alone); None: taken here.
+    writing process cannot do alone); None: taken here. ``keep``: earlier steps whose checkpoints pruning
+    spares beyond ``keep_last`` (the best one checkpoint selection has seen so far).
     """
     if keep_last < 1:
         raise CheckpointError(f"checkpoint.keep_last must be >= 1 (got {keep_last}): fix it in params.yaml")
@@ -251,12 +254,13 @@ def save_checkpoint(
         os.replace(final, old)
     os.replace(tmp, final)
     _fsync_dir(run_dir)
-    _prune(run_dir, final, keep_last)
+    _prune(run_dir, final, keep_last, keep)
     return final
 
 
-def _prune(run_dir: Path, newest: Path, keep_last: int) -> None:
-    """Delete stale temp dirs, checkpoints after ``newest`` and all but ``keep_last`` complete ones.
+def _prune(run_dir: Path, newest: Path, keep_last: int, keep: Collection[int] = ()) -> None:
+    """Delete stale temp dirs, checkpoints after ``newest`` and all but ``keep_last`` complete ones (and
+    the steps of ``keep``).
 
     A checkpoint with a later step than the one just written belongs to an abandoned timeline (the
     run restarted from an earlier point); left in place, the next resume would pick it up.
@@ -271,7 +275,7 @@ def _prune(run_dir: Path, newest: Path, keep_last: int) -> None:
             continue
         if step > newest_step or _problem(path, hashes=False) is not None:
             shutil.rmtree(path, ignore_errors=True)
-        else:
+        elif step not in keep:
             older.append((step, path))
     for _, path in sorted(older)[: max(0, len(older) - (keep_last - 1))]:
         shutil.rmtree(path, ignore_errors=True)

@@ -31,6 +31,7 @@ from grpo.core.prefix import PromptPrefill
 from grpo.core.timing import PhaseTimer, untimed
 from grpo.data.prompts import example_messages, render_records
 from grpo.data.schema import TASKS
+from grpo.health.kinds import kind_counts, kind_stats
 from grpo.health.metrics import completion_stats, task_reward_stats
 from grpo.model.engines import HFEngine, RolloutEngine, make_engine
 from grpo.model.fast import FastPaths
@@ -234,7 +235,7 @@ def draw(step: Step, records: list[dict], seed: int, timer: Callable = untimed) 
         sampled = step.engine.generate(prompts, group, cfg.grpo.sampling, step.eos_ids, seed, **keep)
     rollout = sampled.rollout
     with timer("reward"):
-        rewards = torch.tensor(group_rewards(rollout.texts, records, group, cfg.rewards.weights))
+        rewards = torch.tensor(group_rewards(rollout.texts, records, group, cfg.rewards))
         scale = cfg.grpo.loss.scale_rewards
         # A group never spans processes: only batch scaling needs the others, except under dynamic
         # resampling, whose extra draws are each process's own (no collective may wait for them).
@@ -255,6 +256,7 @@ def draw(step: Step, records: list[dict], seed: int, timer: Callable = untimed) 
         stats |= correction
     drawn = Draw(rollout, list(records), rewards, advantages, stats, weights, sampled.prefills)
     drawn.stats.update(task_reward_stats(rewards, drawn.tasks))
+    drawn.stats.update(kind_stats(rollout.texts, records, group, rewards))  # a trade shows kind by kind
     return drawn
 
 
@@ -384,6 +386,7 @@ def step_result(
         "groups": float(len(records)),
         "rows": float(len(rollout.raw_texts)),
         **{f"rows/{t}": float(g * sum(r["task"] == t for r in records)) for t in TASKS},
+        **kind_counts(records, g),
     }
     metrics, raw_texts, prompt_texts = collectives.gather_step(
         step.accelerator, metrics, counts, rollout.raw_texts, per_row(user_texts, g)

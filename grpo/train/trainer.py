@@ -6,7 +6,9 @@ optimizer step. With ``model.lora.enabled`` the policy is a LoRA adapter on the 
 reference is the same model with the adapter disabled (I9), so no second copy of the weights exists;
 without it every weight trains and the reference is a frozen copy of the SFT model. Every step is
 seeded by (seed, step), which is what makes a resumed run end with the same weights as an
-uninterrupted one.
+uninterrupted one. Which checkpoint becomes ``models/grpo`` is checkpoint selection's choice
+(``selection.py``: the best on a validation split by its worst kind of item; the last step under
+``grpo.selection.rule: last``).
 
 Several processes (``accelerate launch``, torchrun): each draws its shard of the step's prompts and
 the per-task gradients are summed over processes before they are combined; under an FSDP launch the
@@ -33,6 +35,7 @@ from grpo.config import Config, config_to_dict
 from grpo.data.select import split_by_task, train_records
 from grpo.errors import GrpoError
 from grpo.files import write_json
+from grpo.health.kinds import progress as kinds_progress
 from grpo.health.metrics import MetricsWriter
 from grpo.health.monitor import Monitor, raise_if_stop
 from grpo.locks import writes
@@ -45,6 +48,7 @@ from grpo.train import checkpoint as ckpt
 from grpo.train import sharding
 from grpo.train.policy import Policy
 from grpo.train.rng_state import capture_rng, restore_rng
+from grpo.train.selection import Selector
 from grpo.train.step import StepResult, build_training, grpo_step
 from grpo.train.task_mix import sample_step, shard
 
@@ -77,9 +81,11 @@ def save_final(
     history: list[dict],
     digests: list[str],
     weights: dict[str, torch.Tensor] | None = None,
+    chosen: dict | None = None,
 ) -> None:
     """The adapter (or the full weights), tokenizer and lineage to models/grpo; a summary to
-    metrics/grpo.json. ``weights``: the whole weights gathered from a sharded policy."""
+    metrics/grpo.json. ``weights``: the whole weights gathered from a sharded policy; ``chosen``: the
+    checkpoint selection's record, when it chose (``selection.Selector.finish``)."""
     out = paths.model_dir(cfg, "grpo")
     save_model(policy.model, policy.tokenizer, out, state_dict=weights)
     write_lineage(out, lineage)
@@ -94,6 +100,9 @@ def save_final(
     }
     # Mean seconds (and share) of each step phase over the run: the Prefect metrics artifact shows them.
     summary |= {key: sum(h[key] for h in history) / len(history) for key in last if key.startswith("timing/")}
+    # The step models/grpo holds: selection's choice, or the last one (grpo.selection.rule: last).
+    summary["selected_step"] = chosen["step"] if chosen else last.get("step")
+    summary["selection"] = chosen
     write_json(paths.metrics_file(cfg, "grpo"), summary)
 
 
@@ -122,14 +131,22 @@ def check_in_sync(policy: Policy, accelerator: Accelerator) -> list[str]:
 def _shard(cfg: Config, by_task: dict, step: int, attempt: int, accelerator: Accelerator) -> list[dict]:
     """This process's prompts of ``step`` (``attempt`` > 0: fresh prompts for dynamic resampling)."""
     seed = derive_seed(cfg.seed, ("attempt", attempt))
-    records = sample_step(by_task, cfg.grpo.prompts_per_step, cfg.grpo.fairness_fraction, seed, step)
+    grpo = cfg.grpo
+    records = sample_step(by_task, grpo.prompts_per_step, grpo.fairness_fraction, seed, step, grpo.kind_share)
     return shard(records, accelerator.process_index, accelerator.num_processes)
 
 
 def save_checkpoint(
-    cfg: Config, policy: Policy, accelerator: Accelerator, step: int, history: list[dict], lineage: dict
+    cfg: Config,
+    policy: Policy,
+    accelerator: Accelerator,
+    step: int,
+    history: list[dict],
+    lineage: dict,
+    keep: tuple[int, ...] = (),
 ) -> None:
-    """The main process writes; under FSDP every process first gives its shards (a gather)."""
+    """The main process writes; under FSDP every process first gives its shards (a gather). ``keep``:
+    earlier checkpoints pruning spares (the best one selection has seen)."""
     if not (accelerator.is_main_process or sharding.is_sharded(policy.model)):
         return
     state = ckpt.full_state(policy.model, policy.optimizer)
@@ -145,6 +162,7 @@ def save_checkpoint(
             lineage=lineage,
             keep_last=cfg.checkpoint.keep_last,
             state=state,
+            keep=keep,
         )
 
 
@@ -179,8 +197,9 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> T
     lineage = make_lineage("grpo", cfg, paths.stage_inputs(cfg, "grpo"))
     start, history = resume(cfg, policy)
     context.engine.sync_weights(policy.model)  # an engine of its own (vLLM) samples from the resumed weights
-    by_task = split_by_task(train_records(cfg, "grpo"))
-    monitor = Monitor(cfg.monitor)
+    selector = Selector(cfg, context, train_records(cfg, "grpo"), paths.run_dir(cfg))
+    by_task = split_by_task(selector.prompts)  # the validation records are never prompts
+    monitor = Monitor(cfg.monitor, history)
     writer = MetricsWriter(
         paths.run_dir(cfg),
         cfg.experiment,
@@ -203,30 +222,44 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> T
             # before saving: a collapsed state never becomes a checkpoint
             watch(monitor, step, result, paths.run_dir(cfg))
             context.engine.sync_weights(policy.model)  # vLLM samples the next step from the new weights
-            history.append({"step": step, **result.metrics})
-            writer.log(step, result.metrics)
+            metrics = result.metrics | selector.scores(step)  # selection/<kind> on its steps
+            history.append({"step": step, **metrics})
+            writer.log(step, metrics)
             bar.set_postfix(
                 reward=f"{result.metrics['reward']:.2f}",
                 entropy=f"{result.metrics['entropy']:.2f}",
                 step_time=f"{result.metrics['step_time']:.1f}s",
+                kinds=kinds_progress(result.metrics),
                 refresh=False,
             )
-            if step % cfg.checkpoint.every == 0 or step == end:
-                save_checkpoint(cfg, policy, accelerator, step, history, lineage)
+            if step % cfg.checkpoint.every == 0 or step == end or selector.due(step):
+                save_checkpoint(cfg, policy, accelerator, step, history, lineage, selector.keep(history))
             accelerator.wait_for_everyone()
     finally:
         writer.close()
     digests = check_in_sync(policy, accelerator)
     if end == cfg.grpo.steps:
+        chosen = selector.finish(history, end, accelerator.is_main_process)  # the best checkpoint's weights
         weights = sharding.whole_state_dict(policy.model)  # FSDP: every process gathers its shards
         if accelerator.is_main_process:
-            save_final(cfg, policy, lineage, history, digests, weights)
+            save_final(cfg, policy, lineage, history, digests, weights, chosen)
     return Trained(history, start, end == cfg.grpo.steps)
 
 
+def with_selection(cfg: Config, select: str | None) -> Config:
+    """``cfg`` with ``grpo.selection.rule`` set to ``select`` (``grpo train --select``); None keeps it. An
+    override like any other: it enters the params hash of the lineage models/grpo records."""
+    if select is None:
+        return cfg
+    selection = cfg.grpo.selection.model_copy(update={"rule": select})
+    return cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"selection": selection})})
+
+
 @writes(paths.run_dir, lambda cfg: paths.model_dir(cfg, "grpo"))
-def run(cfg: Config, max_steps: int | None = None) -> int:
-    """``grpo train [--max-steps N]``: train (or resume), then save the policy when all steps ran."""
+def run(cfg: Config, max_steps: int | None = None, select: str | None = None) -> int:
+    """``grpo train [--max-steps N] [--select last]``: train (or resume), then save the policy when all
+    steps ran."""
+    cfg = with_selection(cfg, select)
     started = time.perf_counter()
     trained = train(cfg, max_steps=max_steps)
     last, new = (trained.history[-1]["step"] if trained.history else 0), len(trained.history) - trained.restored

@@ -1,0 +1,180 @@
+"""grpo/train/selection.py: the choice on planted curves, the carve, and (slow) a real tiny run that picks
+the planted best checkpoint and picks it again after a kill and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo.config import config_from_dict
+from grpo.train.selection import SelectionError, carve, choose, due, evaluations, score_key
+from tests.tiny_project import prepared_project
+
+SFT = {"ambiguous": 0.30, "disambiguated": 0.60, "answerable": 0.80, "unanswerable": 0.40}
+
+
+def planted(**changes: float) -> dict[str, float]:
+    return {kind: SFT[kind] + changes.get(kind, 0.0) for kind in SFT}
+
+
+# (step, accuracy per kind): a trade with the best mean (step 30) must lose to a small gain everywhere.
+CURVE = [
+    (10, planted(ambiguous=0.40, disambiguated=-0.20)),  # worst -0.20: a trade
+    (20, planted(ambiguous=0.10, disambiguated=0.05, answerable=0.05, unanswerable=0.10)),  # worst +0.05
+    (30, planted(ambiguous=0.60, unanswerable=0.50, disambiguated=-0.05)),  # best mean, worst -0.05
+    (40, planted(ambiguous=0.05, disambiguated=0.05, answerable=0.05, unanswerable=0.05)),  # same worst, less mean
+]
+
+
+def test_a_trade_cannot_win_the_choice():
+    choice = choose(CURVE, SFT)
+    assert choice.step == 20 and choice.worst == pytest.approx(0.05) and choice.mean == pytest.approx(0.075)
+    assert choice.reason.startswith("step 20: its worst kind changed +0.050 against SFT on the validation split")
+    assert "10: -0.200" in choice.reason and "30: -0.050" in choice.reason
+
+
+def test_ties_go_to_the_larger_mean_then_the_later_step():
+    """Where the validation split cannot tell checkpoints apart, the last one stands, as without selection."""
+    same = planted(ambiguous=0.1, disambiguated=0.1, answerable=0.1, unanswerable=0.1)
+    assert choose([(5, same), (10, same)], SFT).step == 10
+    assert choose([(5, planted(ambiguous=0.2, disambiguated=0.1, answerable=0.1, unanswerable=0.1)), (10, same)],
+                  SFT).step == 5
+    assert choose([(5, same), (10, planted(ambiguous=0.1, disambiguated=0.1, answerable=0.1, unanswerable=0.2))],
+                  SFT).step == 10
+    with pytest.raises(SelectionError, match="no evaluated step"):
+        choose([], SFT)
+
+
+def test_evaluations_are_read_from_the_run_history():
+    history = [{"step": 1, "reward": 0.1}, {"step": 2, score_key("ambiguous"): 0.5, score_key("answerable"): 1.0}]
+    assert evaluations(history) == [(2, {"ambiguous": 0.5, "answerable": 1.0})]
+
+
+def test_carve_and_due_follow_the_params():
+    cfg = config_from_dict({"grpo": {"steps": 12, "selection": {"records": 4, "every": 5}}})
+    pool = [{"id": f"f{i}", "task": "fairness", "context_condition": "ambig" if i % 2 else "disambig"}
+            for i in range(8)] + [{"id": f"h{i}", "task": "hallucination", "answerable": i % 2 == 0} for i in range(8)]
+    train, validation = carve(cfg, pool)
+    assert len(validation) == 4 and len(train) == 12
+    assert [s for s in range(1, 13) if due(cfg, s)] == [5, 10, 12]
+    last = config_from_dict({"grpo": {"selection": {"rule": "last"}}})
+    assert carve(last, pool) == (pool, []) and not due(last, 40)
+    greedy = config_from_dict({"grpo": {"selection": {"records": 16}}})
+    with pytest.raises(SelectionError, match="leaves 0 of 16 GRPO records to train on"):
+        carve(greedy, pool)
+
+
+# --------------------------------------------------------------------------- a real tiny run (slow)
+
+PLANTED_RUN = """
+import json, sys
+from grpo.train import selection
+SFT = json.loads(sys.argv[1]); CURVE = {int(k): v for k, v in json.loads(sys.argv[2]).items()}
+def planted(step, records, reference=False):
+    return SFT if reference else CURVE[step.scheduler.last_epoch]  # the optimizer steps taken so far
+selection.kind_accuracy = planted
+from grpo.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+# Steps 2, 4 and 6 evaluated: 2 trades, 4 gains a little everywhere, 6 trades with the best mean.
+RUN_CURVE = {2: CURVE[0][1], 4: CURVE[1][1], 6: CURVE[2][1]}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    return prepared_project(
+        tmp_path_factory.mktemp("selection"),
+        grpo={"steps": 6, "selection": {"records": 8, "every": 2}},
+        checkpoint={"every": 1, "keep_last": 1},  # every older checkpoint pruned, but the best
+    )
+
+
+def _copy(params: Path, dest: Path) -> Path:
+    shutil.copytree(params.parent, dest)
+    text = (dest / "params.yaml").read_text().replace(str(params.parent), str(dest))
+    (dest / "params.yaml").write_text(text)
+    return dest / "params.yaml"
+
+
+def _train(params: Path, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-c", PLANTED_RUN, json.dumps(SFT), json.dumps(RUN_CURVE),
+               "train", "--params", str(params), *extra]
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finished(proc: subprocess.Popen) -> str:
+    output = proc.communicate(timeout=900)[0].decode()
+    assert proc.returncode == 0, output
+    return output
+
+
+def adapter(params: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(params.parent / "models" / "grpo" / "adapter_model.safetensors"))
+
+
+def checkpoint_weights(params: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(params.parent / "runs" / "tiny" / f"checkpoint-{step:08d}" / "model.safetensors"))
+
+
+def same_weights(model: dict[str, torch.Tensor], checkpoint: dict[str, torch.Tensor]) -> bool:
+    """The saved adapter's tensors are the checkpoint's (peft's file drops the adapter name ``.default``)."""
+    named = {key.replace(".default", ""): value for key, value in checkpoint.items()}
+    assert named.keys() == model.keys()
+    return all(torch.equal(model[key], named[key]) for key in model)
+
+
+@pytest.mark.slow
+def test_a_real_run_picks_the_planted_best_and_picks_it_again_after_a_kill(project, tmp_path):
+    straight = _copy(project, tmp_path / "straight")
+    output = _finished(_train(straight))
+    assert "grpo: models/grpo is step 4: its worst kind changed +0.050" in output
+    run_dir = straight.parent / "runs" / "tiny"
+    kept = sorted(p.name for p in run_dir.glob("checkpoint-*"))
+    assert kept == ["checkpoint-00000004", "checkpoint-00000006"]  # keep_last 1, and the best
+    assert same_weights(adapter(straight), checkpoint_weights(straight, 4))
+    assert not same_weights(adapter(straight), checkpoint_weights(straight, 6))
+    summary = json.loads((straight.parent / "metrics" / "grpo.json").read_text())
+    assert summary["selected_step"] == 4 and summary["selection"]["reason"].startswith("step 4:")
+    record = json.loads((run_dir / "selection.json").read_text())
+    assert [e["step"] for e in record["evaluations"]] == [2, 4, 6] and record["sft"] == SFT
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if score_key("ambiguous") in line] == [2, 4, 6]
+
+    killed = _copy(project, tmp_path / "killed")
+    proc = _train(killed)
+    state = killed.parent / "runs" / "tiny" / "checkpoint-00000005" / "state.json"
+    deadline = time.monotonic() + 600
+    while not state.exists() and proc.poll() is None:
+        assert time.monotonic() < deadline, "no checkpoint of step 5 appeared"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # after step 4 was chosen as the best so far, before the end
+    proc.wait()
+    assert not (killed.parent / "models" / "grpo").exists(), "the run finished before it was killed"
+    output = _finished(_train(killed))
+    assert "resuming from" in output and "models/grpo is step 4" in output
+    a, b = adapter(straight), adapter(killed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    again = json.loads((killed.parent / "runs" / "tiny" / "selection.json").read_text())
+    assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in record.items() if k != "seconds"}
+
+
+@pytest.mark.slow
+def test_select_last_keeps_the_last_step_and_every_prompt(project, tmp_path):
+    params = _copy(project, tmp_path / "last")
+    output = _finished(_train(params, "--select", "last"))
+    assert "models/grpo is" not in output
+    assert same_weights(adapter(params), checkpoint_weights(params, 6))
+    summary = json.loads((params.parent / "metrics" / "grpo.json").read_text())
+    assert summary["selected_step"] == 6 and summary["selection"] is None
+    assert not (params.parent / "runs" / "tiny" / "selection.json").exists()
