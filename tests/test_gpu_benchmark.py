@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.gpu_step import training_flops
 from tests.conftest import real_tokenizer_path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
@@ -57,11 +58,11 @@ def test_training_flops_count_each_pass_once_and_the_prompts_once_per_group(tiny
     scoring = 2 * n * tokens + attention + head
     forward = 2 * (n + lora) * tokens + head + attention
     backward = 2 * (n + lora) * tokens + 2 * attention + head + 2 * lora * tokens
-    got = _bench().training_flops(cfg, rows=rows, distinct=distinct, prompt=prompt, completion=completion,
+    got = training_flops(cfg, rows=rows, distinct=distinct, prompt=prompt, completion=completion,
                                   shared=True, reused_prefill=False, body=n, lora=lora,
                                   passes={"scoring": 1, "policy": 1}, full=False)
     assert got == pytest.approx(scoring + forward + backward)
-    unshared = _bench().training_flops(cfg, rows=rows, distinct=distinct, prompt=prompt, completion=completion,
+    unshared = training_flops(cfg, rows=rows, distinct=distinct, prompt=prompt, completion=completion,
                                        shared=False, reused_prefill=False, body=n, lora=lora,
                                        passes={"scoring": 1, "policy": 1}, full=False)
     assert unshared > got, "each row's prompt runs again without the shared prefix"
