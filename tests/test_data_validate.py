@@ -45,7 +45,13 @@ def first(rows: list[dict], **where) -> dict:
 
 def hashes(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and "reports" not in p.parts}
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and "reports" not in p.parts and not is_lock(p)}
+
+
+def is_lock(path: Path) -> bool:
+    """A stage's folder lock (``.<folder>.lock``): the mark of a writer, never an output."""
+    return path.name.startswith(".") and path.suffix == ".lock"
 
 
 # --------------------------------------------------------------------------- mutations
@@ -270,6 +276,6 @@ def test_clean_data_passes_and_writes_every_report(tmp_path, clean_rows, monkeyp
             "hallucination.answer_in_context", "sft.noise_share.fairness"} <= names
     assert "PASSED" in (reports / "validation.md").read_text()
     assert (reports / "data_docs" / "index.html").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "reports"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not is_lock(p)) == ["data", "reports"]
     assert sorted(p.name for p in reports.iterdir()) == ["data_docs", "validation.json", "validation.md"]
     assert hashes(tmp_path) == before

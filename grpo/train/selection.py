@@ -133,6 +133,7 @@ def _replies(step: Step, model: Any, records: Sequence[dict]) -> list[str]:
                 step.eos_ids,
                 cfg.seed,
                 greedy=True,
+                fast=step.fast,
             )
         texts += rollout.texts
     return texts
