@@ -34,7 +34,9 @@ TINY_PARAMS: dict[str, Any] = {
     "sft": {"epochs": 1, "batch_size": 8},
     # One epoch of a 1-layer model does not learn to stop: the gate reports the share, not a failure.
     "preflight": {"min_ended_share": 0.0},
-    "grpo": {"group_size": 2, "steps": 2, "prompts_per_step": 2, "sampling": {"max_new_tokens": 6}},
+    # Selection's validation split comes out of the 16 GRPO records: 2 of each kind, scored at step 2.
+    "grpo": {"group_size": 2, "steps": 2, "prompts_per_step": 2, "sampling": {"max_new_tokens": 6},
+             "selection": {"records": 8, "every": 2}},
     "checkpoint": {"every": 1},
     "tracking": {"wandb": "disabled"},
     # A barely trained 1-layer model trips the health rules by design; here they only warn.

@@ -18,6 +18,7 @@ import yaml
 
 from grpo.cli import COMMANDS
 from grpo.eval.keymetrics import read_key_metrics
+from grpo.eval.verdict import VERDICTS
 from grpo.provenance import stages
 from grpo.provenance.fingerprint import import_closure
 from tasks.workspace import run_folder
@@ -237,6 +238,9 @@ def test_metrics_are_small_and_plots_render_offline(project):
     key = read_key_metrics(project / "metrics" / "key" / "evaluate")
     assert {"fairness/s_amb", "hallucination/exact_match"} <= set(key) and set(key["fairness/s_amb"]) == {
         "base", "sft", "grpo"}
+    verdicts = {name: key.pop(name) for name in list(key) if name.startswith("verdict/")}
+    assert {f"verdict/greedy/{task}" for task in ("fairness", "hallucination")} <= set(verdicts), verdicts
+    assert set(verdicts.values()) <= set(VERDICTS), verdicts
     assert all(isinstance(v, int | float | bool) or v is None for row in key.values() for v in row.values()), key
     show = dvc(project, "metrics", "show").stdout
     assert max(len(line) for line in show.splitlines()) <= 120, show
