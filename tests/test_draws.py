@@ -1,4 +1,4 @@
-"""``grpo/model/fast/draws.py``: ``draw_one`` is ``torch.multinomial(probs, 1)``, the same indices from the same
+"""``grpo/model/fast/draws.py``: ``multinomial_one`` is ``torch.multinomial(probs, 1)``, the same indices from the same
 generator, which it leaves in the same state."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ def _both(probs: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, t
     expected = torch.multinomial(probs, num_samples=1).squeeze(1)
     state_expected = torch.get_rng_state()
     torch.manual_seed(seed)
-    got = draws.draw_one(probs)
+    got = draws.multinomial_one(probs)
     return expected, got, state_expected, torch.get_rng_state()
 
 
 @pytest.mark.parametrize("scale", [0.0, 1.0, 4.0, 30.0])
-def test_draw_one_is_multinomials_draw(scale):
+def test_multinomial_one_is_multinomials_draw(scale):
     logits = torch.randn(16, 600, generator=torch.Generator().manual_seed(1)) * scale
     probs = torch.softmax(logits, dim=-1)
     assert draws.exponential_mismatch() is None  # the fast path is the one compared here
@@ -31,7 +31,7 @@ def test_draw_one_is_multinomials_draw(scale):
         assert torch.equal(state_got, state_expected)  # the next draw starts where multinomial's would
 
 
-def test_draw_one_on_a_real_vocabulary_with_filtered_entries():
+def test_multinomial_one_on_a_real_vocabulary_with_filtered_entries():
     """SmolLM2's 49,152 entries, most of them zeroed as top-k leaves them, one row one-hot."""
     logits = torch.randn(8, 49152, generator=torch.Generator().manual_seed(2)) * 3
     probs = torch.softmax(logits, dim=-1)
@@ -63,7 +63,7 @@ def test_the_self_check_leaves_the_generator_alone():
 
 def test_a_kernel_that_draws_otherwise_fails_the_self_check_with_a_warning(monkeypatch):
     """A PyTorch whose ``log1p`` or ``uniform_`` moved (here: draws one part in a million off): the self-check
-    says so once, and ``draw_one`` is ``torch.multinomial``, the same indices and generator state."""
+    says so once, and ``multinomial_one`` is ``torch.multinomial``, the same indices and generator state."""
     from_uniform = draws._from_uniform
     monkeypatch.setattr(draws, "_from_uniform", lambda uniform: from_uniform(uniform) * (1 + 1e-6))
     draws.exponential_mismatch.cache_clear()
@@ -77,7 +77,7 @@ def test_a_kernel_that_draws_otherwise_fails_the_self_check_with_a_warning(monke
         draws.exponential_mismatch.cache_clear()
 
 
-def test_where_the_self_check_fails_draw_one_is_multinomial(monkeypatch):
+def test_where_the_self_check_fails_multinomial_one_is_multinomial(monkeypatch):
     monkeypatch.setattr(draws, "exponential_mismatch", lambda: "changed")
     monkeypatch.setattr(draws, "_exponentials", lambda shape: pytest.fail("the fast path ran"))
     probs = torch.softmax(torch.randn(4, 50), dim=-1)
@@ -109,7 +109,7 @@ def test_invalid_probabilities_raise_multinomials_error(bad, message):
     with pytest.raises(RuntimeError, match=message):
         torch.multinomial(probs, 1)
     with pytest.raises(RuntimeError, match=message):
-        draws.draw_one(probs)
+        draws.multinomial_one(probs)
 
 
 def test_a_row_of_zeros_raises_multinomials_error():
@@ -118,7 +118,7 @@ def test_a_row_of_zeros_raises_multinomials_error():
     with pytest.raises(RuntimeError, match="sum of probabilities"):
         torch.multinomial(probs, 1)
     with pytest.raises(RuntimeError, match="sum of probabilities"):
-        draws.draw_one(probs)
+        draws.multinomial_one(probs)
 
 
 def _uniforms_near_float_midpoints() -> torch.Tensor:

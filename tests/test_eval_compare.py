@@ -7,7 +7,13 @@ from pathlib import Path
 import pytest
 
 from grpo.data.schema import ABSTENTION, LETTERS
-from grpo.eval.compare import INTERVAL_METRICS, baseline_texts, intervals_markdown, paired_bootstrap, score
+from grpo.eval.compare import (
+    INTERVAL_METRICS,
+    baseline_texts,
+    intervals_markdown,
+    item_outcomes,
+    paired_bootstrap,
+)
 from grpo.eval.evaluate import baseline_metrics, task_metrics
 from tests.eval_project import make_records, project_cfg
 
@@ -53,7 +59,8 @@ def test_random_baseline_is_seeded_and_uses_every_option():
 
 def test_paired_bootstrap_identical_models_give_zero_and_a_clear_win_excludes_zero():
     records = make_records("eval", 20, 20, seed=6)
-    right, wrong = score(_right(records), records, WEIGHTS), score(_wrong(records), records, WEIGHTS)
+    right = item_outcomes(_right(records), records, WEIGHTS)
+    wrong = item_outcomes(_wrong(records), records, WEIGHTS)
     same = paired_bootstrap(wrong, wrong, n_boot=200, seed=0)
     assert same["reward"] == {"diff": 0.0, "low": 0.0, "high": 0.0}
     better = paired_bootstrap(right, wrong, n_boot=200, seed=0)
@@ -68,19 +75,21 @@ def test_paired_bootstrap_interval_straddles_zero_on_a_mixed_change():
     # Half the items improve, half get worse: no difference beyond noise.
     mixed = [r if i % 2 else w for i, (r, w) in enumerate(zip(right, wrong, strict=True))]
     flipped = [w if i % 2 else r for i, (r, w) in enumerate(zip(right, wrong, strict=True))]
-    row = paired_bootstrap(score(mixed, records, WEIGHTS), score(flipped, records, WEIGHTS), 300, 0)["reward"]
+    new, old = item_outcomes(mixed, records, WEIGHTS), item_outcomes(flipped, records, WEIGHTS)
+    row = paired_bootstrap(new, old, 300, 0)["reward"]
     assert row["low"] < 0 < row["high"]
 
 
 def test_score_rejects_texts_that_do_not_match_the_records():
     records = make_records("eval", 2, 2, seed=8)
     with pytest.raises(ValueError, match="3 texts for 4 records"):
-        score(["x"] * 3, records, WEIGHTS)
+        item_outcomes(["x"] * 3, records, WEIGHTS)
 
 
 def test_intervals_markdown_prints_every_metric_with_its_interval():
     records = make_records("eval", 6, 6, seed=9)
-    right, wrong = score(_right(records), records, WEIGHTS), score(_wrong(records), records, WEIGHTS)
+    right = item_outcomes(_right(records), records, WEIGHTS)
+    wrong = item_outcomes(_wrong(records), records, WEIGHTS)
     lines = intervals_markdown({"greedy": paired_bootstrap(right, wrong, 100, 0)}, 100)
     reward = next(line for line in lines if line.startswith("| reward |"))
     assert reward == "| reward | +2.000 | [+2.000, +2.000] |"
@@ -93,15 +102,15 @@ def test_saying_unknown_everywhere_is_a_trade_kind_by_kind():
     from grpo.eval.verdict import verdicts
 
     records = make_records("eval", 20, 20, seed=9)
-    right = score(_right(records), records, WEIGHTS)
-    abstain = score(baseline_texts("abstain", records, 0), records, WEIGHTS)
+    right = item_outcomes(_right(records), records, WEIGHTS)
+    abstain = item_outcomes(baseline_texts("abstain", records, 0), records, WEIGHTS)
     diffs = paired_bootstrap(abstain, right, n_boot=200, seed=0)
     assert diffs["fairness/accuracy_disambig"]["diff"] == -1.0 and diffs["fairness/accuracy_ambig"]["diff"] == 0.0
     assert diffs["hallucination/accuracy_answerable"]["diff"] == -1.0
     assert diffs["hallucination/accuracy_unanswerable"]["diff"] == 0.0
     # Against the always-wrong policy instead, abstaining gains where the context cannot tell, loses nothing
     # where it answers (both wrong there): the gain side of the trade alone.
-    gained = paired_bootstrap(abstain, score(_wrong(records), records, WEIGHTS), n_boot=200, seed=0)
+    gained = paired_bootstrap(abstain, item_outcomes(_wrong(records), records, WEIGHTS), n_boot=200, seed=0)
     assert gained["hallucination/accuracy_unanswerable"]["diff"] == 1.0
     assert gained["hallucination/accuracy_answerable"]["diff"] == 0.0
     assert verdicts({"greedy": diffs})["greedy"]["fairness"]["verdict"] == "worse"

@@ -17,6 +17,7 @@ from grpo.eval.metrics import (
     hallucination_metrics,
     mean,
     mean_length,
+    outcome,
     self_bleu,
     sentence_bleu,
 )
@@ -154,7 +155,7 @@ def test_fairness_item_rejects_inconsistent_fields(kwargs, fragment):
 
 # ---------------------------------------------------------------------------- hallucination
 
-# (answerable, abstained, em, f1) -> outcome at threshold 0.8 (same table as the docstring)
+# (answerable, abstained, em, f1) -> outcome at threshold 0.8 (same table as ``outcome``'s docstring)
 HALLU_TABLE = [
     HallucinationItem(True, False, 1.0, 1.0),  # correct
     HallucinationItem(True, False, 0.0, 0.9),  # correct by F1
@@ -163,6 +164,11 @@ HALLU_TABLE = [
     HallucinationItem(False, True, 0.0, 0.0),  # correct abstention
     HallucinationItem(False, False, 0.0, 0.0),  # hallucinated (answered the unanswerable)
 ]
+
+
+def test_each_item_has_the_outcome_of_the_docstring_table():
+    expected = ["correct", "correct", "hallucinated", "over_abstained", "correct", "hallucinated"]
+    assert [outcome(item) for item in HALLU_TABLE] == expected
 
 
 def test_hallucination_metrics_hand_table():

@@ -22,7 +22,6 @@ from grpo.eval.evaluate import (
     diversity_metrics,
     entropy_sum,
     evaluate_model,
-    markdown_report,
     plot_run_entropy,
     run,
     task_metrics,
@@ -97,14 +96,6 @@ def test_diversity_metrics_per_group_self_bleu():
     assert same["diversity/self_bleu"] == pytest.approx(0.5)  # group 1 identical (1.0), group 2 disjoint (0.0)
     assert same["diversity/distinct_1"] == pytest.approx(7 / 10)
     assert same["diversity/distinct_2"] == pytest.approx(4 / 6)  # (a,b) (b,c) twice, (x,y), (z,w)
-
-
-def test_markdown_report_columns_deltas_and_skip_note(project):
-    results = {"base": {"greedy": {"m": 0.25}, "sampled": {}}, "sft": {"greedy": {"m": 0.5}, "sampled": {}}}
-    text = markdown_report(results, {"grpo": "models/grpo is absent"}, 6, project)
-    assert "| metric | base | SFT | GRPO | GRPO − SFT | SFT − base |" in text
-    assert "| m | 0.250 | 0.500 | — | — | +0.250 |" in text
-    assert "- GRPO skipped: models/grpo is absent" in text
 
 
 def test_eval_records_capped_by_max_examples_keep_both_tasks(project):

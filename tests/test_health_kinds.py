@@ -20,8 +20,9 @@ from grpo.health.kinds import (
     kind_trade,
     progress,
 )
-from grpo.health.metrics import merge_process_metrics, read_metrics
+from grpo.health.metrics import read_metrics
 from grpo.health.monitor import Monitor, TrainingStopped, raise_if_stop
+from grpo.health.process_merge import merge_process_metrics
 from tests.tiny_project import prepared_project, run_stages
 
 CHOICES = ["the grandfather", "the grandson", "Can't be determined"]

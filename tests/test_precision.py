@@ -1,4 +1,5 @@
-"""grpo/model/precision.py: bf16 autocast over fp32 master weights, SDPA, gradient checkpointing (on CPU)."""
+"""grpo/model/precision.py: bf16 autocast over fp32 master weights, SDPA, gradient checkpointing (on CPU), and
+the head's split-bf16 product (its arithmetic emulated on a CPU, its bound measured on CUDA)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from grpo.model.loading import load_model, save_model
 from grpo.model.lora import wrap_lora
 from grpo.model.precision import (
     Fp32Head,
+    Fp32Product,
+    SplitProduct,
     apply_memory_settings,
     autocast_enabled,
     bf16_autocast,
@@ -26,6 +29,10 @@ from grpo.model.precision import (
     describe,
     fp32_head,
     frozen_linears_in_bf16,
+    head_product,
+    split_bf16,
+    split_product,
+    split_product_available,
 )
 from grpo.train.causal_lm import sft_loss
 
@@ -316,3 +323,52 @@ def test_frozen_linears_held_in_bf16_give_the_same_logits_and_gradients_with_few
     assert all((p.data_ptr(), p.dtype) == before[n] for n, p in policy.named_parameters())
     with frozen_linears_in_bf16([policy], on=False):
         assert all(p.dtype == torch.float32 for p in policy.parameters())
+
+
+# --------------------------------------------------------------------------- the head's product on CUDA
+
+
+def test_the_split_bf16_product_keeps_about_16_bits_of_each_term():
+    """``split_product``'s arithmetic, emulated on a CPU (fp32 products of the bf16 parts, which are exact):
+    within 2^-14 of ``|h| |w|`` of the float64 product at every logit, where one bf16 product is not."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(64, 576, generator=gen), 0.05 * torch.randn(2048, 576, generator=gen)
+    hi, lo = split_bf16(hidden)
+    assert hi.dtype == lo.dtype == torch.bfloat16
+    assert bool(((hi.double() + lo.double() - hidden.double()).abs() <= 2**-16 * hidden.double().abs()).all())
+    exact = hidden.double() @ weight.double().T
+    scale = hidden.double().abs() @ weight.double().abs().T  # [n, V] sum of |h_k w_k|
+    emulated = split_product(split_bf16(hidden), split_bf16(weight), lambda a, b: a.float() @ b.float())
+    assert emulated.dtype == torch.float32
+    assert bool(((emulated.double() - exact).abs() <= 2**-14 * scale).all())
+    single = hidden.bfloat16().float() @ weight.bfloat16().float().T
+    assert float(((single.double() - exact).abs() / scale).max()) > 2**-11  # a bf16 product is far coarser
+
+
+def test_off_cuda_the_head_scores_with_the_fp32_product():
+    weight = torch.randn(8, 4)
+    assert not split_product_available(torch.device("cpu"))
+    assert isinstance(head_product(weight, None, torch.bfloat16), Fp32Product)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_cuda_split_product_is_the_fp32_products_within_its_bound():
+    """On CUDA the bf16x3 product's logits are within 2^-14 of ``|h| |w|`` of the float64 product and
+    within 2^-13 of the fp32 product's (the fp32 path's)."""
+    device = torch.device("cuda")
+    assert split_product_available(device), "this PyTorch lacks torch.mm(bf16, bf16, out_dtype=float32)"
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(256, 2048, generator=gen, device=device)
+    weight = 0.05 * torch.randn(32768, 2048, generator=gen, device=device)
+    product = head_product(weight, None, torch.bfloat16)
+    assert isinstance(product, SplitProduct)
+    exact = hidden.double() @ weight.double().T
+    scale = hidden.double().abs() @ weight.double().abs().T
+    split = product.logits(hidden).double()
+    assert bool(((split - exact).abs() <= 2**-14 * scale).all())
+    fp32 = Fp32Product(weight, None, weight).logits(hidden).double()
+    assert bool(((split - fp32).abs() <= 2**-13 * scale).all())

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from grpo.config import config_from_dict
 from grpo.core.batching import join_prompt_completion, left_pad
 from grpo.model.lora import adapter_disabled, wrap_lora
-from grpo.model.scoring import RolloutInputs, score_inputs, score_reference
+from grpo.model.scoring import MissingReferenceError, RolloutInputs, score_inputs, score_reference
 
 
 def _inputs(pad_id: int) -> RolloutInputs:
@@ -46,3 +47,14 @@ def test_adapter_disabled_restores_each_layers_own_flag(tiny_model):
     with adapter_disabled(policy):
         assert all(layer.disable_adapters for layer in layers)
     assert [layer.disable_adapters for layer in layers] == [True] + [False] * (len(layers) - 1)
+
+
+def test_a_model_without_an_adapter_needs_its_frozen_reference(tiny_model, tiny_tokenizer):
+    """Full fine-tuning has no adapter to switch off: the reference is the frozen SFT copy, and without it
+    scoring the reference refuses (never scores the policy itself as its own reference)."""
+    inputs = _inputs(tiny_tokenizer.pad_token_id)
+    with pytest.raises(MissingReferenceError, match="model.lora.enabled: false"):
+        score_reference(tiny_model, inputs)
+    with torch.no_grad():
+        given = score_reference(tiny_model, inputs, reference=tiny_model).logprobs
+        assert torch.equal(given, score_inputs(tiny_model, inputs).logprobs)

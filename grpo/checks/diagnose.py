@@ -26,11 +26,16 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from grpo.checks.diagnosis_checks import (
+    check_advantages,
+    check_collapse,
+    check_reward_degeneracy,
+    check_target_lineage,
+)
 from grpo.checks.diagnosis_target import Target, load_target
 from grpo.checks.probes import (
     ENTROPY_TOL,
     Check,
-    Status,
     entropy_step,
     mean_entropy,
     reference_entropy,
@@ -105,82 +110,10 @@ def _grad_norm(params: list[torch.nn.Parameter]) -> float:
 # --------------------------------------------------------------------------- checks
 
 
-def check_target_lineage(target: Target) -> Check:
-    """Whether the target (and the SFT weights under an adapter) match the current code and params."""
-    if target.kind == "model" and not target.stale and not (target.path / "lineage.json").is_file():
-        return Check(
-            "lineage", "skip", None, f"{target.path} carries no lineage (no stage of the pipeline built it)"
-        )
-    if target.stale:
-        return Check(
-            "lineage",
-            "warn",
-            len(target.stale),
-            "; ".join(target.stale),
-            "the numbers describe older code or params: rebuild with `dvc repro` before trusting them",
-        )
-    return Check("lineage", "pass", 0, "built by the current code, params and inputs")
-
-
-def check_collapse(cfg: Config, policy: float, reference: float, temperature: float) -> Check:
-    """Policy entropy against an absolute floor and against the reference's (I9)."""
-    d = cfg.eval.diagnose
-    ratio = policy / reference if reference > 0 else 1.0
-    detail = (
-        f"policy {policy:.4f} nats/token vs reference {reference:.4f}, ratio {ratio:.3f}, at T={temperature}"
-    )
-    hint = (
-        "entropy collapse: raise grpo.loss.entropy_coef (> 0) or grpo.loss.beta, lower grpo.lr, or go back "
-        "to an earlier checkpoint (`grpo plot-entropy` shows when it fell)"
-    )
-    if policy < d.entropy_floor or ratio < d.entropy_ratio_fail:
-        return Check("entropy_collapse", "fail", policy, detail, hint)
-    if ratio < d.entropy_ratio_warn:
-        return Check("entropy_collapse", "warn", policy, detail, hint)
-    return Check("entropy_collapse", "pass", policy, detail)
-
-
-def check_reward_degeneracy(cfg: Config, stats: dict[str, float], n_groups: int) -> Check:
-    """Share of groups whose G rewards are all equal: they give advantage 0, no learning signal (I12)."""
-    d, share = cfg.eval.diagnose, stats["frac_reward_zero_std"]
-    detail = (
-        f"{round(share * n_groups)} of {n_groups} groups have zero reward std "
-        f"(G={cfg.grpo.group_size}, mean reward {stats['reward']:.3f})"
-    )
-    hint = (
-        "no learning signal: check the answers parse (all rewards -1 = unparseable), raise grpo.group_size or "
-        "the temperature, or set grpo.dynamic_sampling: filter | resample"
-    )
-    status: Status = "fail" if share >= d.zero_std_fail else "warn" if share >= d.zero_std_warn else "pass"
-    return Check("reward_degeneracy", status, share, detail, hint if status != "pass" else "")
-
-
-def check_advantages(advantages: torch.Tensor) -> Check:
-    """Advantages are finite and not all zero. advantages: [N]."""
-    if not torch.isfinite(advantages).all():
-        return Check(
-            "advantages",
-            "fail",
-            None,
-            "advantages hold NaN/Inf",
-            "a reward returned NaN/Inf, or the std division lost its epsilon: check grpo/core/advantages.py",
-        )
-    abs_mean = float(advantages.abs().mean())
-    if abs_mean == 0.0:
-        return Check(
-            "advantages",
-            "fail",
-            0.0,
-            "every advantage is exactly 0: the policy term has no gradient",
-            "see reward_degeneracy: every group's rewards are equal",
-        )
-    return Check("advantages", "pass", abs_mean, f"finite, mean |A| {abs_mean:.3f}")
-
-
 def check_gradients(cfg: Config, target: Target, probe: Probe, advantages: torch.Tensor) -> Check:
     """One backward of the GRPO loss reaches the trainable weights with a finite, non-zero gradient:
     the LoRA weights (``lora_gradients``), or every weight under full fine-tuning (``gradients``)."""
-    model, loss_cfg = target.model, cfg.grpo.loss
+    model = target.model
     name, what = ("lora_gradients", "LoRA") if target.lora else ("gradients", "trainable")
     params = [p for n, p in model.named_parameters() if p.requires_grad and ("lora_" in n or not target.lora)]
     if not params:
@@ -196,23 +129,8 @@ def check_gradients(cfg: Config, target: Target, probe: Probe, advantages: torch
     probing = not bool(advantages.any())
     # All-zero real advantages would zero the policy gradient: probe the wiring with +-1 instead.
     adv = (torch.arange(len(advantages)) % 2 * -2.0 + 1.0) if probing else advantages
-    with torch.no_grad():
-        ref = score_reference(model, probe.inputs, target.reference).logprobs if loss_cfg.beta > 0 else None
-    scored = score_inputs(model, probe.inputs)
-    terms, _ = policy_loss_terms(
-        scored.logprobs,
-        scored.logprobs.detach(),
-        ref,
-        adv.to(scored.logprobs.device),
-        probe.completion_mask,
-        scored.entropy,
-        epsilon_low=loss_cfg.epsilon_low,
-        epsilon_high=loss_cfg.epsilon_high,
-        loss_type=loss_cfg.loss_type,
-        max_completion_length=cfg.grpo.sampling.max_new_tokens,
-    )
     model.zero_grad(set_to_none=True)
-    total_loss(terms, loss_cfg.beta, loss_cfg.entropy_coef).backward()
+    _probe_loss(cfg, target, probe, adv).backward()
     norm = _grad_norm(params)
     nonzero = sum(p.grad is not None and bool(p.grad.any()) for p in params)
     model.zero_grad(set_to_none=True)
@@ -233,6 +151,28 @@ def check_gradients(cfg: Config, target: Target, probe: Probe, advantages: torch
             name, "warn", norm, detail, "vanishing gradient: the softmax is saturated (see entropy_collapse)"
         )
     return Check(name, "pass", norm, detail)
+
+
+def _probe_loss(cfg: Config, target: Target, probe: Probe, advantages: torch.Tensor) -> torch.Tensor:
+    """The GRPO loss of the probe under ``advantages`` [N], as the step computes it (``total_loss``), with
+    the reference's log-probs where ``grpo.loss.beta`` > 0."""
+    model, loss_cfg = target.model, cfg.grpo.loss
+    with torch.no_grad():
+        ref = score_reference(model, probe.inputs, target.reference).logprobs if loss_cfg.beta > 0 else None
+    scored = score_inputs(model, probe.inputs)
+    terms, _ = policy_loss_terms(
+        scored.logprobs,
+        scored.logprobs.detach(),
+        ref,
+        advantages.to(scored.logprobs.device),
+        probe.completion_mask,
+        scored.entropy,
+        epsilon_low=loss_cfg.epsilon_low,
+        epsilon_high=loss_cfg.epsilon_high,
+        loss_type=loss_cfg.loss_type,
+        max_completion_length=cfg.grpo.sampling.max_new_tokens,
+    )
+    return total_loss(terms, loss_cfg.beta, loss_cfg.entropy_coef)
 
 
 def check_temperature(cfg: Config, target: Target, probe: Probe) -> Check:

@@ -107,36 +107,7 @@ def entropy_step(
     saved = [p.detach().clone() for p in params]
     before = mean_entropy(model, inputs)
     try:
-        grads = {}
-        for task, index in rows.items():
-            part = inputs.rows(index)
-            scored = score_inputs(model, part)
-            zeros = torch.zeros(
-                len(index), device=scored.logprobs.device
-            )  # only the entropy term has a gradient
-            terms, _ = policy_loss_terms(
-                scored.logprobs,
-                scored.logprobs.detach(),
-                None,
-                zeros,
-                part.completion_mask,
-                scored.entropy,
-                epsilon_low=0.2,
-                epsilon_high=0.2,
-                loss_type="grpo",
-                max_completion_length=part.completion_mask.shape[1],
-            )
-            grads[task] = task_gradient(params, terms, 0.0, entropy_coef, multitask.reward_only, retain=False)
-        zero = torch.cat([torch.zeros(p.numel(), device=p.device) for p in params])
-        direction, _ = combine_task_gradients(
-            grads,
-            tuple(rows),
-            zero,
-            mode=multitask.mode,
-            c=multitask.cagrad_c,
-            rescale=multitask.cagrad_rescale,
-            reward_only=multitask.reward_only,
-        )
+        direction = _entropy_direction(model, params, inputs, rows, multitask, entropy_coef)
         norm = float(direction.norm())
         if not math.isfinite(norm) or norm == 0.0:
             return before, before, norm
@@ -152,3 +123,43 @@ def entropy_step(
                 param.copy_(value)
         model.zero_grad(set_to_none=True)
     return before, after, norm
+
+
+def _entropy_direction(
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    inputs: RolloutInputs,
+    rows: dict[str, torch.Tensor],
+    multitask: MultitaskConfig,
+    entropy_coef: float,
+) -> torch.Tensor:
+    """The combined gradient ``[P]`` of ``-entropy_coef * entropy`` alone: each task's from its rows (zero
+    advantages, no KL: only the entropy term has a gradient), combined in ``multitask``'s mode."""
+    grads = {}
+    for task, index in rows.items():
+        part = inputs.rows(index)
+        scored = score_inputs(model, part)
+        terms, _ = policy_loss_terms(
+            scored.logprobs,
+            scored.logprobs.detach(),
+            None,
+            torch.zeros(len(index), device=scored.logprobs.device),
+            part.completion_mask,
+            scored.entropy,
+            epsilon_low=0.2,
+            epsilon_high=0.2,
+            loss_type="grpo",
+            max_completion_length=part.completion_mask.shape[1],
+        )
+        grads[task] = task_gradient(params, terms, 0.0, entropy_coef, multitask.reward_only, retain=False)
+    zero = torch.cat([torch.zeros(p.numel(), device=p.device) for p in params])
+    direction, _ = combine_task_gradients(
+        grads,
+        tuple(rows),
+        zero,
+        mode=multitask.mode,
+        c=multitask.cagrad_c,
+        rescale=multitask.cagrad_rescale,
+        reward_only=multitask.reward_only,
+    )
+    return direction

@@ -54,30 +54,17 @@ def check_ratio_kl_reference(s: Gated) -> Check:
     reference log-probs equal a fresh load of the SFT weights (to float reassociation: the shared-prefix
     forward caches the prompt, so two scorings may differ in the last bits) and differ from the base's,
     the policy's KL to them is > 0, and the ratio and KL are per token."""
-    with perturbed_policy(s.policy, s.cfg.seed):
-        batch, _ = step_batch(
-            s, s.cfg.seed + 1, num_iterations=2, loss={"beta": max(s.cfg.grpo.loss.beta, 0.04)}
-        )
-        kl = reference_kl(s.policy, batch.inputs, s.reference)
-    sft_gap = _fresh_gap(s, s.sft, batch)
-    base_gap = _fresh_gap(s, s.base, batch) if s.base is not None else None
-    leak, own = _per_token_leak(batch.old_logprobs)
+    numbers = _ratio_kl_numbers(s)
     same = s.tolerance() / 10  # 1e-5 in fp32; SFT and base log-probs differ by far more
-    numbers = {
-        "ref_vs_fresh_sft": sft_gap,
-        "ref_vs_base": base_gap,
-        "kl_perturbed": kl,
-        "other_tokens_ratio_kl_change": leak,
-        "own_ratio_error": own,
-    }
+    base_gap, leak = numbers["ref_vs_base"], numbers["other_tokens_ratio_kl_change"]
     failures = [
         name
         for name, bad in (
-            ("the reference is not the SFT weights (I9)", sft_gap > same),
+            ("the reference is not the SFT weights (I9)", numbers["ref_vs_fresh_sft"] > same),
             ("the reference equals the pre-SFT base (I9)", base_gap is not None and base_gap <= same),
-            ("KL to the reference is 0 with a perturbed policy (I9)", not kl > 0.0),
+            ("KL to the reference is 0 with a perturbed policy (I9)", not numbers["kl_perturbed"] > 0.0),
             ("a one-token change moved other tokens' ratio or KL (I8)", leak > 1e-6),
-            ("the changed token's ratio is not exp(0.1) (I8)", own > 1e-5),
+            ("the changed token's ratio is not exp(0.1) (I8)", numbers["own_ratio_error"] > 1e-5),
         )
         if bad
     ]
@@ -101,6 +88,27 @@ def check_ratio_kl_reference(s: Gated) -> Check:
         "I8, I9",
         bound,
     )
+
+
+def _ratio_kl_numbers(s: Gated) -> dict[str, float | None]:
+    """What ``check_ratio_kl_reference`` judges: the step's reference log-probs against a fresh load of the
+    SFT weights and of the base (None without one), the perturbed policy's KL to its reference, and how
+    far a one-token change moves the other tokens' ratio and KL, and its own ratio from exp(0.1)."""
+    with perturbed_policy(s.policy, s.cfg.seed):
+        batch, _ = step_batch(
+            s, s.cfg.seed + 1, num_iterations=2, loss={"beta": max(s.cfg.grpo.loss.beta, 0.04)}
+        )
+        kl = reference_kl(s.policy, batch.inputs, s.reference)
+    sft_gap = _fresh_gap(s, s.sft, batch)
+    base_gap = _fresh_gap(s, s.base, batch) if s.base is not None else None
+    leak, own = _per_token_leak(batch.old_logprobs)
+    return {
+        "ref_vs_fresh_sft": sft_gap,
+        "ref_vs_base": base_gap,
+        "kl_perturbed": kl,
+        "other_tokens_ratio_kl_change": leak,
+        "own_ratio_error": own,
+    }
 
 
 def _formula(step: Step, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -184,7 +184,15 @@ def score_completions(
     ``full_logits``: score from the ``[B, C, V]`` logits (the readable reference path; a model whose head
     does not serve ``core.head_scores`` requests always takes it).
     """
-    width = input_ids.shape[1]
+    _check_scoring(input_ids.shape[1], completion_width, temperature)
+    forward = (model, input_ids, attention_mask, completion_width, shared_prefix, prefills, segments)
+    if full_logits or not scores_in_head(model):
+        return _score_logits(completion_logits(*forward), input_ids, attention_mask, temperature, logprobs_only)
+    return _score_in_head(forward, temperature, logprobs_only, entropy_grad, chunk_bytes)
+
+
+def _check_scoring(width: int, completion_width: int, temperature: float) -> None:
+    """ScoringError unless ``1 <= completion_width < width`` and ``temperature > 0``."""
     if not 1 <= completion_width < width:
         raise ScoringError(
             f"score_completions: completion_width must be in [1, {width - 1}] for input width {width} "
@@ -194,9 +202,17 @@ def score_completions(
         raise ScoringError(
             f"score_completions: temperature must be > 0 (got {temperature}); pass the sampling temperature"
         )
-    forward = (model, input_ids, attention_mask, completion_width, shared_prefix, prefills, segments)
-    if full_logits or not scores_in_head(model):
-        return _score_logits(completion_logits(*forward), input_ids, attention_mask, temperature, logprobs_only)
+
+
+def _score_in_head(
+    forward: tuple,  # ``_completion_forward``'s arguments: model, input_ids, attention_mask, completion_width, ...
+    temperature: float,
+    logprobs_only: bool,
+    entropy_grad: bool,
+    chunk_bytes: int | None,
+) -> Scored:
+    """``score_completions`` in the output head, chunk by chunk of positions (``core.head_scores``)."""
+    model, input_ids, attention_mask, completion_width = forward[:4]
     request = HeadRequest(
         ids=input_ids[:, -completion_width:],
         temperature=temperature,

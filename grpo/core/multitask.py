@@ -247,19 +247,11 @@ def combine_task_gradients(
 
     A NaN/Inf gradient raises MultitaskError naming the task.
     """
-    names, rows = [], []
-    for task in tasks:
-        grad = grads[task].combined if task in grads else None
-        if reduce_fn is not None:
-            grad = reduce_fn(torch.zeros_like(zeros) if grad is None else grad)
-        if grad is None:
-            continue
-        check_finite(grad, f"task {task!r}", space)
-        if space.any(grad):
-            names.append(task)
-            rows.append(grad)
+    rows = _taking_part(grads, tasks, zeros, reduce_fn, space)
     direction, stats = (
-        combine(torch.stack(rows), mode, c, rescale, names, space.inner) if rows else (zeros, {})
+        combine(torch.stack(list(rows.values())), mode, c, rescale, list(rows), space.inner)
+        if rows
+        else (zeros, {})
     )
     if reward_only:
         regulariser = sum((g.regulariser for g in grads.values()), torch.zeros_like(zeros))
@@ -276,3 +268,27 @@ def combine_task_gradients(
     stats.update({f"loss/{task}": g.loss for task, g in grads.items()})
     stats["multitask/tasks_combined"] = float(len(rows))
     return direction, stats
+
+
+def _taking_part(
+    grads: dict[str, TaskGradients],
+    tasks: Sequence[str],
+    zeros: torch.Tensor,
+    reduce_fn: ReduceFn | None,
+    space: GradSpace,
+) -> dict[str, torch.Tensor]:
+    """Task -> its gradient ``[P]`` (reduced over processes by ``reduce_fn``: zeros where this process has
+    none, for every task of ``tasks``), for the tasks whose gradient is not exactly zero, in ``tasks``'
+    order; MultitaskError on a NaN/Inf one."""
+    rows = {}
+    for task in tasks:
+        grad = grads[task].combined if task in grads else None
+        if reduce_fn is not None:
+            grad = reduce_fn(torch.zeros_like(zeros) if grad is None else grad)
+        if grad is None:
+            continue
+        check_finite(grad, f"task {task!r}", space)
+        if space.any(grad):
+            rows[task] = grad
+    return rows
+

@@ -188,19 +188,54 @@ def _prefilled_forward(
 ) -> torch.Tensor:
     """``shared_prefix_forward`` on kept prefills: each row's prompt is found among them by content."""
     prompt_width = input_ids.shape[1] - completion_width
+    found, used = _find_prompts(model, input_ids[:, :prompt_width], attention_mask[:, :prompt_width], prefills)
+    layers = [
+        tuple(_joined([p.layers[i][kv] for p in used]) for kv in (0, 1)) for i in range(len(used[0].layers))
+    ]
+    cache = used[0].cache_class(layers, config=model.config)
+    cache.reorder_cache(found)  # index_select: every row gets its prompt's keys and values
+    positions = position_ids_from_mask(attention_mask)
+    if request is not None:  # the head scores [first column | completion columns]
+        request.first = _joined([p.first_hidden for p in used])[found]  # [B, 1, H]
+    with contextlib.nullcontext() if request is None else head_request(model, request):
+        rest = model(
+            input_ids=input_ids[:, prompt_width:],
+            attention_mask=model_attention_mask(model, attention_mask, completion_width),
+            position_ids=positions[:, prompt_width:],
+            past_key_values=cache,
+            use_cache=True,
+        ).logits
+    if request is not None:
+        return rest
+    first_logits = _joined([p.first_logits for p in used])[found]  # [B, 1, V]
+    return torch.cat([first_logits, rest[:, :-1]], dim=1)
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _find_prompts(
+    model: torch.nn.Module,
+    prompts: torch.Tensor,  # [B, P] the rows' left-padded prompt ids
+    mask: torch.Tensor,  # [B, P]
+    prefills: Sequence[PromptPrefill],
+) -> tuple[torch.Tensor, list[PromptPrefill]]:
+    """``(found [B], used)``: each row's prompt among the kept prefills by content (its index in the prompts
+    of ``used`` joined), and the prefills that hold any. PrefillError where the prefills are of other
+    weights or another prompt width, or a row's prompt is in none of them."""
     if trainable_weights(model) != prefills[0].weights:
         raise PrefillError(
             "shared_prefix_forward: the kept prefill is of other weights (another model, or these "
             "moved since the rollout); it serves only its own model's update of its own step"
         )
-    if prefills[0].prompt_ids.shape[1] != prompt_width:
+    if prefills[0].prompt_ids.shape[1] != prompts.shape[1]:
         raise PrefillError(
             f"shared_prefix_forward: kept prefills are of prompts {prefills[0].prompt_ids.shape[1]} "
-            f"columns wide, these rows' prompts {prompt_width}: pass the rollout's own rows"
+            f"columns wide, these rows' prompts {prompts.shape[1]}: pass the rollout's own rows"
         )
-    prompts, mask = input_ids[:, :prompt_width], attention_mask[:, :prompt_width]
     used, offset = [], 0
-    found = torch.full((input_ids.shape[0],), -1, dtype=torch.long, device=input_ids.device)
+    found = torch.full((prompts.shape[0],), -1, dtype=torch.long, device=prompts.device)
     for prefill in prefills:
         match = (
             (prompts[:, None] == prefill.prompt_ids[None]) & (mask[:, None] == prefill.prompt_mask[None])
@@ -215,27 +250,4 @@ def _prefilled_forward(
             f"shared_prefix_forward: rows {(found < 0).nonzero().flatten().tolist()} have a prompt "
             "that no kept prefill has; pass the rollout's own rows or no prefills"
         )
-
-    def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-    layers = [
-        tuple(joined([p.layers[i][kv] for p in used]) for kv in (0, 1)) for i in range(len(used[0].layers))
-    ]
-    cache = used[0].cache_class(layers, config=model.config)
-    cache.reorder_cache(found)  # index_select: every row gets its prompt's keys and values
-    positions = position_ids_from_mask(attention_mask)
-    if request is not None:  # the head scores [first column | completion columns]
-        request.first = joined([p.first_hidden for p in used])[found]  # [B, 1, H]
-    with contextlib.nullcontext() if request is None else head_request(model, request):
-        rest = model(
-            input_ids=input_ids[:, prompt_width:],
-            attention_mask=model_attention_mask(model, attention_mask, completion_width),
-            position_ids=positions[:, prompt_width:],
-            past_key_values=cache,
-            use_cache=True,
-        ).logits
-    if request is not None:
-        return rest
-    first_logits = joined([p.first_logits for p in used])[found]  # [B, 1, V]
-    return torch.cat([first_logits, rest[:, :-1]], dim=1)
+    return found, used

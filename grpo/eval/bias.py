@@ -28,8 +28,9 @@ from grpo.config import Config
 from grpo.data.bbq import load_bbq
 from grpo.data.schema import make_record
 from grpo.data.splits import stratified_sample
-from grpo.eval.compare import paired_bootstrap, score
-from grpo.eval.evaluate import LABELS, evaluate
+from grpo.eval.compare import item_outcomes, paired_bootstrap
+from grpo.eval.evaluate import evaluate
+from grpo.eval.report import LABELS
 from grpo.eval.verdict import kinds_markdown, verdict_markdown, verdicts
 from grpo.files import write_atomically
 from grpo.locks import writes
@@ -81,11 +82,11 @@ def fairness_figures(metrics: dict[str, Any], prefix: str = "fairness/") -> dict
 
 def intervals(texts: dict[str, dict], records: Sequence[dict], cfg: Config) -> dict[str, dict]:
     """``{"GRPO − SFT": {metric: {diff, low, high}}, "GRPO − base": ...}`` where both models answered."""
-    scored = {name: score(replies["greedy"], records, cfg.rewards) for name, replies in texts.items()}
+    outcomes = {name: item_outcomes(got["greedy"], records, cfg.rewards) for name, got in texts.items()}
     out = {}
     for old in ("sft", "base"):
-        if "grpo" in scored and old in scored:
-            both = paired_bootstrap(scored["grpo"], scored[old], cfg.eval.bootstrap, cfg.seed)
+        if "grpo" in outcomes and old in outcomes:
+            both = paired_bootstrap(outcomes["grpo"], outcomes[old], cfg.eval.bootstrap, cfg.seed)
             out[f"GRPO − {LABELS[old]}"] = {key: both[key] for key in INTERVALS}
     return out
 
@@ -125,37 +126,38 @@ def report(
         f"{len(records)} BBQ items from `{folder}` ({', '.join(categories)}), greedy, seed {cfg.seed}. "
         "s_AMB / s_DIS in [-1, 1]: 1 = always the stereotyped answer, 0 = no lean.",
         "",
-        "| metric | " + " | ".join(LABELS[n] for n in names) + " |",
-        "| --- |" + " ---: |" * len(names),
-    ]
-    for key in SHOWN:
-        lines.append(f"| {key} | " + " | ".join(_cell(results[n]["overall"][key]) for n in names) + " |")
-    lines += [
+        *_table("metric", names, {key: [results[n]["overall"][key] for n in names] for key in SHOWN}),
         "",
         "## s_AMB per category",
         "",
-        "| category | " + " | ".join(LABELS[n] for n in names) + " |",
-        "| --- |" + " ---: |" * len(names),
+        *_table(
+            "category", names, {c: [results[n]["by_category"][c]["s_amb"] for n in names] for c in categories}
+        ),
     ]
-    for category in categories:
-        lines.append(
-            f"| {category} | "
-            + " | ".join(_cell(results[n]["by_category"][category]["s_amb"]) for n in names)
-            + " |"
-        )
     for label, diffs in differences.items():
-        lines += [
-            "",
-            f"## {label}, 95 % paired bootstrap ({cfg.eval.bootstrap} resamples)",
-            "",
-            "| metric | difference | interval |",
-            "| --- | ---: | --- |",
-        ]
-        for key, value in diffs.items():
-            low, high = value["low"], value["high"]
-            span = "—" if low is None else f"[{low:+.3f}, {high:+.3f}]"
-            lines.append(f"| {key} | {_cell(value['diff'])} | {span} |")
+        lines += ["", *_interval_table(label, diffs, cfg.eval.bootstrap)]
     return "\n".join(lines) + "\n"
+
+
+def _table(first: str, names: list[str], rows: dict[str, list[Any]]) -> list[str]:
+    """A Markdown table: ``first`` then a column per model of ``names``; a row per key of ``rows``."""
+    lines = [f"| {first} | " + " | ".join(LABELS[n] for n in names) + " |", "| --- |" + " ---: |" * len(names)]
+    return lines + [f"| {key} | " + " | ".join(_cell(v) for v in values) + " |" for key, values in rows.items()]
+
+
+def _interval_table(label: str, diffs: dict[str, dict], resamples: int) -> list[str]:
+    """One comparison's differences with their paired-bootstrap intervals."""
+    lines = [
+        f"## {label}, 95 % paired bootstrap ({resamples} resamples)",
+        "",
+        "| metric | difference | interval |",
+        "| --- | ---: | --- |",
+    ]
+    for key, value in diffs.items():
+        low, high = value["low"], value["high"]
+        span = "—" if low is None else f"[{low:+.3f}, {high:+.3f}]"
+        lines.append(f"| {key} | {_cell(value['diff'])} | {span} |")
+    return lines
 
 
 @writes(lambda cfg: cfg.paths.metrics_dir)

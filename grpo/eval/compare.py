@@ -61,7 +61,7 @@ BASELINES = ("abstain", "random")
 BASELINE_LABELS = {"abstain": 'always abstain / "unknown"', "random": "random choice"}
 
 
-class Scored(NamedTuple):
+class ItemOutcomes(NamedTuple):
     """Per-item outcomes of one model: ``units[i]`` holds the scored samples of eval record ``i``."""
 
     tasks: list[str]
@@ -93,11 +93,11 @@ def question_kind(record: dict) -> str:
     return str(record.get("template_id") or "all").removeprefix("hallucination.")
 
 
-def score(texts: Sequence[str], records: Sequence[dict], rewards: Any) -> Scored:
+def item_outcomes(texts: Sequence[str], records: Sequence[dict], rewards: Any) -> ItemOutcomes:
     """Score ``texts`` (``k`` per record, record-major) once; resampling then only counts. ``rewards``: the
     params section (or the weights alone), as ``weighted_reward`` takes it."""
     if not records or len(texts) % len(records):
-        raise ValueError(f"score: {len(texts)} texts for {len(records)} records; expected a multiple")
+        raise ValueError(f"item_outcomes: {len(texts)} texts for {len(records)} records; expected a multiple")
     k = len(texts) // len(records)
     units = []
     for index, record in enumerate(records):
@@ -108,12 +108,12 @@ def score(texts: Sequence[str], records: Sequence[dict], rewards: Any) -> Scored
                 for text in texts[index * k : (index + 1) * k]
             ]
         )
-    return Scored([record["task"] for record in records], units)
+    return ItemOutcomes([record["task"] for record in records], units)
 
 
-def summary(scored: Scored, indices: Sequence[int]) -> dict[str, Any]:
+def summary(outcomes: ItemOutcomes, indices: Sequence[int]) -> dict[str, Any]:
     """Headline reward and the task metrics of the records at ``indices`` (repeats allowed)."""
-    pairs = [pair for i in indices for pair in scored.units[i]]
+    pairs = [pair for i in indices for pair in outcomes.units[i]]
     fair = [item for item, _ in pairs if isinstance(item, FairnessItem)]
     hall = [item for item, _ in pairs if isinstance(item, HallucinationItem)]
     return {
@@ -132,7 +132,7 @@ def _resample(by_task: dict[str, list[int]], rng: random.Random) -> list[int]:
 
 
 def paired_bootstrap(
-    new: Scored, old: Scored, n_boot: int = 1000, seed: int = 0, level: float = 0.95
+    new: ItemOutcomes, old: ItemOutcomes, n_boot: int = 1000, seed: int = 0, level: float = 0.95
 ) -> dict[str, dict[str, float | None]]:
     """``{metric: {"diff", "low", "high"}}`` of ``new − old`` over ``INTERVAL_METRICS``.
 

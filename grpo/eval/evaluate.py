@@ -14,9 +14,8 @@ module only wires them together:
 
 Outputs: ``<metrics_dir>/eval.json`` (``{model: {greedy: {...}, sampled: {...}}}``, inner keys flat
 for ``dvc metrics diff``), ``<metrics_dir>/eval_compare.json`` (baselines, GRPO − SFT intervals and the
-verdict per task, ``grpo/eval/verdict.py``), ``<reports_dir>/eval.md`` (the verdict and every kind of
-item's rows first, then the headline, the intervals and one table per decoding mode with the deltas
-GRPO-SFT and SFT-base) and, when the run left them, ``<reports_dir>/entropy.png``.
+verdict per task, ``grpo/eval/verdict.py``), ``<reports_dir>/eval.md`` (``grpo/eval/report.py``) and,
+when the run left them, ``<reports_dir>/entropy.png``.
 """
 
 from __future__ import annotations
@@ -38,13 +37,10 @@ from grpo.errors import GrpoError
 from grpo.eval.compare import (
     BASELINES,
     baseline_texts,
-    decoded_modes,
     fairness_item,
     hallucination_item,
-    headline_markdown,
-    intervals_markdown,
+    item_outcomes,
     paired_bootstrap,
-    score,
 )
 from grpo.eval.metrics import (
     bias_scores,
@@ -54,7 +50,8 @@ from grpo.eval.metrics import (
     self_bleu,
 )
 from grpo.eval.plots import load_entropy_history, load_metrics_jsonl, plot_entropy, plot_eval_comparison
-from grpo.eval.verdict import kinds_markdown, verdict_markdown, verdicts
+from grpo.eval.report import LABELS, markdown_report
+from grpo.eval.verdict import verdicts
 from grpo.files import write_atomically
 from grpo.locks import writes
 from grpo.model.device import make_accelerator, model_device
@@ -65,8 +62,6 @@ from grpo.model.stage_models import check_grpo, check_sft, load_base, load_grpo,
 from grpo.rewards import weighted_reward
 from grpo.seeding import derive_seed
 
-MODELS = ("base", "sft", "grpo")
-LABELS = {"base": "base", "sft": "SFT", "grpo": "GRPO"}
 HOW_TO_BUILD = {"base": "grpo base", "sft": "grpo sft", "grpo": "grpo train"}
 
 
@@ -78,14 +73,14 @@ class EvaluationError(GrpoError):
 
 
 def load_eval_model(cfg: Config, name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load one of ``MODELS``; SFT and GRPO are lineage-checked (StaleArtifactError when stale)."""
+    """Load one of ``paths.MODELS``; SFT and GRPO are lineage-checked (StaleArtifactError when stale)."""
     return {"base": load_base, "sft": load_sft, "grpo": load_grpo}[name](cfg)
 
 
 def available_models(cfg: Config) -> tuple[list[str], dict[str, str]]:
     """``(present, skipped)``: the models whose folder exists, and why each other one is skipped."""
     present, skipped = [], {}
-    for name in MODELS:
+    for name in paths.MODELS:
         folder = paths.model_dir(cfg, name)
         if folder.is_dir():
             present.append(name)
@@ -191,6 +186,31 @@ def evaluate_model(
 
     ``texts``, when given, receives the replies: ``{"greedy": [N], "sampled": [N * samples_per_prompt]}``.
     """
+    group = cfg.eval.samples_per_prompt
+    greedy, sampled = _replies(model, tokenizer, records, cfg, desc, progress)
+    if texts is not None:
+        texts.update(greedy=greedy.texts, **({"sampled": sampled.texts} if group else {}))
+    results = {"greedy": task_metrics(greedy.texts, records, cfg) | greedy.length_stats()}
+    if group:
+        results["sampled"] = (
+            task_metrics(sampled.texts, per_row(records, group), cfg)
+            | sampled.length_stats()
+            | diversity_metrics(sampled.texts, group)
+            | {"entropy": sampled.entropy_sum / max(sampled.entropy_tokens, 1)}
+        )
+    return results
+
+
+def _replies(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    records: Sequence[dict],
+    cfg: Config,
+    desc: str,
+    progress: bool,
+) -> tuple[_Collected, _Collected]:
+    """``(greedy, sampled)``: each record's greedy reply and its ``eval.samples_per_prompt`` samples (with
+    their entropy), ``eval.batch_size`` prompts at a time, through the trainer's stop ids and fast paths."""
     sampling, group, size = cfg.grpo.sampling, cfg.eval.samples_per_prompt, cfg.eval.batch_size
     eos_ids = stop_ids(model, tokenizer, cfg.model.extra_stop_tokens)  # the trainer's stop ids
     fast = FastPaths.resolve(cfg.model.fast_paths)
@@ -221,88 +241,7 @@ def evaluate_model(
                     fast=fast,
                 )
                 sampled.add(rollout, entropy_sum(rollout))
-    if texts is not None:
-        texts.update(greedy=greedy.texts, **({"sampled": sampled.texts} if group else {}))
-    results = {"greedy": task_metrics(greedy.texts, records, cfg) | greedy.length_stats()}
-    if group:
-        results["sampled"] = (
-            task_metrics(sampled.texts, per_row(records, group), cfg)
-            | sampled.length_stats()
-            | diversity_metrics(sampled.texts, group)
-            | {"entropy": sampled.entropy_sum / max(sampled.entropy_tokens, 1)}
-        )
-    return results
-
-
-# --------------------------------------------------------------------------- report
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "—"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    return f"{float(value):.3f}"
-
-
-def _delta(results: dict, mode: str, key: str, new: str, old: str) -> str:
-    a, b = (results.get(name, {}).get(mode, {}).get(key) for name in (new, old))
-    if not isinstance(a, int | float) or not isinstance(b, int | float):
-        return "—"
-    return f"{a - b:+d}" if isinstance(a, int) and isinstance(b, int) else f"{a - b:+.3f}"
-
-
-def markdown_report(
-    results: dict[str, dict],
-    skipped: dict[str, str],
-    n_records: int,
-    cfg: Config,
-    compare: dict | None = None,
-) -> str:
-    """Markdown: the verdict per task and every kind of item's row (``grpo/eval/verdict.py``), then the
-    headline against the baselines, GRPO − SFT intervals, and one table per decoding mode (rows =
-    metrics, columns base / SFT / GRPO and deltas)."""
-    sampling, group = cfg.grpo.sampling, cfg.eval.samples_per_prompt
-    decoding = (
-        f"greedy decoding, and {group} samples per prompt at temperature {sampling.temperature}"
-        if group
-        else "greedy decoding only (`eval.samples_per_prompt: 0`)"
-    )
-    intervals = None if compare is None else compare["grpo_minus_sft"]
-    missing = ", ".join(f"{LABELS[n]} skipped ({skipped[n]})" for n in ("sft", "grpo") if n in skipped)
-    lines = [
-        "# Evaluation",
-        "",
-        *verdict_markdown(verdicts(intervals), missing or None),
-        "",
-        *kinds_markdown(results, intervals, decoded_modes(results)),
-        "",
-        "## setup",
-        "",
-        f"{n_records} eval records from `{paths.data_file(cfg, 'eval')}` (seed {cfg.seed}); {decoding}. "
-        "`—`: not measured (no item of that kind) or model absent.",
-        "",
-    ]
-    lines += [f"- {LABELS[name]} skipped: {reason}" for name, reason in skipped.items()]
-    if compare is not None:
-        lines += ["", *headline_markdown(results, compare["baselines"], LABELS)]
-        if compare["grpo_minus_sft"] is not None:
-            lines += ["", *intervals_markdown(compare["grpo_minus_sft"], cfg.eval.bootstrap)]
-    header = [*(LABELS[name] for name in MODELS), "GRPO − SFT", "SFT − base"]
-    for mode in decoded_modes(results):
-        keys = list(dict.fromkeys(k for name in MODELS for k in results.get(name, {}).get(mode, {})))
-        lines += [
-            "",
-            f"## {mode}",
-            "",
-            "| metric | " + " | ".join(header) + " |",
-            "| --- |" + " ---: |" * len(header),
-        ]
-        for key in keys:
-            cells = [_cell(results[name][mode].get(key)) if name in results else "—" for name in MODELS]
-            cells += [_delta(results, mode, key, "grpo", "sft"), _delta(results, mode, key, "sft", "base")]
-            lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return greedy, sampled
 
 
 def plot_run_entropy(cfg: Config) -> Path | None:
@@ -357,8 +296,8 @@ def grpo_intervals(texts: dict[str, dict], records: Sequence[dict], cfg: Config)
     rows = {"greedy": records, "sampled": per_row(records, cfg.eval.samples_per_prompt)}
     return {
         mode: paired_bootstrap(
-            score(texts["grpo"][mode], rows[mode], cfg.rewards),
-            score(texts["sft"][mode], rows[mode], cfg.rewards),
+            item_outcomes(texts["grpo"][mode], rows[mode], cfg.rewards),
+            item_outcomes(texts["sft"][mode], rows[mode], cfg.rewards),
             cfg.eval.bootstrap,
             cfg.seed,
         )

@@ -224,12 +224,8 @@ KIND_KEYS = (
 invents, few enough that a source with dozens of kinds keeps the report readable."""
 
 
-def hallucination_metrics(
-    items: Sequence[HallucinationItem], f1_threshold: float = 0.8, by_kind: bool = True
-) -> dict:
-    """Grounded-QA metrics where abstaining is right exactly when the context lacks the answer.
-
-    Every item is exactly one of three outcomes (so ``n_correct + n_hallucinated + n_over_abstained == n``):
+def outcome(item: HallucinationItem, f1_threshold: float = 0.8) -> str:
+    """The one outcome of a grounded item: ``correct``, ``hallucinated`` or ``over_abstained``.
 
     - correct: answerable, answered, and ``em == 1`` or ``f1 >= f1_threshold``; or unanswerable and
       abstained;
@@ -237,6 +233,26 @@ def hallucination_metrics(
       answerable and answered but not correct;
     - over-abstained: answerable and abstained.
 
+    | answerable | abstained | em | f1  | outcome (threshold 0.8) |
+    | ---------- | --------- | -- | --- | ----------------------- |
+    | yes        | no        | 1  | 1.0 | correct                 |
+    | yes        | no        | 0  | 0.9 | correct                 |
+    | yes        | no        | 0  | 0.5 | hallucinated            |
+    | yes        | yes       | 0  | 0.0 | over-abstained          |
+    | no         | yes       | 0  | 0.0 | correct                 |
+    | no         | no        | 0  | 0.0 | hallucinated            |
+    """
+    if _is_correct(item, f1_threshold):
+        return "correct"
+    return "over_abstained" if item.answerable and item.abstained else "hallucinated"
+
+
+def hallucination_metrics(
+    items: Sequence[HallucinationItem], f1_threshold: float = 0.8, by_kind: bool = True
+) -> dict:
+    """Grounded-QA metrics where abstaining is right exactly when the context lacks the answer.
+
+    Every item has exactly one ``outcome`` (so ``n_correct + n_hallucinated + n_over_abstained == n``).
     Rates and their denominators (``None`` when the denominator is 0):
 
     - ``exact_match``, ``f1``: mean over answerable items; an abstention scores 0 on both.
@@ -248,15 +264,6 @@ def hallucination_metrics(
     - ``truthfulness = accuracy - hallucination_rate`` (in [-1, 1]): abstaining is neutral, a wrong
       answer costs as much as a right one earns.
 
-    | answerable | abstained | em | f1  | outcome (threshold 0.8) |
-    | ---------- | --------- | -- | --- | ----------------------- |
-    | yes        | no        | 1  | 1.0 | correct                 |
-    | yes        | no        | 0  | 0.9 | correct                 |
-    | yes        | no        | 0  | 0.5 | hallucinated            |
-    | yes        | yes       | 0  | 0.0 | over-abstained          |
-    | no         | yes       | 0  | 0.0 | correct                 |
-    | no         | no        | 0  | 0.0 | hallucinated            |
-
     ``by_kind`` (unless ``by_kind=False``) holds ``KIND_KEYS`` of each kind of question alone: a model
     that cannot read years shows it there (it answers every year question wrong), and so does GRPO's
     abstention, kind by kind.
@@ -264,9 +271,9 @@ def hallucination_metrics(
     items = list(items)
     answerable = [item for item in items if item.answerable]
     unanswerable = [item for item in items if not item.answerable]
-    n_correct = sum(_is_correct(item, f1_threshold) for item in items)
-    n_over = sum(item.abstained for item in answerable)
-    n_hallucinated = len(items) - n_correct - n_over
+    outcomes = [outcome(item, f1_threshold) for item in items]
+    n_correct, n_over = outcomes.count("correct"), outcomes.count("over_abstained")
+    n_hallucinated = outcomes.count("hallucinated")
     accuracy = _ratio(n_correct, len(items))
     hallucination_rate = _ratio(n_hallucinated, len(items))
     return {

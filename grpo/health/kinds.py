@@ -60,7 +60,7 @@ def count_key(kind: str) -> str:
 
 
 KIND_MEANS = {key(kind): count_key(kind) for kind in ALL_KINDS for key in (reward_key, abstention_key)}
-"""Per-kind metrics and the count each is a mean over (merged over processes like ``PROCESS_MEANS``)."""
+"""Per-kind metrics and the count each is a mean over (merged over processes like ``process_merge.PROCESS_MEANS``)."""
 
 
 def abstains(text: str, record: Mapping[str, Any]) -> bool:

@@ -24,7 +24,7 @@ from grpo.model.lora import adapter_disabled
 from grpo.model.rollout import Rollout
 
 
-class ScoringError(GrpoError):
+class MissingReferenceError(GrpoError):
     """A model was asked for a reference it does not have."""
 
 
@@ -116,7 +116,7 @@ def score_reference(
             full_logits=full_logits,
         )
     if not hasattr(model, "disable_adapter"):
-        raise ScoringError(
+        raise MissingReferenceError(
             f"the reference of a {type(model).__name__} without a LoRA adapter is a frozen copy of the SFT "
             "model, and none was given: pass train.policy.build_policy's `reference` (model.lora.enabled: false)"
         )

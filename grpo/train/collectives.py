@@ -16,7 +16,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from grpo.health.metrics import merge_process_metrics
+from grpo.health.process_merge import merge_process_metrics
 
 
 def several(accelerator: Accelerator) -> bool:

@@ -1,4 +1,4 @@
-"""``draw_one``: ``torch.multinomial(probs, 1)`` on a CPU, the same tokens from the same generator, without
+"""``multinomial_one``: ``torch.multinomial(probs, 1)`` on a CPU, the same tokens from the same generator, without
 its serial loop.
 
 For one sample per row PyTorch draws ``q ~ Exp(1)`` for every entry (``empty_like(probs).exponential_()``)
@@ -14,7 +14,7 @@ midpoint; those few entries are recomputed with the C library's ``log1p`` (Pytho
 serial kernel's). So every ``q`` is the float the serial kernel makes.
 
 Self-check (``exponential_mismatch``, at the first draw): the two ways compared on a copy of the
-generator's state; where they differ (a PyTorch whose kernel changed), ``draw_one`` is
+generator's state; where they differ (a PyTorch whose kernel changed), ``multinomial_one`` is
 ``torch.multinomial`` itself, with a warning. So it is on a GPU and for other dtypes.
 ``tests/test_draws.py`` and ``tests/test_decode.py`` compare the tokens.
 """
@@ -72,7 +72,7 @@ def exponential_mismatch() -> str | None:
     return reason
 
 
-def draw_one(probs: torch.Tensor) -> torch.Tensor:
+def multinomial_one(probs: torch.Tensor) -> torch.Tensor:
     """``torch.multinomial(probs, 1).squeeze(1)``: one index per row of ``probs`` [N, V], from the global
     generator, with ``multinomial``'s checks and errors."""
     fast = (
@@ -90,3 +90,8 @@ def draw_one(probs: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
     draws = _exponentials(probs.shape)
     return torch.div(probs, draws, out=draws).argmax(dim=-1)
+
+
+draw_one = multinomial_one
+"""The name ``grpo/model/fast/decode.py`` imports; ``multinomial_one`` is the one to use ("draw" is the step's
+``grpo.train.step.draw``, a rollout with its rewards)."""

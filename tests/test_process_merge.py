@@ -1,0 +1,28 @@
+"""Tests of grpo/health/process_merge.py: the processes' metrics merge into those of all their rows."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from grpo.health.process_merge import merge_process_metrics
+
+
+def test_merged_metrics_are_those_of_the_concatenated_rows():
+    """Two processes' reward and length statistics merge into the statistics of all rows together."""
+    rewards = [torch.tensor([0.1, 0.2, 0.7, 0.7]), torch.tensor([1.0, 0.0])]  # one task per process here
+    lengths = [torch.tensor([3.0, 5.0, 8.0, 2.0]), torch.tensor([4.0, 9.0])]
+    per_process = [{"rewards/fairness/mean": float(r.mean()), "rewards/fairness/std": float(r.std(correction=0)),
+                    "completions/mean_length": float(n.mean()), "completions/min_length": float(n.min()),
+                    "completions/max_length": float(n.max()), "step_time": t, "tokens_per_s": float(n.sum()) / t,
+                    "grad_norm": 0.5} for r, n, t in zip(rewards, lengths, (2.0, 4.0), strict=True)]
+    counts = [{"rows": 4.0, "rows/fairness": 4.0}, {"rows": 2.0, "rows/fairness": 2.0}]
+    merged = merge_process_metrics(per_process, counts)
+    every_reward, every_length = torch.cat(rewards), torch.cat(lengths)
+    assert math.isclose(merged["rewards/fairness/mean"], float(every_reward.mean()), rel_tol=1e-6)
+    assert math.isclose(merged["rewards/fairness/std"], float(every_reward.std(correction=0)), rel_tol=1e-6)
+    assert math.isclose(merged["completions/mean_length"], float(every_length.mean()), rel_tol=1e-6)
+    assert (merged["completions/min_length"], merged["completions/max_length"]) == (2.0, 9.0)
+    assert merged["step_time"] == 4.0 and math.isclose(merged["tokens_per_s"], 31.0 / 4.0)
+    assert merged["grad_norm"] == 0.5  # computed from all-reduced gradients: the same everywhere
