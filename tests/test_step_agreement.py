@@ -33,8 +33,9 @@ def test_the_reference_step_agrees_with_the_trainers_step(tiny_tokenizer, mode, 
 
 
 def test_an_update_that_drops_the_temperature_is_named(tiny_tokenizer, monkeypatch):
-    """A policy pass at T = 1 where the rollout sampled at 0.7: the update's log-probs, its losses and its
-    gradient disagree with the reference in the T != 1 variant, and nowhere at T = 1."""
+    """A policy pass at T = 1 where the rollout sampled at 0.7: the step's own agreement with its sampler stops
+    it in the T != 1 variant (I10), the greedy variant's losses disagree with the reference (I10: only where T
+    differs from the configured one), and nothing fails at T = 1."""
     original = update_module._score_rows
 
     def at_one(step, batch, rows, segments):
@@ -46,8 +47,9 @@ def test_an_update_that_drops_the_temperature_is_named(tiny_tokenizer, monkeypat
     monkeypatch.setattr(update_module, "_score_rows", at_one)
     check = check_step_agreement(subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, step_records()))
     assert check.status == "fail"
-    failures = check.detail.split("; ", 1)[1]
-    assert "T=0.7: logprobs" in failures and "configured: logprobs" not in failures
+    failures = check.detail.split(" modes; ", 1)[1]
+    assert "T=0.7: the step stopped" in failures and "configured:" not in failures
+    assert check.invariant == "I10", check.detail
 
 
 @pytest.mark.slow
