@@ -268,7 +268,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        temperature=None if greedy else sampling.temperature,\n",
         "        temperature=None if greedy else sampling.temperature**2,\n",
         ("tests/test_decode.py::test_decode_samples_generates_tokens",),
-        "step_agreement", retrain_sft=True,
+        "fast_paths", retrain_sft=True,  # the probes sample at T = 0.7 against the step's decode loop
     ),
     Mutation(
         "rollout_decodes_at_the_squared_temperature", "I10", "grpo/model/rollout.py",

@@ -5,6 +5,7 @@
 | the kept prefill's rows mapped to the prompts by the permutation, not its inverse | step rollout rows differ |
 | evaluation's samples started from the greedy pass's last columns instead of its first | evaluation's samples differ |
 | the decode writes another id than the one it drew | recorded draws differ, and the rollout |
+| ``generate`` samples at T squared (invisible at T = 1: the probes sample at 0.7) | step rollout rows differ |
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from grpo.checks.fast_paths import check_fast_paths, interleaved
 from grpo.config import config_from_dict
+from grpo.model import generation
 from grpo.model.fast import decode as loop
 from grpo.model.fast import prompt_pass as prompt_pass_module
 from tests.gate_subjects import CFG, subject_for
@@ -86,6 +88,21 @@ def test_a_decode_that_writes_another_id_than_it_drew_fails(tiny_model, tiny_tok
     monkeypatch.setattr(loop, "decode", forced)
     check = check_fast_paths(_subject(tiny_model, tiny_tokenizer))
     assert check.status == "fail" and "recorded draws are not their ids" in check.detail, check.detail
+
+
+def test_generate_at_the_squared_temperature_fails(tiny_model, tiny_tokenizer, monkeypatch):
+    """The library's path samples at T squared: at the configured T = 1 nothing would show, so the probes
+    sample at ``PROBE_TEMPERATURE``, where the two paths' tokens part."""
+    original = generation.generation_config
+
+    def squared(sampling, *args, **kwargs):
+        return original(sampling.model_copy(update={"temperature": sampling.temperature**2}), *args, **kwargs)
+
+    monkeypatch.setattr(generation, "generation_config", squared)
+    subject = _subject(tiny_model, tiny_tokenizer)
+    assert subject.cfg.grpo.sampling.temperature == 1.0
+    check = check_fast_paths(subject)
+    assert check.status == "fail" and "step rollout rows unlike generate's" in check.detail, check.detail
 
 
 @pytest.mark.parametrize("setting", ["off"])

@@ -4,7 +4,8 @@ runs (``model.fast_paths``, ``grpo/model/fast/``).
 Each fast path claims the library's tokens bit for bit (``docs/performance.md``); here the claim is held on
 the configured model, in fp32, on probe prompts whose tasks interleave (fairness, hallucination,
 hallucination, fairness: the kept prefill's rows, one forward per task, then come in an order that is not its
-own inverse, where a slip in mapping them back to the prompts shows):
+own inverse, where a slip in mapping them back to the prompts shows), sampled at a temperature other than 1
+(``PROBE_TEMPERATURE`` where the configured one is 1, so a path that divides by it twice shows):
 
 - the step's rollout, through its own engine as the step calls it (the decode loop, its lean or graph step,
   the kept prefill of the prompts, the draws), against ``model.fast_paths: off`` (``generate`` from its own
@@ -21,6 +22,7 @@ import torch
 
 from grpo.checks.gated import Gated
 from grpo.checks.probes import Check, bounded
+from grpo.config import SamplingConfig
 from grpo.core.batching import completion_mask
 from grpo.data.prompts import render_records
 from grpo.model.engines import HFEngine
@@ -28,6 +30,9 @@ from grpo.model.fast import FastPaths
 from grpo.model.rollout import Rollout, generate_rollout
 
 OFF = FastPaths("off")
+PROBE_TEMPERATURE = 0.7
+"""The probes sample at the configured temperature, or at this one where that is 1: at T = 1 a path that
+divides by the temperature twice, or not at all, draws the same tokens as one that divides once."""
 
 
 def interleaved(records: list[dict]) -> list[dict]:
@@ -60,10 +65,16 @@ def _step_rollouts(s: Gated, records: list[dict]) -> tuple[Rollout, Rollout]:
     step, group = s.ctx, s.cfg.grpo.group_size
     prompts = render_records(step.tokenizer, records, s.cfg.model.chat_template_kwargs)
     keep = {"keep_segments": [r["task"] for r in records]} if step.reuses_prefill else {}
-    sampling, seed = s.cfg.grpo.sampling, s.cfg.seed
+    sampling, seed = _probe_sampling(s), s.cfg.seed
     fast = step.engine.generate(prompts, group, sampling, step.eos_ids, seed, **keep).rollout
     library = HFEngine(step.model, step.tokenizer, s.cfg.grpo.shared_prefix, fast=OFF)
     return fast, library.generate(prompts, group, sampling, step.eos_ids, seed).rollout
+
+
+def _probe_sampling(s: Gated) -> SamplingConfig:
+    """The configured sampling, at ``PROBE_TEMPERATURE`` where the configured temperature is 1."""
+    sampling = s.cfg.grpo.sampling
+    return sampling if sampling.temperature != 1.0 else sampling.model_copy(update={"temperature": PROBE_TEMPERATURE})
 
 
 def _evaluation(s: Gated, records: list[dict], fast: FastPaths) -> tuple[Rollout, Rollout]:
@@ -73,9 +84,9 @@ def _evaluation(s: Gated, records: list[dict], fast: FastPaths) -> tuple[Rollout
     prompts = render_records(step.tokenizer, records, s.cfg.model.chat_template_kwargs)
     shared = fast.prompt_pass()
     args = (step.model, step.tokenizer, prompts)
-    greedy = generate_rollout(*args, 1, s.cfg.grpo.sampling, step.eos_ids, s.cfg.seed, greedy=True,
+    greedy = generate_rollout(*args, 1, _probe_sampling(s), step.eos_ids, s.cfg.seed, greedy=True,
                               prompt_pass=shared, fast=fast)
-    sampled = generate_rollout(*args, s.cfg.grpo.group_size, s.cfg.grpo.sampling, step.eos_ids, s.cfg.seed,
+    sampled = generate_rollout(*args, s.cfg.grpo.group_size, _probe_sampling(s), step.eos_ids, s.cfg.seed,
                                shared_prefill=True, with_entropy=True, prompt_pass=shared, fast=fast)
     return greedy, sampled
 
@@ -99,7 +110,8 @@ def check_fast_paths(s: Gated) -> Check:
     wrong = {what: rows for what, rows in problems.items() if rows}
     detail = (
         f"{s.ctx.fast.report()}; {len(records)} prompts (tasks {[r['task'] for r in records]}), "
-        f"{s.cfg.grpo.group_size} samples each, against model.fast_paths: off from the same seed"
+        f"{s.cfg.grpo.group_size} samples each at T={_probe_sampling(s).temperature}, against model.fast_paths: "
+        "off from the same seed"
         + "".join(f"; {what}: {rows}" for what, rows in wrong.items())
     )
     return bounded(
