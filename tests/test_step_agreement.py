@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 import torch
 
+from grpo.checks import step_agreement as step_agreement_module
 from grpo.checks.step_agreement import check_step_agreement
 from grpo.config import config_from_dict
 from grpo.train import update as update_module
@@ -30,6 +31,24 @@ def test_the_reference_step_agrees_with_the_trainers_step(tiny_tokenizer, mode, 
     check = check_step_agreement(subject)
     assert check.status == "pass", check.detail
     assert "pad != stop" in check.detail and "T=0.7" in check.detail  # the variants ran
+
+
+def test_dynamic_resampling_is_judged_not_refused(tiny_tokenizer, monkeypatch):
+    """Under ``grpo.dynamic_sampling: resample`` the step trains on the groups it kept and drew again, not the
+    prompts in their first order: the reference step takes those groups' records and their prompt width, and
+    correct code passes (it was refused with a ``zip()`` length error)."""
+    cfg = config_from_dict({**CFG.model_dump(mode="json"),
+                            "grpo": {**CFG.grpo.model_dump(mode="json"), "dynamic_sampling": "resample"}})
+    judged, original = [], step_agreement_module.reference_step
+
+    def spied(cfg, policy, sft, tokenizer, records, *args):
+        judged.append(list(records))
+        return original(cfg, policy, sft, tokenizer, records, *args)
+
+    monkeypatch.setattr(step_agreement_module, "reference_step", spied)
+    check = check_step_agreement(subject_for(cfg, random_model_for(tiny_tokenizer), tiny_tokenizer, step_records()))
+    assert check.status == "pass", check.detail
+    assert any(records != step_records() for records in judged), "a variant trained on other groups than drawn first"
 
 
 def test_an_update_that_drops_the_temperature_is_named(tiny_tokenizer, monkeypatch):
