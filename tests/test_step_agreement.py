@@ -12,6 +12,7 @@ from grpo.checks import step_agreement as step_agreement_module
 from grpo.checks.step_agreement import check_step_agreement
 from grpo.config import config_from_dict
 from grpo.train import update as update_module
+from grpo.train.dynamic_sampling import Draw
 from tests.gate_subjects import CFG, random_model_for, subject_for
 from tests.steps import step_records
 
@@ -34,21 +35,25 @@ def test_the_reference_step_agrees_with_the_trainers_step(tiny_tokenizer, mode, 
 
 
 def test_dynamic_resampling_is_judged_not_refused(tiny_tokenizer, monkeypatch):
-    """Under ``grpo.dynamic_sampling: resample`` the step trains on the groups it kept and drew again, not the
-    prompts in their first order: the reference step takes those groups' records and their prompt width, and
-    correct code passes (it was refused with a ``zip()`` length error)."""
+    """Under ``grpo.dynamic_sampling: resample`` the step trains on the groups it kept and drew again, not its
+    prompts in their order (here each draw keeps its last group only, so the batch is that prompt twice): the
+    reference step takes those groups' records and their prompt width, and correct code passes (it judged
+    the first prompts' order, and was refused, e.g. with a ``zip()`` length error)."""
     cfg = config_from_dict({**CFG.model_dump(mode="json"),
                             "grpo": {**CFG.grpo.model_dump(mode="json"), "dynamic_sampling": "resample"}})
+    subject = subject_for(cfg, random_model_for(tiny_tokenizer), tiny_tokenizer, step_records())
+    monkeypatch.setattr(Draw, "informative_groups", lambda draw: [len(draw.records) - 1])
     judged, original = [], step_agreement_module.reference_step
 
     def spied(cfg, policy, sft, tokenizer, records, *args):
-        judged.append(list(records))
+        judged.append([r["id"] for r in records])
         return original(cfg, policy, sft, tokenizer, records, *args)
 
     monkeypatch.setattr(step_agreement_module, "reference_step", spied)
-    check = check_step_agreement(subject_for(cfg, random_model_for(tiny_tokenizer), tiny_tokenizer, step_records()))
+    check = check_step_agreement(subject)
     assert check.status == "pass", check.detail
-    assert any(records != step_records() for records in judged), "a variant trained on other groups than drawn first"
+    last = subject.records[-1]["id"]
+    assert [last] * len(subject.records) in judged, f"the resampled batch was judged: {judged}"
 
 
 def test_an_update_that_drops_the_temperature_is_named(tiny_tokenizer, monkeypatch):
