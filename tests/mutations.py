@@ -23,6 +23,7 @@ class Mutation(NamedTuple):
     tests: tuple[str, ...]  # pytest node ids that must fail
     check: str | None  # the pre-flight check that must fail; None: the patch makes the gate's report stale
     retrain_sft: bool = False  # the patch is in the SFT stage: rebuild models/sft before the pre-flight
+    # (the decode loop and its fast paths are in the SFT stage's code: the base stage pretrains through it)
 
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -155,7 +156,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    completion_ids = torch.tensor([(tokenizer.encode(t, add_special_tokens=False)\n"
         "                                    + [tokenizer.pad_token_id] * width)[:width] for t in decoded])\n",
         ("tests/test_rollout.py::test_i3_the_rollout_keeps_the_generated_ids",),
-        "step_agreement",
+        "left_padded_extraction",  # the I3 check: the rollout's ids are not the ids the decode loop drew
     ),
     Mutation(
         "reward_texts_cut_per_row", "I4", "grpo/model/rollout.py",
@@ -242,5 +243,60 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    zero_std = centred.abs().amax(dim=-1) == 0  # [n_groups]\n",
         ("tests/test_advantages.py::test_i12_zero_variance_groups_give_zero_advantage_and_are_counted",),
         "zero_variance_groups",
+    ),
+    # ------------------------------------------------------------------ the sampler against the scorer (issue 53)
+    Mutation(
+        "kept_prefill_mapped_to_prompts_by_the_permutation", "I10", "grpo/core/prefix.py",
+        "    order = torch.argsort(index).repeat_interleave(repeats)\n",
+        "    order = index.repeat_interleave(repeats)\n",
+        ("tests/test_agreement.py::test_the_sampler_and_the_scorer_agree_on_a_correct_step",),
+        "fast_paths", retrain_sft=True,
+    ),
+    Mutation(
+        "decode_writes_pad_over_a_drawn_stop", "I3", "grpo/model/fast/decode.py",
+        "        tokens = torch.where(running, tokens, pad_id)  # [N]\n"
+        "        sequences = torch.cat([sequences, tokens[:, None]], dim=1)\n"
+        "        running &= ~torch.isin(tokens, stops)\n",
+        "        running &= ~torch.isin(tokens, stops)\n"
+        "        tokens = torch.where(running, tokens, pad_id)  # [N]\n"
+        "        sequences = torch.cat([sequences, tokens[:, None]], dim=1)\n",
+        ("tests/test_step_agreement.py::test_the_reference_step_agrees_with_the_trainers_step",),
+        "step_agreement", retrain_sft=True,
+    ),
+    Mutation(
+        "generate_samples_at_the_squared_temperature", "I10", "grpo/model/generation.py",
+        "        temperature=None if greedy else sampling.temperature,\n",
+        "        temperature=None if greedy else sampling.temperature**2,\n",
+        ("tests/test_decode.py::test_decode_samples_generates_tokens",),
+        "fast_paths", retrain_sft=True,  # the probes sample at T = 0.7 against the step's decode loop
+    ),
+    Mutation(
+        "rollout_decodes_at_the_squared_temperature", "I10", "grpo/model/rollout.py",
+        "            sampling,\n            eos_ids,\n            tokenizer.pad_token_id,\n",
+        "            sampling.model_copy(update={'temperature': sampling.temperature**2}),\n"
+        "            eos_ids,\n            tokenizer.pad_token_id,\n",
+        ("tests/test_agreement.py::test_the_sampler_and_the_scorer_agree_on_a_correct_step",),
+        "step_agreement",
+    ),
+    Mutation(
+        "evaluation_samples_start_from_the_greedy_pass_last_columns", "I10", "grpo/model/fast/prompt_pass.py",
+        "            [(k[..., :-1, :], v[..., :-1, :]) for k, v in self.layers], config=model.config\n",
+        "            [(k[..., 1:, :], v[..., 1:, :]) for k, v in self.layers], config=model.config\n",
+        ("tests/test_fast_paths_check.py::test_the_fast_paths_give_the_library_paths_tokens",),
+        "fast_paths", retrain_sft=True,
+    ),
+    Mutation(
+        "evaluation_samples_tile_the_greedy_pass_rows", "I10", "grpo/model/fast/prompt_pass.py",
+        "        cache.batch_repeat_interleave(repeats)\n        return cache\n",
+        "        cache.reorder_cache(torch.arange(n * repeats, device=prompt_ids.device) % n)\n        return cache\n",
+        ("tests/test_fast_paths_check.py::test_the_fast_paths_give_the_library_paths_tokens",),
+        "fast_paths", retrain_sft=True,
+    ),
+    Mutation(
+        "zero_variance_read_from_the_group_std", "I12", "grpo/core/advantages.py",
+        "    zero_std = grouped.amax(dim=-1) == grouped.amin(dim=-1)  # [n_groups], exact equality\n",
+        "    zero_std = group_std == 0  # [n_groups]\n",
+        ("tests/test_advantages.py::test_i12_zero_variance_groups_give_zero_advantage_and_are_counted",),
+        "step_agreement",  # the greedy variant's groups of equal rewards whose sum overflows: a NaN std
     ),
 )

@@ -45,3 +45,12 @@ def combined_gradient(ctx, batch) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in ctx.model.parameters() if p.requires_grad])
 
 
+def decode_cache_by_the_permutation(model, prefills, repeats):
+    """``core.prefix.decode_cache`` with a slip: the kept rows mapped to the prompts by the permutation where its
+    inverse is meant, so rows decode against other prompts' keys and values (where the order is not its own
+    inverse: tasks interleaved as fairness, hallucination, hallucination, fairness)."""
+    index = torch.cat([p.index for p in prefills])
+    order = index.repeat_interleave(repeats)
+    layers = [tuple(torch.cat([p.layers[i][kv] for p in prefills]).detach()[order][..., :-1, :] for kv in (0, 1))
+              for i in range(len(prefills[0].layers))]
+    return prefills[0].cache_class(layers, config=model.config)

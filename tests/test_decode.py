@@ -17,7 +17,7 @@ from grpo.model import chat
 from grpo.model.fast import draws
 from grpo.model.fast.decode import ReservedLayer, decode, reserve_room
 from grpo.model.fast.lean_step import LeanStep
-from grpo.model.generation import generate_sequences
+from grpo.model.generation import generate_sequences, stack_records
 from grpo.model.lora import wrap_lora
 from grpo.model.precision import bf16_autocast
 from grpo.model.sampling import build_logits_processors
@@ -55,15 +55,15 @@ def _prompts(tokenizer):
     return left_pad([p for p in ids for _ in range(G)], tokenizer.pad_token_id)
 
 
-def _generate(model, tokenizer, batch, sampling, eos, greedy, seed, entropy=None):
+def _generate(model, tokenizer, batch, sampling, eos, greedy, seed, entropy=None, record=None):
     """The library path: Hugging Face ``generate`` with a complete config and the same processors."""
     processors, _ = build_logits_processors(batch.input_ids.shape[1], eos, sampling)
     torch.manual_seed(seed)
     return generate_sequences(model, batch.input_ids, batch.attention_mask, sampling, eos, tokenizer.pad_token_id,
-                              processors, greedy=greedy, entropy=entropy)
+                              processors, greedy=greedy, entropy=entropy, record=record)
 
 
-def _decode(model, tokenizer, batch, sampling, eos, greedy, seed, prefilled, entropy=None):
+def _decode(model, tokenizer, batch, sampling, eos, greedy, seed, prefilled, entropy=None, record=None):
     processors, _ = build_logits_processors(batch.input_ids.shape[1], eos, sampling)
     cache = {}
     if prefilled:
@@ -71,7 +71,7 @@ def _decode(model, tokenizer, batch, sampling, eos, greedy, seed, prefilled, ent
         cache = {"past_key_values": prefilled_cache(model, *distinct, G)}
     torch.manual_seed(seed)
     return decode(model, batch.input_ids, batch.attention_mask, sampling, eos, tokenizer.pad_token_id,
-                  processors, greedy=greedy, entropy=entropy, **cache)
+                  processors, greedy=greedy, entropy=entropy, record=record, **cache)
 
 
 @pytest.mark.parametrize("prefilled", [False, True], ids=["plain-prefill", "shared-prefill"])
@@ -175,6 +175,49 @@ def test_decode_entropy_is_the_scorers_entropy_of_the_generated_tokens(policy, t
     inside = entropy[masks.mask]
     assert (inside > 0.05).all(), "a real distribution at every generated token"
     torch.testing.assert_close(inside, scored.entropy[masks.mask], rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("prefilled", [False, True], ids=["plain-prefill", "shared-prefill"])
+@pytest.mark.parametrize("mode", list(SAMPLINGS))
+def test_decode_records_what_it_drew_as_generate_does(policy, tiny_tokenizer, mode, prefilled):
+    """The loop's ``SamplerRecord`` is ``generate``'s (from its own logits and scores; bit for bit from the
+    same prefill, within fp32 rounding from the shared one, whose logits differ in their last bits): the drawn
+    ids are the generated ids (pad after a row's stop), the scored log-prob is ``score_completions``' of the
+    same ids, the drawn log-prob is that of the warped, penalised distribution the token came from, and
+    ``reshaped`` marks exactly the positions a penalty changed (top-k, top-p and EOS suppression only mask)."""
+    sampling, eos = SAMPLINGS[mode], chat.end_of_turn_ids(tiny_tokenizer)
+    batch = _prompts(tiny_tokenizer)
+    library, loop = [], []
+    expected = _generate(policy, tiny_tokenizer, batch, sampling, eos, False, 0, record=library)
+    got = _decode(policy, tiny_tokenizer, batch, sampling, eos, False, 0, prefilled, record=loop)
+    assert torch.equal(got, expected) and len(loop) == len(library) == got.shape[1] - batch.input_ids.shape[1]
+    record, reference = stack_records(loop), stack_records(library)
+    for name, a, b in zip(record._fields, record, reference, strict=True):
+        if prefilled and a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"{name}: the loop's record is not generate's")
+        else:
+            assert torch.equal(a, b), f"{name}: the loop's record is not generate's"
+    completions = got[:, batch.input_ids.shape[1]:]
+    masks = completion_mask(completions, eos)
+    assert torch.equal(record.ids, completions), "the recorded ids are the generated ids, pad after a stop"
+    joined = join_prompt_completion(batch.input_ids, batch.attention_mask, completions, masks.mask)
+    with torch.no_grad():
+        scored = score_completions(policy, joined.input_ids, joined.attention_mask, completions.shape[1],
+                                   sampling.temperature).logprobs
+    torch.testing.assert_close(record.scored[masks.mask], scored[masks.mask], rtol=0, atol=2e-5)
+    assert (record.scored[~masks.mask] == 0).all() and not record.reshaped[~masks.mask].any()
+    drawn, plain = record.logprobs[masks.mask], record.scored[masks.mask]
+    if mode == "plain":  # no processor after the first column (EOS suppression, min_new_tokens 1): the same numbers
+        later = masks.mask.clone()
+        later[:, 0] = False
+        assert torch.equal(record.logprobs[later], record.scored[later])
+    if mode == "penalised":
+        assert record.reshaped[masks.mask].any(), "a penalty changed kept logits once a token repeated"
+    else:
+        assert not record.reshaped.any(), "top-k, top-p and EOS suppression only mask tokens out"
+        assert (drawn >= plain - 1e-6).all(), "masking never lowers a kept token's share"
+    if mode == "warped":
+        assert (drawn > plain + 1e-3).any(), "top-k and top-p masking raise a kept token's share"
 
 
 def test_decode_stops_at_max_new_tokens_and_after_every_row_stopped(policy, tiny_tokenizer):

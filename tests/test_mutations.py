@@ -100,5 +100,8 @@ def test_mutation_fails_the_tests_and_the_preflight(built, tmp_path, mutation):
         return
     assert result["preflight"] != 0, f"{mutation.name} survived grpo preflight:\n{proc.stdout[-4000:]}"
     report = json.loads((project / "reports" / "preflight.json").read_text())
-    failed = {c["name"] for c in report["checks"] if not c["passed"]}
+    failed = {c["name"]: c["invariant"] for c in report["checks"] if not c["passed"]}
     assert mutation.check in failed, f"{mutation.name}: {mutation.check} passed (failed: {sorted(failed)})"
+    assert mutation.invariant in failed[mutation.check], (
+        f"{mutation.name}: {mutation.check} failed under {failed[mutation.check]!r}, not {mutation.invariant}"
+    )

@@ -9,7 +9,7 @@ from grpo.config import SamplingConfig
 from grpo.core.batching import left_pad
 from grpo.model.chat import end_of_turn_ids, render_prompt
 from grpo.model.fast import FastPaths
-from grpo.model.rollout import concat_rollouts, generate_rollout, select_groups, stop_ids
+from grpo.model.rollout import concat_rollouts, generate_rollout, sample_rollout, select_groups, stop_ids
 
 SAMPLING = SamplingConfig(max_new_tokens=6)
 MESSAGES = (
@@ -110,6 +110,24 @@ def test_concat_pads_prompts_left_and_completions_right(tiny_model, tiny_tokeniz
     entropy = concat_rollouts(measured, tiny_tokenizer.pad_token_id).entropy
     assert entropy.shape == both.completion_mask.shape and torch.equal(entropy != 0, both.completion_mask)
     assert entropy.sum() == pytest.approx(float(measured[0].entropy.sum() + measured[1].entropy.sum()))
+
+
+def test_the_sampler_record_follows_its_rows_through_selection_and_concatenation(tiny_model, tiny_tokenizer, prompts):
+    """``Rollout.sampler`` (asked for with ``with_sampler``) keeps each row's record: selected groups keep
+    theirs, stacked rollouts pad theirs as after a stop token (pad id, 0, not reshaped)."""
+    parts = []
+    for p, seed in ((prompts[:1], 4), (prompts[1:], 5)):
+        out, _ = sample_rollout(tiny_model, tiny_tokenizer, p, 2, SAMPLING, stop_ids(tiny_model, tiny_tokenizer),
+                                seed, fast=FastPaths(), with_sampler=True)
+        assert out.sampler is not None and torch.equal(out.sampler.ids, out.completion_ids)
+        parts.append(out)
+    assert rollout(tiny_model, tiny_tokenizer, prompts).sampler is None, "only where asked"
+    both = concat_rollouts(parts, tiny_tokenizer.pad_token_id)
+    assert torch.equal(both.sampler.ids, both.completion_ids)
+    for field, part in zip(both.sampler, parts[1].sampler, strict=True):
+        assert field.shape == both.completion_ids.shape and torch.equal(field[2:, : part.shape[1]], part)
+    picked = select_groups(both, [1])
+    assert all(torch.equal(a, b[2:]) for a, b in zip(picked.sampler, both.sampler, strict=True))
 
 
 def test_i3_the_rollout_keeps_the_generated_ids(tiny_model, tiny_tokenizer, prompts):

@@ -8,9 +8,11 @@ import importlib.util
 import pytest
 import torch
 
+from grpo.checks import step_agreement as step_agreement_module
 from grpo.checks.step_agreement import check_step_agreement
 from grpo.config import config_from_dict
 from grpo.train import update as update_module
+from grpo.train.dynamic_sampling import Draw
 from tests.gate_subjects import CFG, random_model_for, subject_for
 from tests.steps import step_records
 
@@ -32,9 +34,32 @@ def test_the_reference_step_agrees_with_the_trainers_step(tiny_tokenizer, mode, 
     assert "pad != stop" in check.detail and "T=0.7" in check.detail  # the variants ran
 
 
+def test_dynamic_resampling_is_judged_not_refused(tiny_tokenizer, monkeypatch):
+    """Under ``grpo.dynamic_sampling: resample`` the step trains on the groups it kept and drew again, not its
+    prompts in their order (here each draw keeps its last group only, so the batch is that prompt twice): the
+    reference step takes those groups' records and their prompt width, and correct code passes (it judged
+    the first prompts' order, and was refused, e.g. with a ``zip()`` length error)."""
+    cfg = config_from_dict({**CFG.model_dump(mode="json"),
+                            "grpo": {**CFG.grpo.model_dump(mode="json"), "dynamic_sampling": "resample"}})
+    subject = subject_for(cfg, random_model_for(tiny_tokenizer), tiny_tokenizer, step_records())
+    monkeypatch.setattr(Draw, "informative_groups", lambda draw: [len(draw.records) - 1])
+    judged, original = [], step_agreement_module.reference_step
+
+    def spied(cfg, policy, sft, tokenizer, records, *args):
+        judged.append([r["id"] for r in records])
+        return original(cfg, policy, sft, tokenizer, records, *args)
+
+    monkeypatch.setattr(step_agreement_module, "reference_step", spied)
+    check = check_step_agreement(subject)
+    assert check.status == "pass", check.detail
+    last = subject.records[-1]["id"]
+    assert [last] * len(subject.records) in judged, f"the resampled batch was judged: {judged}"
+
+
 def test_an_update_that_drops_the_temperature_is_named(tiny_tokenizer, monkeypatch):
-    """A policy pass at T = 1 where the rollout sampled at 0.7: the update's log-probs, its losses and its
-    gradient disagree with the reference in the T != 1 variant, and nowhere at T = 1."""
+    """A policy pass at T = 1 where the rollout sampled at 0.7: the step's own agreement with its sampler stops
+    it in the T != 1 variant (I10), the greedy variant's losses disagree with the reference (I10: only where T
+    differs from the configured one), and nothing fails at T = 1."""
     original = update_module._score_rows
 
     def at_one(step, batch, rows, segments):
@@ -46,8 +71,9 @@ def test_an_update_that_drops_the_temperature_is_named(tiny_tokenizer, monkeypat
     monkeypatch.setattr(update_module, "_score_rows", at_one)
     check = check_step_agreement(subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, step_records()))
     assert check.status == "fail"
-    failures = check.detail.split("; ", 1)[1]
-    assert "T=0.7: logprobs" in failures and "configured: logprobs" not in failures
+    failures = check.detail.split(" modes; ", 1)[1]
+    assert "T=0.7: the step stopped" in failures and "configured:" not in failures
+    assert check.invariant == "I10", check.detail
 
 
 @pytest.mark.slow

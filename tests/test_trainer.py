@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -79,6 +80,31 @@ def test_i9_the_trainers_first_step_has_ratio_1_and_kl_0(project, tmp_path):
     first = json.loads((Path(cfg.paths.runs_dir) / cfg.experiment / "metrics.jsonl").read_text().splitlines()[0])
     assert first["step"] == 1 and first["kl"] <= 1e-9 and first["ratio/mean"] == pytest.approx(1.0, abs=1e-7)
     assert first["clip_ratio/region_mean"] == 0.0
+
+
+def test_i9_training_refuses_a_wrong_reference_wired_after_construction(project, tmp_path, monkeypatch):
+    """A reference swapped into the built step after ``build_training`` (the pre-SFT base): no gate runs that
+    wiring, so the trainer's own first-step check stops step 1 before its update, naming I9, and nothing is
+    trained, checkpointed or logged."""
+    from grpo.model.stage_models import load_base
+    from grpo.train.agreement import StepInvariantError
+
+    params = copy_project(project, tmp_path / "p")
+    cfg = load_config(params)
+    built = trainer.build_training
+
+    def swapped(cfg, accelerator, shard=None):
+        step = built(cfg, accelerator, shard=shard)
+        return dataclasses.replace(step, reference=load_base(cfg)[0].eval())
+
+    monkeypatch.setattr(trainer, "build_training", swapped)
+    with pytest.raises(StepInvariantError, match=r"step 1 stopped before its update: .*KL .*\(I9\)") as caught:
+        trainer.train(cfg, max_steps=2, progress=False)
+    assert caught.value.invariant == "I9"
+    run_dir = paths.run_dir(cfg)
+    assert not list(run_dir.glob("checkpoint-*")), "no checkpoint of a step that never updated"
+    metrics = run_dir / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text().strip(), "no step was logged"
 
 
 def _train_process(params: Path, *extra: str) -> subprocess.Popen:

@@ -8,7 +8,8 @@
   first prompt shorter than the others, its logits biased so the outcome is known: a presence and a
   frequency penalty leave the prompt's tokens alone, and EOS suppression counts completion tokens only.
 - ``first_step`` (I8, I9): the trainer's first step from the starting weights, with its own context and
-  optimizer, has ratio 1 and KL 0 (the reference is the SFT policy itself).
+  optimizer, as a fresh run takes it (its own first-step check on), has ratio 1 and KL 0 (the reference is
+  the SFT policy itself).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from grpo.checks.probes import Check, bounded
 from grpo.data.prompts import render_records
 from grpo.model.chat import special_ids
 from grpo.model.rollout import generate_rollout
+from grpo.train.agreement import StepInvariantError
 from grpo.train.causal_lm import batch_loss, build_examples
 from grpo.train.step import grpo_step
 
@@ -186,22 +188,30 @@ def check_processors_see_completion(s: Gated) -> Check:
 def check_first_step(s: Gated) -> Check:
     """I8, I9 in the trainer's own step: its first step from the starting weights (fresh adapter, or the
     SFT weights against their frozen copy), with its context, reference and optimizer, has ratio 1 and
-    KL 0 on every token. The weights and the optimizer are restored afterwards."""
+    KL 0 on every token: the step's own first-step check (``train/agreement.py``, as a fresh run does it) and
+    its metrics. The weights and the optimizer are restored afterwards."""
+    hint = (
+        "at the start the policy is its reference: check the reference the trainer's step context "
+        "gets (I9) and that old, new and reference log-probs are scored alike (I8, I10)"
+    )
     with restored(s.ctx):
-        metrics = grpo_step(
-            s.variant(loss={"beta": max(s.cfg.grpo.loss.beta, 0.04)}), s.records, 1, lambda attempt: s.records
-        ).metrics
+        try:
+            metrics = grpo_step(
+                s.variant(loss={"beta": max(s.cfg.grpo.loss.beta, 0.04)}), s.records, 1, lambda attempt: s.records,
+                first=True,
+            ).metrics
+        except StepInvariantError as exc:
+            return Check("first_step", "fail", None, str(exc), hint, exc.invariant, "the step's own bound")
+    iterations = s.cfg.grpo.num_iterations
+    if iterations > 1:  # the metrics are the last update's, after the first optimizer step moved the policy
+        detail = (
+            f"the step's own first-step check held on its first policy pass (grpo.num_iterations={iterations}: "
+            "the metrics describe its last update)"
+        )
+        return bounded("first_step", "I8, I9", 0.0, 1e-6, detail, hint)
     ratio, kl, clipped = metrics["ratio/mean"], metrics["kl"], metrics["clip_ratio/region_mean"]
     worst = max(abs(ratio - 1.0), kl, clipped)
     detail = (
         f"the trainer's first step: ratio/mean {ratio:.9f}, kl {kl:.3g}, clip_ratio/region_mean {clipped}"
     )
-    return bounded(
-        "first_step",
-        "I8, I9",
-        worst,
-        1e-6,
-        detail,
-        "at the start the policy is its reference: check the reference the trainer's step context "
-        "gets (I9) and that old, new and reference log-probs are scored alike (I8, I10)",
-    )
+    return bounded("first_step", "I8, I9", worst, 1e-6, detail, hint)

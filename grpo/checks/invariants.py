@@ -173,13 +173,18 @@ def _batch_ids_problem(s: Gated) -> list[str]:
 
 
 def _prompt_leaks(s: Gated, batch: ScoredBatch, rollout: Any) -> list[str]:
-    """I3, I4: the step's joined ids are the prompt ids then the generated ids, and no completion
-    starts with the tail of its own prompt (what a per-row cut of a left-padded row returns)."""
+    """I3, I4: the rollout's completion ids are the ids the decode loop generated and recorded drawing, the
+    step's joined ids are the prompt ids then those ids, and no completion starts with the tail of its own
+    prompt (what a per-row cut of a left-padded row returns)."""
     problems = []
     width, g = rollout.prompt_ids.shape[1], rollout.group_size
     ids = batch.inputs.input_ids.cpu()
     if not torch.equal(ids[:, width:], rollout.completion_ids):
         problems.append("prepare_batch's completion ids are not the generated ids (I3)")
+    generated = rollout.sequences[:, width:]  # what the decode loop returned after the prompts
+    drawn = generated if rollout.sampler is None else rollout.sampler.ids  # what it recorded drawing
+    if not (torch.equal(rollout.completion_ids, generated) and torch.equal(rollout.completion_ids, drawn)):
+        problems.append("the rollout's completion ids are not the ids the decode loop generated and drew (I3)")
     for row in range(len(rollout.texts)):
         prompt = s.prompts[row // g]
         if ids[row, width - len(prompt) : width].tolist() != prompt:

@@ -22,6 +22,7 @@ from grpo.checks.behaviour import (
     check_sft_ends_answers,
     check_sft_supervises_stop,
 )
+from grpo.checks.fast_paths import check_fast_paths
 from grpo.checks.gated import Gated, gate_step
 from grpo.checks.invariants import FUNCTION_CHECKS
 from grpo.checks.probes import Check
@@ -38,9 +39,11 @@ CHECKS: tuple[Callable[[Gated], Check], ...] = (
     check_processors_see_completion,
     check_first_step,
     check_step_agreement,
+    check_fast_paths,
 )
 """Every check of the gate: one per stage function (``invariants.py``), then the behaviour of the stage
-code whichever way it is written (``behaviour.py``, ``step_agreement.py``)."""
+code whichever way it is written (``behaviour.py``, ``step_agreement.py``), and the fast paths against the
+library's (``fast_paths.py``)."""
 
 
 def report_path(cfg: Config) -> Path:

@@ -1,7 +1,9 @@
 """A GRPO step written from scratch in plain torch, to hold the trainer's step to.
 
 It shares nothing with the fast path but the model's forward, the tokenizer, the records' messages and
-the reward functions (what the tasks are). From the records and the tokens the decode loop generated
+the reward functions (what the tasks are). It decodes greedily from each prompt on its own, no cache
+(``greedy_problems``: the trainer's rollout function decoding greedily must give those tokens). From the
+records and the tokens the decode loop generated
 (``Rollout.sequences``) it renders its own prompts (``apply_chat_template``), finds the stop tokens
 itself, cuts each completion at the prompt width and masks it by position, decodes the texts the
 rewards read, takes the group advantages in a loop, scores each row ALONE (no padding, no cache,
@@ -17,6 +19,7 @@ probe prompts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
@@ -30,6 +33,9 @@ from grpo.data.schema import TASKS
 from grpo.rewards import weighted_reward
 
 ADVANTAGE_EPS = 1e-4  # the std's epsilon of GRPO's advantage (r - mean) / (std + eps)
+TIE_BOUND = 1e-4
+"""Logits closer than this are a tie for the greedy comparison: fp32 noise of two forwards may order them
+either way."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,12 @@ class ReferenceStep:
     mean_entropy: float  # token mean over the batch
     policy_grads: dict[str, torch.Tensor]  # task -> [P] d policy term / d trainable weights
     regulariser_grads: dict[str, torch.Tensor]  # task -> [P] d (beta * kl - entropy_coef * entropy)
+    entropy_grads: dict[str, torch.Tensor]  # task -> [P] d (- entropy_coef * entropy): the bonus alone
+
+    def entropy_only(self) -> ReferenceStep:
+        """This step with zero advantages and beta 0: only the entropy bonus has a gradient (I7)."""
+        zeros = {task: torch.zeros_like(g) for task, g in self.policy_grads.items()}
+        return dataclasses.replace(self, policy_grads=zeros, regulariser_grads=self.entropy_grads)
 
     def direction(self, multitask: MultitaskConfig) -> torch.Tensor:
         """The combined gradient ``[P]`` (before clipping) in ``multitask``'s mode: each task's whole
@@ -187,19 +199,16 @@ def reference_step(
     tokenizer,
     records: list[dict],
     sequences: torch.Tensor,
+    prompt_width: int | None = None,
 ) -> ReferenceStep:
     """The step of ``cfg`` on ``records`` whose ``group_size`` completions each the decode loop returned
-    as ``sequences`` [N, W] (prompts left-padded to the widest, then the generated tokens); the policy is
-    scored at its current weights, the reference is ``sft`` (a fresh load of the SFT weights)."""
+    as ``sequences`` [N, W] (prompts left-padded to ``prompt_width`` columns, by default the widest of
+    them: groups dynamic sampling kept from a batch of wider prompts keep that batch's padding, then the
+    generated tokens); the policy is scored at its current weights, the reference is ``sft`` (a fresh load
+    of the SFT weights)."""
     grpo, kwargs, group = cfg.grpo, dict(cfg.model.chat_template_kwargs), cfg.grpo.group_size
-    rendered = [
-        tokenizer.apply_chat_template(
-            example_messages(r), add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
-        )
-        for r in records
-    ]
-    prompts = [list(map(int, rendered[i // group])) for i in range(len(records) * group)]
-    width = max(len(p) for p in prompts)
+    prompts = _rendered(cfg, tokenizer, records)
+    width = max(len(p) for p in prompts) if prompt_width is None else prompt_width
     stops = stop_tokens(tokenizer, policy, cfg.model.extra_stop_tokens, kwargs)
     completions = []
     for row in sequences[:, width:].tolist():
@@ -218,7 +227,7 @@ def reference_step(
         ref = [_score(sft, p, c, temperature)[0] for p, c in zip(prompts, completions, strict=True)]
     loss = grpo.loss
     params = [p for p in policy.parameters() if p.requires_grad]
-    policy_grads, regulariser_grads, task_losses = {}, {}, {}
+    policy_grads, regulariser_grads, entropy_grads, task_losses = {}, {}, {}, {}
     for task in [t for t in TASKS if any(r["task"] == t for r in rows)]:  # the tasks' fixed order (PCGrad's)
         idx = [i for i, r in enumerate(rows) if r["task"] == task]
         policy_terms, kls, entropies = [], [], []
@@ -237,8 +246,9 @@ def reference_step(
             entropies, loss.loss_type, n_max
         )
         task_losses[task] = float((policy_loss + regulariser).detach())
-        policy_grads[task], regulariser_grads[task] = (
-            _flat_grad(term, params) for term in (policy_loss, regulariser)
+        bonus = -loss.entropy_coef * _aggregate(entropies, loss.loss_type, n_max)
+        policy_grads[task], regulariser_grads[task], entropy_grads[task] = (
+            _flat_grad(term, params) for term in (policy_loss, regulariser, bonus)
         )
     tokens = sum(len(c) for c in completions)
     with torch.no_grad():
@@ -260,7 +270,60 @@ def reference_step(
         entropy / tokens,
         policy_grads,
         regulariser_grads,
+        entropy_grads,
     )
+
+
+def _rendered(cfg: Config, tokenizer, records: list[dict]) -> list[list[int]]:
+    """Each row's prompt ids, rendered by the template itself (row ``i`` answers ``records[i // G]``)."""
+    kwargs, group = dict(cfg.model.chat_template_kwargs), cfg.grpo.group_size
+    rendered = [
+        tokenizer.apply_chat_template(
+            example_messages(r), add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+        )
+        for r in records
+    ]
+    return [list(map(int, rendered[i // group])) for i in range(len(records) * group)]
+
+
+def _greedy_choice(logits: torch.Tensor, earlier: list[int], stops: set[int], step: int, cfg: Config) -> torch.Tensor:
+    """The logits [V] greedy decoding picks from at completion position ``step``: the presence and frequency
+    penalties over the row's ``earlier`` tokens, and the stop tokens at -inf before ``min_new_tokens``."""
+    sampling = cfg.grpo.sampling
+    counts = torch.bincount(torch.tensor(earlier, dtype=torch.long), minlength=logits.shape[-1]).to(logits)
+    z = logits - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0).to(logits)
+    if step < sampling.min_new_tokens:
+        z[sorted(stops)] = -math.inf
+    return z
+
+
+def greedy_problems(
+    cfg: Config, policy: torch.nn.Module, tokenizer, records: list[dict], sequences: torch.Tensor
+) -> list[str]:
+    """Rows of a greedy decode ``sequences`` [N, W] (prompts left-padded to the widest, then the generated
+    tokens) that are not the greedy decode of their prompt alone: each row is run alone, no cache, fp32, and
+    at every position its token must be the argmax of the logits after the rollout's processors (written
+    out here: ``_greedy_choice``), up to ties within ``TIE_BOUND``; a row ends at its first stop token, or
+    runs to ``max_new_tokens``."""
+    prompts, kwargs = _rendered(cfg, tokenizer, records), dict(cfg.model.chat_template_kwargs)
+    stops = stop_tokens(tokenizer, policy, cfg.model.extra_stop_tokens, kwargs)
+    width, device, problems = max(len(p) for p in prompts), next(policy.parameters()).device, []
+    for i, row in enumerate(sequences[:, width:].tolist()):
+        end = next((k for k, token in enumerate(row) if token in stops), None)
+        completion = row if end is None else row[: end + 1]
+        if end is None and len(row) < cfg.grpo.sampling.max_new_tokens:
+            problems.append(f"row {i} ends after {len(row)} tokens without a stop token")
+            continue
+        ids = torch.tensor([prompts[i] + completion], device=device)
+        with torch.no_grad(), torch.autocast(device_type=device.type, enabled=False):
+            logits = policy(input_ids=ids).logits[0, len(prompts[i]) - 1 : -1].float()  # [len, V]
+        for k, token in enumerate(completion):
+            z = _greedy_choice(logits[k], completion[:k], stops, k, cfg)
+            best = int(z.argmax())
+            if token != best and float(z[best] - z[token]) > TIE_BOUND:
+                problems.append(f"row {i}, token {k}: decoded {token}, its prompt alone gives {best}")
+                break
+    return problems
 
 
 def _flat_grad(term: torch.Tensor, params: list[torch.nn.Parameter]) -> torch.Tensor:

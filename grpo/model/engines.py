@@ -88,6 +88,7 @@ class HFEngine:
             shared_prefill=self.shared_prefill,
             keep_segments=keep_segments,
             fast=self.fast,
+            with_sampler=True,  # the step holds its scorer to what the decode computed (I3, I10)
         )
         return EngineRollout(rollout, None, prefills)
 

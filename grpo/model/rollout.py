@@ -22,6 +22,7 @@ from grpo.core.prefix import PromptPrefill, decode_cache, keep_prefills, prefill
 from grpo.errors import GrpoError
 from grpo.model.chat import end_of_turn_ids
 from grpo.model.fast import FastPaths, PromptPass
+from grpo.model.generation import SamplerRecord, stack_records
 from grpo.model.precision import cast_frozen_weights_once
 from grpo.model.sampling import EosSuppressor, build_logits_processors
 
@@ -51,6 +52,8 @@ class Rollout:
     processors: tuple[str, ...]  # what else shaped sampling but is not scored (``sampling_processors``)
     entropy: torch.Tensor | None = None  # [N, C] fp32 entropy of softmax(z / T) at each generated token,
     # from the decode loop's own logits, 0 outside the completion mask; only where asked (``with_entropy``)
+    sampler: SamplerRecord | None = None  # [N, C] each: what the decode computed for each token it drew
+    # (``generation.SamplerRecord``); only where asked (``with_sampler``), which the trainer's engine does
 
 
 def stop_ids(
@@ -143,10 +146,13 @@ def sample_rollout(
     prompt_pass: PromptPass | None = None,
     *,
     fast: FastPaths,
+    with_sampler: bool = False,
 ) -> tuple[Rollout, tuple[PromptPrefill, ...]]:
     """``generate_rollout``, and with ``keep_segments`` (a label per prompt, e.g. its task) the
     prefill kept with its graph, one per label (``prefix.keep_prefills``), for the update's policy
-    pass to reuse: the same weights on the same prompts, so running them again would repeat the work."""
+    pass to reuse: the same weights on the same prompts, so running them again would repeat the work.
+    ``with_sampler``: the rollout carries what the decode computed for each token it drew
+    (``Rollout.sampler``), for the step to hold the scorer to it (sampling only)."""
     repeated = per_row([list(p) for p in prompts], group_size)
     prompt = left_pad(repeated, tokenizer.pad_token_id)
     device = next(model.parameters()).device
@@ -171,6 +177,7 @@ def sample_rollout(
             prefilled = reused if reused is not None else prefilled_cache(model, *distinct, group_size)
             cache = {"past_key_values": prefilled}
         entropy = [] if with_entropy else None
+        record = [] if with_sampler and not greedy else None
         sequences = fast.decode(
             model,
             prompt.input_ids.to(device),
@@ -182,12 +189,14 @@ def sample_rollout(
             greedy=greedy,
             entropy=entropy,
             prompt_pass=None if shared_prefill else prompt_pass,
+            record=record,
             **cache,
         )
     model.train(was_training)
     measured = torch.stack(entropy, dim=1) if with_entropy else None  # [N, C]
+    drawn = stack_records(record) if record else None
     return rollout_from_sequences(
-        tokenizer, prompt, sequences, eos_ids, suppressor, group_size, sampling, entropy=measured
+        tokenizer, prompt, sequences, eos_ids, suppressor, group_size, sampling, entropy=measured, sampler=drawn
     ), kept
 
 
@@ -200,6 +209,7 @@ def rollout_from_sequences(
     group_size: int,
     sampling: SamplingConfig,  # what sampled ``sequences``: recorded on the rollout for scoring (I10)
     entropy: torch.Tensor | None = None,  # [N, C] the decode loop's entropy per generated token, if measured
+    sampler: SamplerRecord | None = None,  # [N, C] what the decode computed for each drawn token, if recorded
 ) -> Rollout:
     """Cut the completions at the absolute prompt width (I4), mask them by position (I5), decode them."""
     completion_ids = completion_ids_from_generated(sequences.cpu(), prompt.input_ids.shape[1])
@@ -220,6 +230,7 @@ def rollout_from_sequences(
         temperature=sampling.temperature,
         processors=sampling_processors(sampling),
         entropy=None if entropy is None else entropy.cpu(),
+        sampler=sampler,
     )
 
 
@@ -243,6 +254,7 @@ def select_groups(rollout: Rollout, groups: Sequence[int]) -> Rollout:
         temperature=rollout.temperature,
         processors=rollout.processors,
         entropy=None if rollout.entropy is None else rollout.entropy[index],
+        sampler=None if rollout.sampler is None else rollout.sampler.rows(index),
     )
 
 
@@ -295,4 +307,7 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
         entropy=None
         if any(r.entropy is None for r in rollouts)
         else cat([_pad_to(r.entropy, c, 0, left=False) for r in rollouts]),
+        sampler=None
+        if any(r.sampler is None for r in rollouts)
+        else SamplerRecord(*map(cat, zip(*(r.sampler.padded(c, pad_id) for r in rollouts), strict=True))),
     )

@@ -35,12 +35,14 @@ from grpo.health.kinds import kind_counts, kind_stats
 from grpo.health.metrics import completion_stats, task_reward_stats
 from grpo.model.engines import HFEngine, RolloutEngine, make_engine
 from grpo.model.fast import FastPaths
+from grpo.model.generation import SamplerRecord
 from grpo.model.precision import autocast_enabled, bf16_autocast, frozen_linears_in_bf16
 from grpo.model.rollout import stop_ids
 from grpo.model.scoring import RolloutInputs, rollout_inputs
 from grpo.rewards import group_rewards
 from grpo.seeding import derive_seed
 from grpo.train import collectives
+from grpo.train.agreement import StepInvariantError, step_checks
 from grpo.train.dynamic_sampling import Draw, MoreRecordsFn, merge_draws
 from grpo.train.mismatch import sampler_correction
 from grpo.train.policy import Policy, build_policy
@@ -217,6 +219,7 @@ class ScoredBatch:
     prefills: tuple[
         PromptPrefill, ...
     ] = ()  # the rollout's prefill kept for the policy pass (``Step.reuses_prefill``)
+    sampler: SamplerRecord | None = None  # [N, C] what the decode computed for each drawn token (``Rollout.sampler``)
 
     @property
     def completion_mask(self) -> torch.Tensor:  # [N, C] bool
@@ -329,15 +332,20 @@ def prepare_batch(step: Step, sampled: Draw) -> ScoredBatch:
         rows,
         weights,
         sampled.prefills if step.reuses_prefill else (),
+        rollout.sampler,
     )
 
 
 # --------------------------------------------------------------------------- the step
 
 
-def grpo_step(step: Step, records: list[dict], index: int, more_records: MoreRecordsFn) -> StepResult:
+def grpo_step(
+    step: Step, records: list[dict], index: int, more_records: MoreRecordsFn, first: bool = False
+) -> StepResult:
     """Step ``index`` on this process's prompts ``records`` (``more_records(attempt)``: fresh ones for
-    dynamic resampling). The result describes the global batch (all processes)."""
+    dynamic resampling). The result describes the global batch (all processes). Before the optimizer moves
+    a weight, the sampler and the scorer must agree, and with ``first`` (the first step of a fresh run) the
+    policy must be its reference (``agreement.step_checks``)."""
     started, timer = time.perf_counter(), PhaseTimer()
     with step.frozen_bf16():
         with gathered(step.model):  # FSDP: whole weights for the rollout, no collective per generated token
@@ -347,12 +355,15 @@ def grpo_step(step: Step, records: list[dict], index: int, more_records: MoreRec
             batch = prepare_batch(step, sampled)
         with timer("update"):
             try:
-                update_stats, policy = update(step, batch)
-            except (NonFiniteError, MultitaskError) as exc:  # a NaN/Inf loss or gradient: say which step
-                raise NonFiniteError(
+                update_stats, policy = update(step, batch, step_checks(step, batch, first))
+            except (NonFiniteError, MultitaskError, StepInvariantError) as exc:  # say which step
+                message = (
                     f"grpo: step {index} stopped before its update: {str(exc).removeprefix('grpo: ')}; nothing "
                     f"of step {index} was applied or saved, the checkpoints hold earlier steps only"
-                ) from exc
+                )
+                if isinstance(exc, StepInvariantError):
+                    raise StepInvariantError(message, exc.invariant) from exc
+                raise NonFiniteError(message) from exc
     result = step_result(
         step, records, sampled, sample_stats, update_stats, time.perf_counter() - started, timer
     )

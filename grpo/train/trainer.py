@@ -218,6 +218,7 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> T
                 _shard(cfg, by_task, step, 0, accelerator),
                 step,
                 lambda attempt, step=step: _shard(cfg, by_task, step, attempt, accelerator),
+                first=start == 0 and step == 1,  # a fresh run: the policy must be its reference (I8, I9)
             )
             # before saving: a collapsed state never becomes a checkpoint
             watch(monitor, step, result, paths.run_dir(cfg))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -296,17 +297,24 @@ def gradient(step: Step, batch: ScoredBatch, totals: Totals) -> Gradient:
     return Gradient(direction, stats, task_stats, scored)
 
 
-def update(step: Step, batch: ScoredBatch) -> tuple[dict[str, Any], PolicyPass]:
+def update(
+    step: Step, batch: ScoredBatch, check: Callable[[PolicyPass], dict[str, float]] | None = None
+) -> tuple[dict[str, Any], PolicyPass]:
     """``num_iterations`` clipped optimizer steps on the combined per-task gradients: the last one's
-    metrics, and what the first one's policy pass scored."""
+    metrics, and what the first one's policy pass scored. ``check``: run on that first pass before the
+    optimizer moves any weight (``agreement.step_checks``: it raises to stop the step); its statistics join
+    the metrics."""
     params, space = step.params, step.space
     totals = global_totals(step, batch)
     metrics: dict[str, Any] = {}
     first: PolicyPass | None = None
+    checked: dict[str, float] = {}
     for _ in range(step.cfg.grpo.num_iterations):
         step.optimizer.zero_grad(set_to_none=True)
         taken = gradient(step, batch, totals)
-        first = first or policy_pass(batch, taken.scored)
+        if first is None:
+            first = policy_pass(batch, taken.scored)
+            checked = check(first) if check is not None else {}
         space.write(params, taken.direction)
         losses = {k: v for k, v in taken.stats.items() if k.startswith("loss/")}
         task_stats, losses = collectives.sum_task_statistics(step.accelerator, taken.task_stats, losses)
@@ -317,7 +325,7 @@ def update(step: Step, batch: ScoredBatch) -> tuple[dict[str, Any], PolicyPass]:
             raise NonFiniteError(f"grpo: gradient norm is {grad_norm}; nothing was updated")
         if grad_norm > 0:  # a zero gradient makes no step: Adam's momentum must not drift in a deadlock
             step.optimizer.step()
-        metrics = {**token_means(task_stats, totals), **mt_stats, "grad_norm": grad_norm}
+        metrics = {**token_means(task_stats, totals), **mt_stats, "grad_norm": grad_norm, **checked}
     with warnings.catch_warnings():  # the step may have been skipped on purpose (zero gradient)
         warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
         step.scheduler.step()

@@ -45,7 +45,7 @@ from grpo.model.fast.graph_step import GraphStep
 from grpo.model.fast.lean_step import LeanStep
 from grpo.model.fast.prompt_pass import PromptPass, watch_prefix
 from grpo.model.fast.warning import fall_back
-from grpo.model.generation import generate_sequences
+from grpo.model.generation import SamplerRecord, generate_sequences, record_draw
 
 
 def warpers(sampling: SamplingConfig, greedy: bool) -> LogitsProcessorList:
@@ -115,6 +115,7 @@ def decode(
     past_key_values=None,  # a cache of every prompt column but the last (``prefix.prefilled_cache``)
     entropy: list[torch.Tensor] | None = None,
     prompt_pass: PromptPass | None = None,
+    record: list[SamplerRecord] | None = None,
 ) -> torch.Tensor:
     """Sequences ``[N, P + C]`` as ``generate`` returns them: prompt, then the completions, the pad id
     after a row's first stop token; ``C`` is the longest completion (at most ``max_new_tokens``).
@@ -125,7 +126,9 @@ def decode(
     the scored distribution); 0 for a row that had stopped.
 
     ``prompt_pass``, when given (and no ``past_key_values``), keeps the first step's pass over the whole
-    prompts and checks it (``PromptPass``)."""
+    prompts and checks it (``PromptPass``). ``record``, when given (sampling only), receives one
+    ``generation.record_draw`` per generated column, from the scores each token was drawn from, taken as
+    drawn: before the pad id replaces a stopped row's draw."""
     rows = input_ids.shape[0]
     positions = position_ids_from_mask(attention_mask)  # [N, P]
     prefilled = 0 if past_key_values is None else input_ids.shape[1] - 1
@@ -166,6 +169,8 @@ def decode(
             tokens = scores.argmax(dim=-1)
         else:
             tokens = draw_one(torch.softmax(scores, dim=-1))
+            if record is not None:
+                record.append(record_draw(logits, scores, tokens, running, sampling.temperature, pad_id))
         tokens = torch.where(running, tokens, pad_id)  # [N]
         sequences = torch.cat([sequences, tokens[:, None]], dim=1)
         running &= ~torch.isin(tokens, stops)

@@ -1,0 +1,185 @@
+"""grpo/train/agreement.py: the step holds its scorer to what the decode computed for every token it drew, and
+the first step of a fresh run to its reference, before any weight moves.
+
+| broken on purpose | what the step says |
+| --- | --- |
+| kept rows decode against another prompt's keys and values (``prefix.decode_cache``'s order not inverted) | I10 |
+| a drawn stop token written as another id | I3 |
+| a temperature applied twice on the sampling side only | I10 (reshaped, no penalty configured) |
+| the completion mask not ending at the drawn stop | I5 |
+| a reference that is not the policy at the first step | I9 |
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper
+
+from grpo.model.fast import decode as loop
+from grpo.model.generation import SamplerRecord
+from grpo.model.precision import cpu_has_native_bf16
+from grpo.train.agreement import (
+    LOGPROB_BOUND,
+    StepInvariantError,
+    first_step_problem,
+    runs_bf16,
+    sampler_problem,
+    token_bounds,
+)
+from grpo.train.step import grpo_step
+from tests.steps import decode_cache_by_the_permutation, make_context, step_records
+from tests.weights import fill_adapter
+
+
+def _records() -> list[dict]:
+    """Four prompts whose tasks interleave (fairness, hallucination, hallucination, fairness): the kept
+    prefill's rows, one forward per task, come in an order that is not its own inverse."""
+    f0, f1, h0, h1 = step_records()
+    return [f0, h0, h1, f1]
+
+
+def _weights(ctx) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in ctx.params]
+
+
+def _unchanged(ctx, before) -> bool:
+    return all(torch.equal(p, b) for p, b in zip(ctx.params, before, strict=True))
+
+
+@pytest.mark.parametrize("fast_paths", ["auto", "off"])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20},
+                                      {"presence_penalty": 0.8, "frequency_penalty": 0.4, "min_new_tokens": 3}],
+                         ids=["plain", "warped", "penalised"])
+def test_the_sampler_and_the_scorer_agree_on_a_correct_step(tiny_model, tiny_tokenizer, fast_paths, sampling):
+    """Every step logs the gap (TRL's names) within its bound, with the decode loop and with ``generate``; a
+    penalty reshapes some positions, which are still compared (the scored log-prob ignores the processors)."""
+    ctx = make_context(tiny_model, tiny_tokenizer, fast_paths=fast_paths, sampling={"max_new_tokens": 5, **sampling})
+    metrics = grpo_step(ctx, _records(), 1, lambda attempt: _records(), first=True).metrics
+    assert 0 <= metrics["sampling/sampling_logp_difference/mean"] <= metrics["sampling/sampling_logp_difference/max"]
+    assert metrics["sampling/sampling_logp_difference/max_over_bound"] < 0.1, "far inside the fp32 bound"
+    assert (metrics["sampling/reshaped_frac"] > 0) == ("presence_penalty" in sampling)
+
+
+def test_two_updates_hold_the_stored_old_logprobs_to_the_sampler(tiny_model, tiny_tokenizer):
+    ctx = make_context(tiny_model, tiny_tokenizer, num_iterations=2)
+    metrics = grpo_step(ctx, _records(), 1, lambda attempt: _records(), first=True).metrics
+    assert metrics["sampling/sampling_logp_difference/max_over_bound"] < 0.1
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 autocast runs on a CPU with native bf16 only")
+def test_bf16_autocast_steps_agree_within_the_bf16_bound(tiny_model, tiny_tokenizer):
+    """Under bf16 autocast the bound is two bf16 steps of each position's largest scaled logit, and a correct
+    step stays inside it."""
+    ctx = make_context(tiny_model, tiny_tokenizer, bf16=True)
+    assert runs_bf16(ctx)
+    metrics = grpo_step(ctx, _records(), 1, lambda attempt: _records(), first=True).metrics
+    assert 0 < metrics["sampling/sampling_logp_difference/max_over_bound"] < 1
+
+
+def test_tokens_decoded_against_another_prompts_cache_stop_the_step(tiny_model, tiny_tokenizer, monkeypatch):
+    """The kept prefill mapped to the decode's rows without inverting its order: rows decode against other
+    prompts' keys and values, with exact ids and masks; the step stops before its update, naming I10."""
+
+    ctx = make_context(tiny_model, tiny_tokenizer)
+    assert ctx.reuses_prefill, "the rollout keeps its prefill for the update (the path the slip is in)"
+    monkeypatch.setattr("grpo.model.rollout.decode_cache", decode_cache_by_the_permutation)
+    before = _weights(ctx)
+    with pytest.raises(StepInvariantError, match=r"step 1 stopped before its update: rows .*I10") as caught:
+        grpo_step(ctx, _records(), 1, lambda attempt: _records())
+    assert caught.value.invariant == "I10" and _unchanged(ctx, before)
+
+
+def test_a_drawn_token_written_as_another_id_stops_the_step(tiny_model, tiny_tokenizer, monkeypatch):
+    """The decode wrote another id than the one it drew (as a loop that writes the pad id over a drawn stop
+    token, where the row then runs on as truncated): the ids the step scores are not the drawn ids (I3),
+    after a row's stop too."""
+    ctx = make_context(tiny_model, tiny_tokenizer)
+    word = 300
+    original = loop.decode
+
+    def forced(*args, **kwargs):
+        sequences = original(*args, **kwargs).clone()
+        sequences[0, -1] = word  # the last column of row 0, after the loop recorded what it drew
+        return sequences
+
+    monkeypatch.setattr(loop, "decode", forced)
+    assert word not in ctx.eos_ids
+    with pytest.raises(StepInvariantError, match=rf"row 0, column \d+: drew \d+, scored {word}") as caught:
+        grpo_step(ctx, _records(), 1, lambda attempt: _records())
+    assert caught.value.invariant == "I3"
+
+
+def test_a_temperature_applied_twice_on_the_sampling_side_stops_the_step(tiny_model, tiny_tokenizer, monkeypatch):
+    """The scorer divides by T once, the sampler twice: the drawn distribution is not ``softmax(z / T)`` up to
+    masking, with no penalty configured (I10)."""
+    original = loop.warpers
+
+    def twice(sampling, greedy):
+        out = original(sampling, greedy)
+        out.insert(0, TemperatureLogitsWarper(sampling.temperature))
+        return out
+
+    monkeypatch.setattr(loop, "warpers", twice)
+    ctx = make_context(tiny_model, tiny_tokenizer, sampling={"max_new_tokens": 5, "temperature": 0.7})
+    with pytest.raises(StepInvariantError, match="distribution other than softmax") as caught:
+        grpo_step(ctx, _records(), 1, lambda attempt: _records())
+    assert caught.value.invariant == "I10"
+
+
+def test_the_first_step_refuses_a_policy_that_is_not_its_reference(tiny_model, tiny_tokenizer):
+    """At the first step of a fresh run the policy must be its reference (I9); later steps (``first`` False)
+    train a moved policy as they should."""
+    ctx = make_context(tiny_model, tiny_tokenizer, loss={"beta": 0.0})
+    fill_adapter(ctx.model, torch.Generator().manual_seed(0))  # the adapter moved: KL > 0 against the SFT weights
+    before = _weights(ctx)
+    with pytest.raises(StepInvariantError, match=r"step 1 stopped before its update: .*KL .*\(I9\)") as caught:
+        grpo_step(ctx, _records(), 1, lambda attempt: _records(), first=True)
+    assert caught.value.invariant == "I9" and _unchanged(ctx, before)
+    later = grpo_step(ctx, _records(), 2, lambda attempt: _records()).metrics
+    assert later["sampling/sampling_logp_difference/max_over_bound"] < 0.1
+
+
+def _record(ids, scored, reshaped=None) -> SamplerRecord:
+    ids, scored = torch.tensor(ids), torch.tensor(scored)
+    reshaped = torch.zeros_like(ids, dtype=torch.bool) if reshaped is None else torch.tensor(reshaped)
+    return SamplerRecord(ids, scored, scored, reshaped, torch.ones_like(scored))
+
+
+@pytest.mark.parametrize(
+    "ids, scored, reshaped, penalised, invariant",
+    [
+        ([[5, 1, 0]], [[-1.0, -2.0, 0.0]], None, False, None),  # agrees: stop id 1, pad 0 after it
+        ([[5, 1, 0]], [[-1.0, -2.0, 0.0]], [[False, True, False]], True, None),  # a penalty reshaped: allowed
+        ([[5, 7, 0]], [[-1.0, -2.0, 0.0]], None, False, "I3"),  # scored 1 where 7 was drawn
+        ([[5, 1, 0]], [[-1.0, -2.1, 0.0]], None, False, "I10"),  # 0.1 nats apart
+        ([[5, 1, 0]], [[-1.0, -2.0, 0.0]], [[False, True, False]], False, "I10"),  # reshaped, no penalty
+    ],
+)
+def test_sampler_problem_names_the_invariant(ids, scored, reshaped, penalised, invariant):
+    """The table above, on hand-made tensors: stop id 1, the step scores ids [5, 1, 0] with log-probs
+    [-1, -2, 0] and the mask [1, 1, 0]."""
+    record = _record(ids, scored, reshaped)
+    step_ids, mask = torch.tensor([[5, 1, 0]]), torch.tensor([[True, True, False]])
+    bounds = token_bounds(record.scale, 1.0, bf16=False)
+    found = sampler_problem(record, step_ids, mask, torch.tensor([[-1.0, -2.0, 0.0]]), [1], penalised, bounds)
+    assert (found and found[0]) == invariant, found
+    wrong_mask = sampler_problem(_record([[5, 1, 0]], [[-1.0, -2.0, 0.0]]), step_ids, torch.ones(1, 3, dtype=torch.bool),
+                                 torch.tensor([[-1.0, -2.0, 0.0]]), [1], False, bounds)
+    assert wrong_mask[0] == "I5"
+
+
+def test_token_bounds_are_fp32s_or_two_bf16_steps_of_the_largest_scaled_logit():
+    scale = torch.tensor([[0.01, 10.0, 40.0]])
+    torch.testing.assert_close(token_bounds(scale, 1.0, False), torch.full((1, 3), LOGPROB_BOUND))
+    torch.testing.assert_close(token_bounds(scale, 0.5, False), torch.full((1, 3), 2 * LOGPROB_BOUND))
+    torch.testing.assert_close(token_bounds(scale, 1.0, True), torch.tensor([[1e-3, 2 * 2**-8 * 10, 2 * 2**-8 * 40]]))
+
+
+def test_first_step_problem_reads_the_reference_then_the_old_logprobs():
+    policy, mask = torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2, dtype=torch.bool)
+    bounds = torch.full((1, 2), LOGPROB_BOUND)
+    assert first_step_problem(policy, policy.clone(), policy.clone(), mask, bounds) is None
+    assert first_step_problem(policy, policy - 0.5, None, mask, bounds)[0] == "I9"
+    assert first_step_problem(policy, policy.clone(), policy + 0.01, mask, bounds)[0] == "I8"
+    assert first_step_problem(policy, None, None, mask, bounds) is None
