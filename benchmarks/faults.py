@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tests.tiny_project import copy_prepared as copy_project
 from tests.tiny_project import prepared_project
 
 GRPO = str(Path(sys.executable).with_name("grpo"))
@@ -45,13 +46,6 @@ def start_train(params: Path) -> subprocess.Popen:
     env = os.environ | {"PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([GRPO, "train", "--params", str(params)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def copy_project(params: Path, dest: Path) -> Path:
-    shutil.copytree(params.parent, dest)
-    text = (dest / "params.yaml").read_text().replace(str(params.parent), str(dest))
-    (dest / "params.yaml").write_text(text)
-    return dest / "params.yaml"
 
 
 def adapter(params: Path) -> dict[str, torch.Tensor]:

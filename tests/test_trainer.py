@@ -24,6 +24,7 @@ from grpo.data.jsonl import read_records
 from grpo.data.select import train_records
 from grpo.health.metrics import HEALTH_METRICS
 from grpo.train import trainer
+from tests.tiny_project import copy_prepared as copy_project
 from tests.tiny_project import prepared_project, run_stages
 
 pytestmark = pytest.mark.slow
@@ -34,14 +35,6 @@ GRPO = str(Path(sys.executable).with_name("grpo"))
 def project(tmp_path_factory) -> Path:
     """Data, base, SFT and pre-flight once for the module; each test copies it."""
     return prepared_project(tmp_path_factory.mktemp("tiny"))
-
-
-def copy_project(params: Path, dest: Path) -> Path:
-    """A copy of the prepared project whose params point at the copy."""
-    shutil.copytree(params.parent, dest)
-    text = (dest / "params.yaml").read_text().replace(str(params.parent), str(dest))
-    (dest / "params.yaml").write_text(text)
-    return dest / "params.yaml"
 
 
 def adapter_weights(params: Path) -> dict[str, torch.Tensor]:

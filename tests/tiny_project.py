@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 
 import yaml
@@ -78,3 +79,11 @@ def prepared_project(root: Path, **overrides) -> Path:
     params = write_params(root, tiny_params(root, **overrides))
     run_stages(params, "prepare", "validate", "base", "sft", "preflight")
     return params
+
+
+def copy_prepared(params: Path, dest: Path) -> Path:
+    """A copy of the prepared project whose params point at the copy."""
+    shutil.copytree(params.parent, dest)
+    text = (dest / "params.yaml").read_text().replace(str(params.parent), str(dest))
+    (dest / "params.yaml").write_text(text)
+    return dest / "params.yaml"
