@@ -11,6 +11,7 @@ lineage it was run for; ``grpo train`` refuses to start unless a passing report 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,13 @@ def report_path(cfg: Config) -> Path:
     return paths.report_file(cfg, REPORT_NAME)
 
 
+def declared_invariants(check) -> str:
+    """The invariants a check's docstring opens with (``"I3, I4, I11: ..."``): what a crash of the stage
+    code it drives is reported under."""
+    lead = (check.__doc__ or "").strip().split(":", 1)[0]
+    return lead if re.fullmatch(r"I\d+(?:[-–]I?\d+)?(?:, I\d+(?:[-–]I?\d+)?)*", lead) else ""
+
+
 def run_checks_on(subject: Gated) -> list[Check]:
     """Every check; one that raises (a project error, or a crash of the stage code it drives) counts as
     failed, with the error as its detail, so the report is always written and names every check."""
@@ -57,10 +65,10 @@ def run_checks_on(subject: Gated) -> list[Check]:
     for check in CHECKS:
         try:
             checks.append(check(subject))
-        except GrpoError as exc:
-            checks.append(
-                Check(check.__name__.removeprefix("check_"), "fail", None, str(exc), "see the error")
-            )
+        except GrpoError as exc:  # a run-time invariant of the step it drives names its invariant
+            name = check.__name__.removeprefix("check_")
+            invariant = getattr(exc, "invariant", "") or declared_invariants(check)
+            checks.append(Check(name, "fail", None, str(exc), "see the error", invariant))
         except Exception as exc:  # noqa: BLE001 - a check that crashes on the stage code is a failed check
             checks.append(
                 Check(
@@ -69,6 +77,7 @@ def run_checks_on(subject: Gated) -> list[Check]:
                     None,
                     f"the check raised {type(exc).__name__}: {exc}",
                     "the stage code it drives broke",
+                    declared_invariants(check),
                 )
             )
     return checks
