@@ -149,7 +149,7 @@ def test_nan_loss_stops_with_a_clear_error_and_saves_nothing(project, tmp_path, 
     from grpo.train.trainer import train
 
     params = copy_project(project, tmp_path / "p")
-    monkeypatch.setitem(REWARDS, "hallucination", lambda completion, example: float("nan"))
+    monkeypatch.setitem(REWARDS, "hallucination", lambda completion, example, *extra: float("nan"))
     with pytest.raises(GrpoError, match="NaN/Inf") as err:
         train(load_config(params), progress=False)
     assert "hallucination" in str(err.value)
