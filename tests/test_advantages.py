@@ -25,6 +25,20 @@ def test_i12_zero_variance_groups_give_zero_advantage_and_are_counted(scale_rewa
     assert torch.isfinite(advantages).all()
 
 
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+@pytest.mark.parametrize("value", [0.9, 3e38], ids=["inexact-mean", "overflowing-sum"])
+def test_i12_equal_rewards_are_found_by_equality_not_by_their_std(scale_rewards, value):
+    """A group's rewards being equal is read off the rewards themselves, not off a computed std: that std is 0
+    for most equal groups but not for all (a batch of one prompt whose equal rewards have an inexact fp32 mean
+    has a std of 7e-8; equal rewards whose sum overflows, a std of inf), and the group's advantage is still
+    exactly 0."""
+    rewards = torch.tensor([value] * 3)
+    assert not bool(rewards.reshape(1, 3).std(dim=-1).eq(0).all())  # the std does not say "equal"
+    advantages, stats = group_advantages(rewards, group_size=3, scale_rewards=scale_rewards)
+    assert torch.equal(advantages, torch.zeros(3))
+    assert stats["frac_reward_zero_std"] == 1.0
+
+
 @pytest.mark.parametrize(("scale_rewards", "group_size"), itertools.product(["group", "batch", "none"], [1, 2, 4]))
 def test_i12_all_groups_zero_std_give_all_zeros_and_frac_one(scale_rewards, group_size):
     rewards = torch.tensor([0.3] * 4 + [1.0] * 4)

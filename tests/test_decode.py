@@ -55,22 +55,24 @@ def _prompts(tokenizer):
     return left_pad([p for p in ids for _ in range(G)], tokenizer.pad_token_id)
 
 
-def _generate(model, tokenizer, batch, sampling, eos, greedy, seed, entropy=None, record=None):
+def _generate(model, tokenizer, batch, sampling, eos, greedy, seed, entropy=None, record=None, pad_id=None):
     """The library path: Hugging Face ``generate`` with a complete config and the same processors."""
     processors, _ = build_logits_processors(batch.input_ids.shape[1], eos, sampling)
     torch.manual_seed(seed)
-    return generate_sequences(model, batch.input_ids, batch.attention_mask, sampling, eos, tokenizer.pad_token_id,
+    pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
+    return generate_sequences(model, batch.input_ids, batch.attention_mask, sampling, eos, pad_id,
                               processors, greedy=greedy, entropy=entropy, record=record)
 
 
-def _decode(model, tokenizer, batch, sampling, eos, greedy, seed, prefilled, entropy=None, record=None):
+def _decode(model, tokenizer, batch, sampling, eos, greedy, seed, prefilled, entropy=None, record=None, pad_id=None):
     processors, _ = build_logits_processors(batch.input_ids.shape[1], eos, sampling)
     cache = {}
     if prefilled:
         distinct = batch.input_ids[::G], batch.attention_mask[::G]
         cache = {"past_key_values": prefilled_cache(model, *distinct, G)}
     torch.manual_seed(seed)
-    return decode(model, batch.input_ids, batch.attention_mask, sampling, eos, tokenizer.pad_token_id,
+    pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
+    return decode(model, batch.input_ids, batch.attention_mask, sampling, eos, pad_id,
                   processors, greedy=greedy, entropy=entropy, record=record, **cache)
 
 
@@ -98,6 +100,26 @@ def test_decode_samples_generates_tokens(policy, tiny_tokenizer, mode, prefilled
     assert bool(fast_draws) != greedy, "sampling drew through draw_one's exponentials, greedy decoding did not"
     if not greedy:
         assert any(stopped) and not all(stopped), "some rows stop early, others run on (pad after stop)"
+
+
+@pytest.mark.parametrize("mode", ["plain", "greedy"])
+def test_decode_keeps_a_drawn_stop_when_pad_is_another_token(policy, tiny_tokenizer, mode):
+    """The tiny tokenizer pads with its stop token, where writing pad over a drawn stop changes nothing: here
+    the pad id is an ordinary token, and each stopped row holds its stop, then pads, as ``generate``'s do."""
+    eos = chat.end_of_turn_ids(tiny_tokenizer)
+    pad_id = next(i for i in range(len(tiny_tokenizer)) if i not in eos and i != tiny_tokenizer.pad_token_id)
+    batch = _prompts(tiny_tokenizer)
+    sampling, greedy = SAMPLINGS["plain"], mode == "greedy"
+    expected = _generate(policy, tiny_tokenizer, batch, sampling, eos, greedy, 0, pad_id=pad_id)
+    got = _decode(policy, tiny_tokenizer, batch, sampling, eos, greedy, 0, False, pad_id=pad_id)
+    assert torch.equal(got, expected), "decode and generate wrote different tokens with pad != stop"
+    completions = got[:, batch.input_ids.shape[1]:]  # [N, C]
+    stop = torch.isin(completions, torch.tensor(eos))  # [N, C]
+    assert stop.any(), "some row drew its stop (a real comparison)"
+    for row, stops in zip(completions, stop, strict=True):
+        if stops.any():
+            end = int(stops.int().argmax())
+            assert (row[end + 1:] == pad_id).all(), "pad follows the drawn stop"
 
 
 @pytest.mark.parametrize("mode", ["plain", "greedy"])

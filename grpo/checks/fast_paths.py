@@ -13,7 +13,9 @@ own inverse, where a slip in mapping them back to the prompts shows), sampled at
 - what the decode recorded for each token it drew (``Rollout.sampler``): its ids are the rollout's, and each
   row's completion mask ends at the first stop token it drew;
 - evaluation's samples, started from its greedy pass where they may (``PromptPass``), against the samples of
-  the library's path: the same greedy replies and the same sampled replies.
+  the library's path: the same greedy replies and the same sampled replies, drawn from the same
+  distributions (their per-token entropies within ``ENTROPY_BOUND``: a peaked model draws the same tokens
+  from a wrong cache).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from grpo.model.fast import FastPaths
 from grpo.model.rollout import Rollout, generate_rollout
 
 OFF = FastPaths("off")
+ENTROPY_BOUND = 1e-4
+"""fp32: the samples' entropies from a kept greedy pass and from their own prefill agree to ~1e-6 (the cache is
+the same bit for bit; the decode step's and ``generate``'s forwards differ in their last bits)."""
 PROBE_TEMPERATURE = 0.7
 """The probes sample at the configured temperature, or at this one where that is 1: at T = 1 a path that
 divides by the temperature twice, or not at all, draws the same tokens as one that divides once."""
@@ -48,6 +53,14 @@ def _differing(a: Rollout, b: Rollout) -> list[int]:
         return list(range(len(a.texts)))
     same = (a.completion_ids == b.completion_ids).all(1) & (a.completion_mask == b.completion_mask).all(1)
     return (~same).nonzero().flatten().tolist()
+
+
+def _entropy_differs(a: Rollout, b: Rollout, bound: float = ENTROPY_BOUND) -> list[int]:
+    """Rows of equal completions whose per-token entropies differ by more than ``bound``: the logits they were
+    drawn from differ (a peaked model can draw the same tokens from a wrong cache)."""
+    if a.entropy is None or b.entropy is None or a.entropy.shape != b.entropy.shape:
+        return list(range(len(a.texts)))
+    return ((a.entropy - b.entropy).abs().amax(1) > bound).nonzero().flatten().tolist()
 
 
 def _recorded(rollout: Rollout, eos_ids: list[int]) -> list[int]:
@@ -107,6 +120,9 @@ def check_fast_paths(s: Gated) -> Check:
         ours, theirs = _evaluation(s, records, s.ctx.fast), _evaluation(s, records, OFF)
         problems["evaluation's greedy replies unlike the library's"] = _differing(ours[0], theirs[0])
         problems["evaluation's samples unlike the library's"] = _differing(ours[1], theirs[1])
+        if not problems["evaluation's samples unlike the library's"]:
+            problems[f"evaluation's sample entropies off the library's by > {ENTROPY_BOUND}"] = _entropy_differs(
+                ours[1], theirs[1])
     wrong = {what: rows for what, rows in problems.items() if rows}
     detail = (
         f"{s.ctx.fast.report()}; {len(records)} prompts (tasks {[r['task'] for r in records]}), "

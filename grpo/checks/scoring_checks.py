@@ -239,8 +239,13 @@ def check_entropy_sign(s: Gated) -> Check:
     )
 
 
-def _inexact_value(group: int) -> float | None:
-    """A reward whose fp32 mean over ``group`` equal copies differs from itself (float noise to mask)."""
+OVERFLOWING = 0.75 * torch.finfo(torch.float32).max
+"""A reward whose fp32 sum over two or more equal copies overflows: their mean is inf, a computed std inf or NaN."""
+
+
+def inexact_value(group: int) -> float | None:
+    """A reward whose fp32 mean over ``group`` equal copies differs from itself (float noise to mask); None at a
+    power of two, where every partial sum of equal numbers is exact."""
     for value in (0.1, 0.2, 0.7, *(k / 100 for k in range(1, 100))):
         same = torch.full((1, group), value)
         if bool((same - same.mean(-1, keepdim=True)).any()):
@@ -248,40 +253,47 @@ def _inexact_value(group: int) -> float | None:
     return None
 
 
+def _equal_reward_batches(group: int) -> dict[str, tuple[torch.Tensor, int]]:
+    """Reward batches whose first group has equal rewards a ``std == 0`` test misses -> ``{name: (rewards,
+    group size)}``; after it, where there is one, a mixed group that keeps its signal.
+
+    A computed std of equal rewards is 0 in some layouts and not in others (on a CPU, a batch of one group
+    takes a kernel whose std of three 0.9s is 7e-8, a batch of several groups one whose std is 0), so each
+    inexact value goes alone and beside a mixed group, and an overflowing one alone."""
+    batches = {}
+    for g in dict.fromkeys((group, 3)):
+        value = inexact_value(g)
+        if value is not None:
+            mixed = torch.tensor([(0.1, 0.2, 0.7)[i % 3] for i in range(g)])
+            batches[f"G={g} x {value} alone"] = torch.full((g,), value), g
+            batches[f"G={g} x {value} beside a mixed group"] = torch.cat([torch.full((g,), value), mixed]), g
+    if group > 1:
+        batches[f"G={group} x {OVERFLOWING:.3g} alone"] = torch.full((group,), OVERFLOWING), group
+    return batches
+
+
 def check_zero_variance_groups(s: Gated) -> Check:
-    """I12: ``group_advantages`` with the configured scaling gives exactly 0 to groups of equal rewards
-    whose fp32 mean is inexact (0.1/0.2/0.7-like), and counts them; a mixed group keeps its signal."""
-    group = s.cfg.grpo.group_size
-    sizes = [g for g in dict.fromkeys((group, 3)) if _inexact_value(g) is not None]
-    worst, counted, mixed = 0.0, True, True
-    used = {}
-    for g in sizes:
-        value = _inexact_value(g)
-        used[g] = value
-        rewards = torch.tensor([value] * g + [(0.1, 0.2, 0.7)[i % 3] for i in range(g)])
-        advantages, stats = group_advantages(rewards, g, s.cfg.grpo.loss.scale_rewards)
-        worst = max(worst, float(advantages[:g].abs().max()))
-        counted &= stats["frac_reward_zero_std"] == 0.5
-        mixed &= bool(advantages[g:].abs().max() > 0) and bool(torch.isfinite(advantages).all())
-    detail = f"max |advantage| of equal-reward groups (group size: reward {used}, scale {s.cfg.grpo.loss.scale_rewards})"
-    check = bounded(
-        "zero_variance_groups",
-        "I12",
-        worst,
-        0.0,
-        detail,
-        "mask equal-reward groups to advantage exactly 0; never divide float noise by a tiny epsilon",
-    )
-    if not (counted and mixed):
-        return Check(
-            check.name,
-            "fail",
-            worst,
-            detail + "; frac_reward_zero_std or the mixed group is wrong",
-            check.hint or "count equal-reward groups in frac_reward_zero_std",
-            check.invariant,
-            check.bound,
-        )
+    """I12: ``group_advantages`` with the configured scaling gives exactly 0 to groups of equal rewards whose
+    fp32 mean is inexact (0.1/0.2/0.7-like) or overflows, alone in the batch and beside a mixed group, and
+    counts them; a mixed group keeps its signal."""
+    group, scale = s.cfg.grpo.group_size, s.cfg.grpo.loss.scale_rewards
+    worst, wrong = 0.0, []
+    batches = _equal_reward_batches(group)
+    for name, (rewards, g) in batches.items():
+        advantages, stats = group_advantages(rewards, g, scale)
+        worst = max(worst, float(advantages[:g].abs().nan_to_num(nan=float("inf")).max()))
+        rest = advantages[g:]
+        if stats["frac_reward_zero_std"] != g / len(rewards):
+            wrong.append(f"{name}: frac_reward_zero_std {stats['frac_reward_zero_std']}")
+        if len(rest) and not (bool(rest.abs().max() > 0) and bool(torch.isfinite(rest).all())):
+            wrong.append(f"{name}: the mixed group lost its signal")
+    detail = f"max |advantage| of equal-reward groups over {len(batches)} batches ({', '.join(batches)}; scale {scale})"
+    check = bounded("zero_variance_groups", "I12", worst, 0.0, detail,
+                    "mask equal-reward groups to advantage exactly 0, found by equality of the rewards, never by a "
+                    "computed std; never divide float noise by a tiny epsilon")
+    if wrong:
+        return Check(check.name, "fail", worst, detail + "; " + "; ".join(wrong),
+                     check.hint or "count equal-reward groups in frac_reward_zero_std", check.invariant, check.bound)
     return check
 
 

@@ -42,6 +42,7 @@ import torch
 from grpo.checks.gated import Gated, pad_not_stop, perturbed_policy, restored, with_grpo
 from grpo.checks.probes import Check
 from grpo.checks.reference_step import ReferenceStep, greedy_problems, reference_step
+from grpo.checks.scoring_checks import OVERFLOWING, inexact_value
 from grpo.data.prompts import render_records
 from grpo.model.rollout import sample_rollout
 from grpo.train.agreement import StepInvariantError
@@ -242,12 +243,9 @@ def inexact_weights(group: int) -> dict[str, float]:
     rewards (float noise a zero-variance test must not read, I12): a weight like 0.1 where the group size
     gives an inexact sum (3, 5, 6, ...); at a power of two, where every partial sum of equal numbers is exact,
     a weight whose group sum overflows (for rewards of +-1 at every power-of-two size, of +-0.5 from four on):
-    the mean is inf, the std NaN."""
-    for value in (0.1, 0.2, 0.7, *(k / 100 for k in range(1, 100))):
-        same = torch.full((1, group), value)
-        if bool((same - same.mean(-1, keepdim=True)).any()):
-            return {"fairness": value, "hallucination": value}
-    value = 0.75 * torch.finfo(torch.float32).max
+    the mean is inf."""
+    value = inexact_value(group)
+    value = OVERFLOWING if value is None else value
     return {"fairness": value, "hallucination": value}
 
 
