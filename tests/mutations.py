@@ -108,14 +108,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    log_probs = (raw / temperature).log_softmax(-1)  # [n, V] softmax(z / T), the sampling distribution (I10)\n",
         "    log_probs = raw.log_softmax(-1)\n",
         ("tests/test_logprobs.py::test_i10_logprobs_and_entropy_use_temperature_scaled_distribution",),
-        "temperature",
+        "temperature", retrain_sft=True,  # the head scores in SFT's loss too: the base and SFT rebuild
     ),
     Mutation(
         "untempered_entropy", "I10", "grpo/core/head_scores.py",
         "    entropy = -(probs * log_probs).sum(-1) if with_entropy else None  # [n]\n",
         "    entropy = -(raw.softmax(-1) * raw.log_softmax(-1)).sum(-1) if with_entropy else None\n",
         ("tests/test_logprobs.py::test_i10_logprobs_and_entropy_use_temperature_scaled_distribution",),
-        "temperature",
+        "temperature", retrain_sft=True,  # the head scores in SFT's loss too: the base and SFT rebuild
     ),
     Mutation(
         "zero_variance_divided_by_epsilon", "I12", "grpo/core/advantages.py",

@@ -84,21 +84,7 @@ def test_every_patched_line_is_still_in_the_code():
         assert (ROOT / mutation.path).read_text(encoding="utf-8").count(mutation.old) == 1, mutation.name
 
 
-GATE_MISSES = {
-    # The chunked head's scoring without the temperature: the tests catch it, the gate's temperature check
-    # does not (its scoring at T != 1 does not reach this line on the tiny project). A known hole, kept
-    # visible: strict, so the day the gate catches it this mark must go.
-    "untempered_logprobs", "untempered_entropy",
-}
-
-
-def _marked(mutation):
-    if mutation.name in GATE_MISSES:
-        return pytest.param(mutation, marks=pytest.mark.xfail(strict=True, reason="the gate misses this form"))
-    return mutation
-
-
-@pytest.mark.parametrize("mutation", [_marked(m) for m in MUTATIONS], ids=[m.name for m in MUTATIONS])
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
 def test_mutation_fails_the_tests_and_the_preflight(built, tmp_path, mutation):
     project = shutil.copytree(built, tmp_path / "mutant", symlinks=True)
     mutate(project, mutation)
