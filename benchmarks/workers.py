@@ -73,9 +73,9 @@ def step_records(cfg, steps: int) -> list[list[dict]]:
     ]
 
 
-def project_worker(
-    project: Path, variant: str, steps: int, warmup: int, full_length: bool, profile: bool = False
-) -> dict:
+def project_context(project: Path, variant: str, full_length: bool):
+    """The project's GRPO step context for ``variant`` of the workload -> ``(cfg, step)``: the project's SFT
+    model under a fresh LoRA adapter, as the trainer builds it."""
     from accelerate import Accelerator
 
     from grpo.config import load_config
@@ -83,7 +83,7 @@ def project_worker(
     from grpo.model.loading import load_model, load_tokenizer
     from grpo.model.lora import wrap_lora
     from grpo.train.policy import Policy
-    from grpo.train.step import build_step, grpo_step
+    from grpo.train.step import build_step
 
     retain_freed_memory()  # as the trainer's make_accelerator on a CPU-only machine
     cfg = load_config(project / "params.yaml", [*workload_overrides(full_length), *sorted(VARIANTS[variant])])
@@ -101,7 +101,15 @@ def project_worker(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.grpo.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    ctx = build_step(cfg, Policy(model, tokenizer, optimizer, scheduler, None), Accelerator(cpu=True))
+    return cfg, build_step(cfg, Policy(model, tokenizer, optimizer, scheduler, None), Accelerator(cpu=True))
+
+
+def project_worker(
+    project: Path, variant: str, steps: int, warmup: int, full_length: bool, profile: bool = False
+) -> dict:
+    from grpo.train.step import grpo_step
+
+    cfg, ctx = project_context(project, variant, full_length)
     times, tokens, phases, decode, table = [], [], [], [], []
     # With ``profile``, one more step after the timed ones runs under the profiler (its overhead untimed).
     for step, records in enumerate(step_records(cfg, warmup + steps + int(profile)), start=1):
