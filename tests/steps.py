@@ -9,7 +9,8 @@ from grpo.config import config_from_dict
 from grpo.data.prepare import build_records
 from grpo.model.lora import wrap_lora
 from grpo.train.policy import Policy
-from grpo.train.step import Step, build_step
+from grpo.train.step import build_step
+from grpo.train.step_types import Step
 from grpo.train.update import update
 
 

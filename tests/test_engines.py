@@ -13,7 +13,8 @@ from grpo.core.batching import completion_mask, left_pad
 from grpo.core.importance import rollout_mismatch
 from grpo.data.prompts import example_messages
 from grpo.model.chat import end_of_turn_ids, render_prompt
-from grpo.model.engines import EngineRollout, HFEngine, make_engine
+from grpo.model.engine_types import EngineRollout
+from grpo.model.engines import HFEngine, make_engine
 from grpo.model.fast import FastPaths
 from grpo.model.lora import wrap_lora
 from grpo.model.rollout import generate_rollout

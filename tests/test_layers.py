@@ -60,13 +60,6 @@ ROOT_MAY_IMPORT = {
 CORE_THIRD_PARTY = {"torch"}
 FAST = "grpo.model.fast"
 FAST_MAY_IMPORT = ("grpo.model.generation",)
-# Import circles that predate this check (issue 52 removes them): the list may only shrink. The second is
-# one circle of type-only imports: update.py and agreement.py name the step's types (Step, ScoredBatch)
-# under TYPE_CHECKING, and step.py calls them.
-KNOWN_CIRCLES = [
-    ["grpo.model.engines", "grpo.model.vllm_engine"],
-    ["grpo.train.agreement", "grpo.train.step", "grpo.train.update"],
-]
 STAGE_ENTRY_MODULES = ("grpo.data.prepare", "grpo.data.validate", "grpo.train.pretrain", "grpo.train.sft",
                        "grpo.checks.preflight", "grpo.train.trainer", "grpo.eval.evaluate")
 
@@ -207,9 +200,10 @@ def test_every_import_goes_down_the_layers():
     assert violations(GRPO) == []
 
 
-def test_no_import_circle_but_the_known_ones():
-    """A module that imports itself through others is a circle; the known ones are listed until removed."""
-    assert circles(GRPO) == KNOWN_CIRCLES
+def test_no_import_circle():
+    """No module imports itself through others, not even for type hints (``TYPE_CHECKING``): types two
+    modules share live in a third both import (``grpo.train.step_types``, ``grpo.model.engine_types``)."""
+    assert circles(GRPO) == []
 
 
 def test_every_module_belongs_to_a_layer():

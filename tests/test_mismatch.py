@@ -12,7 +12,8 @@ import torch
 
 from grpo.config import config_from_dict
 from grpo.data.prepare import build_records
-from grpo.model.engines import EngineRollout, HFEngine
+from grpo.model.engine_types import EngineRollout
+from grpo.model.engines import HFEngine
 from grpo.model.fast import FastPaths
 from grpo.model.precision import bf16_autocast, cpu_has_native_bf16
 from grpo.train.mismatch import trainer_logprobs

@@ -12,7 +12,8 @@ import torch
 from grpo.config import ModelConfig
 from grpo.core.multitask import MultitaskError
 from grpo.model.precision import apply_memory_settings, cpu_has_native_bf16
-from grpo.train.step import Step, build_step, draw, grpo_step, prepare_batch
+from grpo.train.step import build_step, draw, grpo_step, prepare_batch
+from grpo.train.step_types import Step
 from grpo.train.update import update
 from tests.steps import combined_gradient, make_context, step_records, with_advantages
 

@@ -27,7 +27,8 @@ from grpo.model.device import make_accelerator
 from grpo.model.loading import load_model
 from grpo.model.stage_models import load_base
 from grpo.train.policy import frozen_copy
-from grpo.train.step import ScoredBatch, Step, build_step, build_training, draw, prepare_batch
+from grpo.train.step import build_step, build_training, draw, prepare_batch
+from grpo.train.step_types import ScoredBatch, Step
 
 
 @dataclass

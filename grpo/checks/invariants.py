@@ -37,7 +37,8 @@ from grpo.model.sampling import EosSuppressor, build_logits_processors
 from grpo.model.scoring import score_inputs
 from grpo.train.causal_lm import build_examples
 from grpo.train.dynamic_sampling import Draw
-from grpo.train.step import ScoredBatch, header_tokens, prepare_batch
+from grpo.train.step import header_tokens, prepare_batch
+from grpo.train.step_types import ScoredBatch
 
 
 def check_render_parity(s: Gated) -> Check:

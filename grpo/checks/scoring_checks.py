@@ -21,7 +21,7 @@ from grpo.core.logprobs import completion_logits
 from grpo.core.losses import clipped_surrogate, k3_kl, masked_mean
 from grpo.model.rollout import sampling_processors
 from grpo.model.scoring import score_inputs
-from grpo.train.step import ScoredBatch, Step
+from grpo.train.step_types import ScoredBatch, Step
 from grpo.train.update import global_totals, gradient, part_rows, parts, score_parts
 
 

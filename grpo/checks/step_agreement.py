@@ -46,7 +46,8 @@ from grpo.checks.scoring_checks import OVERFLOWING, inexact_value
 from grpo.data.prompts import render_records
 from grpo.model.rollout import sample_rollout
 from grpo.train.agreement import StepInvariantError
-from grpo.train.step import Step, StepTrace, build_step, grpo_step
+from grpo.train.step import StepTrace, build_step, grpo_step
+from grpo.train.step_types import Step
 from grpo.train.update import NonFiniteError, global_totals, gradient
 
 LOGPROB_BOUND = 1e-4

@@ -5,52 +5,20 @@ I3–I6) and, when it samples with other kernels than the trainer, reports the l
 with, so the step can measure the mismatch and correct it (``grpo/core/importance.py``). The HF
 engine is the trainer's own model: its sampled distribution is the trainer's (I10), it reports none.
 The vLLM engine lives in ``vllm_engine.py`` and is imported only when chosen: vLLM is an optional
-extra that needs CUDA.
+extra that needs CUDA. What both engines return and the interface they share are in ``engine_types.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from grpo.config import RolloutConfig, SamplingConfig
-from grpo.core.prefix import PromptPrefill
+from grpo.model.engine_types import EngineRollout, RolloutEngine
 from grpo.model.fast import FastPaths
-from grpo.model.rollout import Rollout, sample_rollout
-
-
-@dataclass(frozen=True)
-class EngineRollout:
-    rollout: Rollout
-    sampler_logprobs: torch.Tensor | None  # [N, C] log-probs the engine sampled with; None: the trainer's
-    prefills: tuple[PromptPrefill, ...] = ()  # the trainer's prefill with its graph, when asked and kept
-
-
-class RolloutEngine(Protocol):
-    """What the step asks of a generation engine."""
-
-    name: str
-
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        group_size: int,
-        sampling: SamplingConfig,
-        eos_ids: Sequence[int],
-        seed: int,
-        keep_segments: Sequence[Hashable] | None = None,
-    ) -> EngineRollout:
-        """``group_size`` completions per prompt (ids from ``chat.render_prompt``), seeded by ``seed``.
-        ``keep_segments`` (a label per prompt): keep the trainer's prefill of the prompts, one graph per
-        label, for the update to reuse (``rollout.sample_rollout``); an engine that does not prefill on
-        the trainer's model returns none."""
-
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Make the engine sample from ``model``'s current weights (after every optimizer step)."""
+from grpo.model.rollout import sample_rollout
 
 
 class HFEngine:

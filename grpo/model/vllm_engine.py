@@ -35,7 +35,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from grpo.config import RolloutConfig, SamplingConfig
 from grpo.core.batching import left_pad
 from grpo.errors import GrpoError
-from grpo.model.engines import EngineRollout
+from grpo.model.engine_types import EngineRollout
 from grpo.model.rollout import rollout_from_sequences
 from grpo.model.sampling import EosSuppressor
 

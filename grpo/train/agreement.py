@@ -26,7 +26,6 @@ the next collective), naming the invariant, the rows and the gap.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,10 +34,8 @@ from grpo.errors import GrpoError
 from grpo.model.generation import SamplerRecord
 from grpo.model.precision import autocast_enabled
 from grpo.train import collectives
+from grpo.train.step_types import ScoredBatch, Step
 from grpo.train.update import PolicyPass, score_parts
-
-if TYPE_CHECKING:  # the step's types; importing them at run time would be circular
-    from grpo.train.step import ScoredBatch, Step
 
 LOGPROB_BOUND = 1e-4
 """fp32: two scorings of the same token through different kernels and cache layouts, at T = 1; below T = 1

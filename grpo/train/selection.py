@@ -45,7 +45,7 @@ from grpo.rewards import fairness_outcome, hallucination_outcome
 from grpo.train import checkpoint as ckpt
 from grpo.train import collectives
 from grpo.train.sharding import gathered
-from grpo.train.step import Step
+from grpo.train.step_types import Step
 
 PREFIX = "selection/"
 """Metric prefix of the validation scores (``selection/<kind>``: accuracy on that kind)."""

@@ -18,7 +18,7 @@ import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,9 +28,7 @@ from grpo.data.schema import TASKS
 from grpo.errors import GrpoError
 from grpo.model.scoring import RolloutInputs, Scored, score_inputs, score_reference
 from grpo.train import collectives
-
-if TYPE_CHECKING:  # the step's types; importing them at run time would be circular
-    from grpo.train.step import ScoredBatch, Step
+from grpo.train.step_types import ScoredBatch, Step
 
 
 class NonFiniteError(GrpoError):
