@@ -81,8 +81,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "entropy_sign_flipped_in_reward_only", "I7", "grpo/core/multitask.py",
-        "        direction = direction + regulariser\n",
-        "        direction = direction - regulariser\n",
+        "        direction = direction + grads.regulariser\n",
+        "        direction = direction - grads.regulariser\n",
         ("tests/test_update.py::test_i7_entropy_step_raises_entropy_in_every_mode",),
         "entropy_sign",
     ),

@@ -12,6 +12,7 @@ from grpo.core.losses import masked_mean, policy_loss_terms, total_loss
 from grpo.core.multitask import (
     MultitaskError,
     accumulate,
+    batch_gradients,
     cagrad,
     combine,
     combine_task_gradients,
@@ -84,8 +85,8 @@ def combined(model, batch, advantages, tasks=TASKS, **kwargs):
         accumulate(grads, task, task_gradient(params, losses[task], options["beta"],
                                               options["entropy_coef"], options["reward_only"], retain=True))
     zeros = torch.cat([torch.zeros(p.numel()) for p in params])
-    return combine_task_gradients(grads, TASKS, zeros, mode=options["mode"], c=options["c"], rescale=options["rescale"],
-                                  reward_only=options["reward_only"], reduce_fn=options.get("reduce_fn"))
+    return combine_task_gradients(batch_gradients(grads, zeros, options["reward_only"]), TASKS, zeros,
+                                  mode=options["mode"], c=options["c"], rescale=options["rescale"])
 
 
 def reference_task_grads(model, batch, advantages, part: str, beta=0.0, entropy_coef=0.0) -> torch.Tensor:
@@ -201,23 +202,6 @@ def test_reward_only_combines_policy_gradients_and_adds_kl_entropy_unchanged(tin
     expected = combine(policy, "cagrad", c=0.5, rescale=1)[0] + (whole - policy).sum(0)
     direction, _ = combined(tiny_model, batch, advantages, reward_only=True, entropy_coef=0.3)
     torch.testing.assert_close(direction, expected, atol=1e-5, rtol=1e-4)
-
-
-def test_reduce_fn_is_applied_to_each_task_gradient_before_combining(tiny_model, tiny_tokenizer):
-    batch, advantages = task_batch(tiny_tokenizer), torch.tensor([1.0, -1.0, 0.5, -0.5])
-    grads = reference_task_grads(tiny_model, batch, advantages, "whole", entropy_coef=0.1)
-    seen = []
-
-    def double_the_first_task(grad):  # stands in for an all-reduce: it sees every task's gradient
-        seen.append(grad.clone())
-        return 2 * grad if len(seen) == 1 else grad
-
-    got, _ = combined(tiny_model, batch, advantages, entropy_coef=0.1, reduce_fn=double_the_first_task)
-    assert len(seen) == 2
-    torch.testing.assert_close(torch.stack(seen), grads, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(got, combine(grads * torch.tensor([[2.0], [1.0]]), "cagrad")[0], atol=1e-5, rtol=1e-4)
-    # Not what a linear rule would give (combine first, then add the extra copy of task 0).
-    assert not torch.allclose(got, combine(grads, "cagrad")[0] + grads[0] / 2, atol=1e-4)
 
 
 def test_task_without_rows_is_skipped(tiny_model, tiny_tokenizer):

@@ -17,7 +17,7 @@ import torch
 
 from grpo.config import MultitaskConfig
 from grpo.core.losses import k3_kl, masked_mean, policy_loss_terms
-from grpo.core.multitask import combine_task_gradients, task_gradient
+from grpo.core.multitask import batch_gradients, combine_task_gradients, task_gradient
 from grpo.model.scoring import RolloutInputs, score_inputs, score_reference
 
 Status = Literal["pass", "warn", "fail", "skip"]
@@ -154,12 +154,11 @@ def _entropy_direction(
         grads[task] = task_gradient(params, terms, 0.0, entropy_coef, multitask.reward_only, retain=False)
     zero = torch.cat([torch.zeros(p.numel(), device=p.device) for p in params])
     direction, _ = combine_task_gradients(
-        grads,
+        batch_gradients(grads, zero, multitask.reward_only),
         tuple(rows),
         zero,
         mode=multitask.mode,
         c=multitask.cagrad_c,
         rescale=multitask.cagrad_rescale,
-        reward_only=multitask.reward_only,
     )
     return direction

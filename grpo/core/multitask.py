@@ -5,7 +5,9 @@ batch. ``task_gradient`` takes a task's flat gradient ``[P]`` from its loss term
 it over micro-batches, and ``combine_task_gradients`` turns every task's gradient into one update
 direction ``[P]`` (``combine``: sum, PCGrad or CAGrad). Every loss differentiated here goes through
 ``grpo.core.losses.total_loss`` (I7), so the entropy sign is the same in every mode. The GRPO step
-(``grpo/train/update.py``) runs the forwards and calls these in order.
+(``grpo/train/update.py``) runs the forwards and calls these in order. Everything here computes on the
+gradients of the whole batch: what several processes exchange is the train layer's
+(``grpo/train/collectives.py``).
 """
 
 from __future__ import annotations
@@ -34,10 +36,6 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 class MultitaskError(GrpoError, ValueError):
     """A per-task gradient is not finite or the inputs do not fit; the message names the task and fix."""
-
-
-ReduceFn = Callable[[torch.Tensor], torch.Tensor]
-"""Averages a flat per-task gradient ``[P]`` over processes (identity with one process)."""
 
 
 # --------------------------------------------------------------------------- pure combinations
@@ -223,41 +221,49 @@ def check_finite(grad: torch.Tensor, what: str, space: GradSpace = REPLICATED) -
         )
 
 
+class BatchGradients(NamedTuple):
+    """What the combination takes, over the whole batch: with several replicated processes, each process's
+    share summed over them first (``grpo.train.collectives.sum_task_gradients``: the combination is nonlinear)."""
+
+    tasks: dict[str, torch.Tensor]  # task -> its gradient [P] (``TaskGradients.combined``); only tasks with one
+    regulariser: torch.Tensor | None  # [P] every task's KL + entropy gradient summed (``reward_only``), else None
+
+
+def batch_gradients(grads: dict[str, TaskGradients], zeros: torch.Tensor, reward_only: bool) -> BatchGradients:
+    """The tasks' gradients as the combination takes them (``zeros``: [P], the regulariser's start)."""
+    regulariser = sum((g.regulariser for g in grads.values()), torch.zeros_like(zeros)) if reward_only else None
+    return BatchGradients({task: g.combined for task, g in grads.items()}, regulariser)
+
+
 def combine_task_gradients(
-    grads: dict[str, TaskGradients],
+    grads: BatchGradients,
     tasks: Sequence[str],
     zeros: torch.Tensor,  # [P] a zero gradient (``space.zeros(params)``)
     *,
     mode: Mode,
     c: float,
     rescale: int,
-    reward_only: bool,
-    reduce_fn: ReduceFn | None = None,
     space: GradSpace = REPLICATED,
 ) -> tuple[torch.Tensor, Stats]:
-    """The update direction ``[P]`` from every task's gradients, and the statistics.
+    """The update direction ``[P]`` from every task's gradient over the whole batch, and the statistics.
 
-    - ``reduce_fn`` (an all-reduce SUM over processes: each process's losses are scaled by their share
-      of the global batch, so the sum is the one-process gradient) is applied to each task gradient
-      BEFORE combining (the combination is nonlinear), for every task of ``tasks`` (zeros where this
-      process has none) so all processes make the same calls.
-    - a task whose (reduced) gradient is exactly zero (no rows anywhere, or nothing to learn) is left
-      out of the combination: it would only shrink CAGrad's mean and pin its worst-task bound at 0.
-    - ``reward_only``: the tasks' KL/entropy gradients are added to the combined direction unchanged.
+    - a task without a gradient, or whose gradient is exactly zero (no rows anywhere, or nothing to
+      learn), is left out of the combination: it would only shrink CAGrad's mean and pin its worst-task
+      bound at 0.
+    - ``grads.regulariser`` (``reward_only``): the tasks' KL/entropy gradients, added to the combined
+      direction unchanged.
 
     A NaN/Inf gradient raises MultitaskError naming the task.
     """
-    rows = _taking_part(grads, tasks, zeros, reduce_fn, space)
+    rows = _taking_part(grads.tasks, tasks, space)
     direction, stats = (
         combine(torch.stack(list(rows.values())), mode, c, rescale, list(rows), space.inner)
         if rows
         else (zeros, {})
     )
-    if reward_only:
-        regulariser = sum((g.regulariser for g in grads.values()), torch.zeros_like(zeros))
-        regulariser = reduce_fn(regulariser) if reduce_fn is not None else regulariser
-        check_finite(regulariser, "the KL and entropy terms", space)
-        direction = direction + regulariser
+    if grads.regulariser is not None:
+        check_finite(grads.regulariser, "the KL and entropy terms", space)
+        direction = direction + grads.regulariser
     check_finite(direction, f"the {mode} combination", space)
     # Every task reports a gradient norm, 0 when it took no part (no rows or an exactly-zero
     # gradient), so the metric stream keeps its columns; the cosine with a zero vector is reported as 0.
@@ -265,30 +271,20 @@ def combine_task_gradients(
         stats.setdefault(f"grad_norm/{task}", 0.0)
     stats.setdefault("grad_cos", 0.0)
     stats.setdefault("cagrad/weights", [])  # only CAGrad solves for weights
-    stats.update({f"loss/{task}": g.loss for task, g in grads.items()})
     stats["multitask/tasks_combined"] = float(len(rows))
     return direction, stats
 
 
 def _taking_part(
-    grads: dict[str, TaskGradients],
-    tasks: Sequence[str],
-    zeros: torch.Tensor,
-    reduce_fn: ReduceFn | None,
-    space: GradSpace,
+    grads: dict[str, torch.Tensor], tasks: Sequence[str], space: GradSpace
 ) -> dict[str, torch.Tensor]:
-    """Task -> its gradient ``[P]`` (reduced over processes by ``reduce_fn``: zeros where this process has
-    none, for every task of ``tasks``), for the tasks whose gradient is not exactly zero, in ``tasks``'
-    order; MultitaskError on a NaN/Inf one."""
+    """Task -> its gradient ``[P]``, for the tasks of ``tasks`` whose gradient is not exactly zero, in
+    ``tasks``' order; MultitaskError on a NaN/Inf one."""
     rows = {}
     for task in tasks:
-        grad = grads[task].combined if task in grads else None
-        if reduce_fn is not None:
-            grad = reduce_fn(torch.zeros_like(zeros) if grad is None else grad)
-        if grad is None:
+        if task not in grads:
             continue
-        check_finite(grad, f"task {task!r}", space)
-        if space.any(grad):
-            rows[task] = grad
+        check_finite(grads[task], f"task {task!r}", space)
+        if space.any(grads[task]):
+            rows[task] = grads[task]
     return rows
-

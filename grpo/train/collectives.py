@@ -2,8 +2,8 @@
 
 With one process each function returns its input (no collective is called). With several (``accelerate
 launch``, torchrun), each process holds a shard of the step's prompts; these make the per-task
-denominators, the batch reward std, a NaN reward, the per-task statistics and the step's metrics
-those of the global batch, so every process computes the same update and the same monitor decision.
+denominators, the batch reward std, a NaN reward, the gradients, the per-task statistics and the step's
+metrics those of the global batch, so every process computes the same update and the same monitor decision.
 Every process must call them in the same order.
 """
 
@@ -16,6 +16,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
+from grpo.core.grad_space import GradSpace
+from grpo.core.multitask import BatchGradients, TaskGradients, batch_gradients
 from grpo.health.process_merge import merge_process_metrics
 
 
@@ -27,6 +29,39 @@ def several(accelerator: Accelerator) -> bool:
 def sum_tensor(accelerator: Accelerator, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` summed over the processes (on the accelerator's device)."""
     return accelerator.reduce(tensor.to(accelerator.device), "sum") if several(accelerator) else tensor
+
+
+def replicated(accelerator: Accelerator, space: GradSpace) -> bool:
+    """Several processes, each with every weight: each one's gradients are summed with the others' (under
+    FSDP, ``space.sharded``, backward has reduce-scattered them already)."""
+    return several(accelerator) and not space.sharded
+
+
+def sum_gradient(accelerator: Accelerator, space: GradSpace, flat: torch.Tensor) -> torch.Tensor:
+    """A flat gradient ``[P]`` summed over replicated processes (each loss is scaled by its share of the
+    global batch, so the sum is the one-process gradient); ``flat`` itself under FSDP or on one process."""
+    return sum_tensor(accelerator, flat) if replicated(accelerator, space) else flat
+
+
+def sum_task_gradients(
+    accelerator: Accelerator,
+    space: GradSpace,
+    grads: dict[str, TaskGradients],
+    tasks: Sequence[str],
+    zeros: torch.Tensor,  # [P] a zero gradient (``space.zeros(params)``)
+    reward_only: bool,
+) -> BatchGradients:
+    """This process's task gradients summed over replicated processes BEFORE they are combined (the
+    combination is nonlinear): each task of ``tasks`` in order (zeros where this process has none, so
+    every process makes the same calls), then the tasks' regularisers together (``reward_only``)."""
+    mine = batch_gradients(grads, zeros, reward_only)
+    if not replicated(accelerator, space):
+        return mine
+    summed = {
+        task: sum_gradient(accelerator, space, mine.tasks.get(task, torch.zeros_like(zeros))) for task in tasks
+    }
+    regulariser = None if mine.regulariser is None else sum_gradient(accelerator, space, mine.regulariser)
+    return BatchGradients(summed, regulariser)
 
 
 def global_reward_std(accelerator: Accelerator, rewards: torch.Tensor) -> float:

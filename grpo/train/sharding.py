@@ -23,6 +23,7 @@ What sharding means for each part of a step:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -35,6 +36,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from grpo.config import Config, ConfigError
 from grpo.core.grad_space import REPLICATED, GradSpace, ShardedGradSpace
+from grpo.train import collectives
 
 
 def fsdp_requested(accelerator: Accelerator) -> bool:
@@ -102,7 +104,7 @@ def grad_space(model: torch.nn.Module, accelerator: Accelerator) -> GradSpace:
     """How the step reads and combines this model's gradients (``grpo/core/grad_space.py``)."""
     if not is_sharded(model):
         return REPLICATED
-    return ShardedGradSpace(lambda tensor: accelerator.reduce(tensor, "sum"))
+    return ShardedGradSpace(functools.partial(collectives.sum_tensor, accelerator))
 
 
 @contextmanager

@@ -67,16 +67,6 @@ class Step:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     @property
-    def replicated(self) -> bool:
-        """Several processes, each with every weight: per-task gradients are all-reduced before combining."""
-        return self.accelerator.num_processes > 1 and not self.space.sharded
-
-    def reduce(self, flat: torch.Tensor) -> torch.Tensor:
-        """A flat gradient summed over replicated processes (each loss is scaled by its share of the
-        global batch, so the sum is the one-process gradient); under FSDP backward has summed it."""
-        return self.accelerator.reduce(flat, "sum") if self.replicated else flat
-
-    @property
     def summed(self) -> bool:
         """``sum`` mode without per-task statistics: one backward of the summed loss (it is linear)."""
         mt = self.cfg.grpo.multitask

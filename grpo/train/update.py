@@ -252,7 +252,7 @@ def gradient(step: Step, batch: ScoredBatch, totals: Totals) -> Gradient:
             for task, value in totals_here.items():
                 losses[task] = losses.get(task, 0.0) + float(value.detach())
             del by_task, totals_here
-        direction = step.reduce(direction)
+        direction = collectives.sum_gradient(step.accelerator, space, direction)
         bad = sorted(task for task, value in losses.items() if not math.isfinite(value)) or sorted(losses)
         check_finite(direction, f"the summed loss (task(s) {bad})", space)
         stats: dict[str, Any] = {f"loss/{task}": value for task, value in losses.items()}
@@ -281,17 +281,12 @@ def gradient(step: Step, batch: ScoredBatch, totals: Totals) -> Gradient:
                     ),
                 )
         del by_task
+    zeros = space.zeros(params)
+    summed = collectives.sum_task_gradients(step.accelerator, space, grads, TASKS, zeros, mt.reward_only)
     direction, stats = combine_task_gradients(
-        grads,
-        TASKS,
-        space.zeros(params),
-        mode=mt.mode,
-        c=mt.cagrad_c,
-        rescale=mt.cagrad_rescale,
-        reward_only=mt.reward_only,
-        reduce_fn=step.reduce if step.replicated else None,
-        space=space,
+        summed, TASKS, zeros, mode=mt.mode, c=mt.cagrad_c, rescale=mt.cagrad_rescale, space=space
     )
+    stats |= {f"loss/{task}": g.loss for task, g in grads.items()}  # this process's: summed in ``update``
     return Gradient(direction, stats, task_stats, scored)
 
 
