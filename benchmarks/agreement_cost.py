@@ -31,7 +31,7 @@ import grpo.model.generation as generation_module
 import grpo.model.rollout as rollout_module
 import grpo.train.step as step_module
 from benchmarks.grpo_step import ROOT, machine, prepare
-from benchmarks.workers import project_context, step_records
+from benchmarks.workers import project_step, step_records
 
 REAL = {
     "sample_rollout": engines.sample_rollout,
@@ -80,16 +80,16 @@ class Timer:
 
 
 def measure(project: Path, pairs: int, warmup: int, full_length: bool) -> dict:
-    cfg, ctx = project_context(project, "project-sum", full_length)
+    cfg, step = project_step(project, "project-sum", full_length)
     batches = step_records(cfg, warmup + 3 * pairs + 1)
-    index = iter(range(1, len(batches) + 1))
+    numbers = iter(range(1, len(batches) + 1))
 
     def one(on: bool) -> float:
         set_checks(on)
-        step = next(index)
-        records = batches[step - 1]
+        index = next(numbers)
+        records = batches[index - 1]
         started = time.perf_counter()
-        step_module.grpo_step(ctx, records, step, lambda attempt, r=records: r)
+        step_module.grpo_step(step, records, index, lambda attempt, r=records: r)
         return time.perf_counter() - started
 
     for i in range(warmup):  # the first step (a fresh run's ratio-1 check) among them
@@ -104,10 +104,10 @@ def measure(project: Path, pairs: int, warmup: int, full_length: bool) -> dict:
     timer.install()
     for _ in range(pairs):
         timer.spent = 0.0
-        step = next(index)
-        records = batches[step - 1]
+        index = next(numbers)
+        records = batches[index - 1]
         started = time.perf_counter()
-        step_module.grpo_step(ctx, records, step, lambda attempt, r=records: r)
+        step_module.grpo_step(step, records, index, lambda attempt, r=records: r)
         shares.append(timer.spent / (time.perf_counter() - started))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     return {

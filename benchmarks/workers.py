@@ -68,13 +68,13 @@ def step_records(cfg, steps: int) -> list[list[dict]]:
 
     by_task = split_by_task(read_records(Path(cfg.paths.data_dir) / "train.jsonl"))
     return [
-        sample_step(by_task, cfg.grpo.prompts_per_step, cfg.grpo.fairness_fraction, cfg.seed, step)
-        for step in range(1, steps + 1)
+        sample_step(by_task, cfg.grpo.prompts_per_step, cfg.grpo.fairness_fraction, cfg.seed, index)
+        for index in range(1, steps + 1)
     ]
 
 
-def project_context(project: Path, variant: str, full_length: bool):
-    """The project's GRPO step context for ``variant`` of the workload -> ``(cfg, step)``: the project's SFT
+def project_step(project: Path, variant: str, full_length: bool):
+    """The project's GRPO step (``Step``) for ``variant`` of the workload -> ``(cfg, step)``: the project's SFT
     model under a fresh LoRA adapter, as the trainer builds it."""
     from accelerate import Accelerator
 
@@ -109,14 +109,14 @@ def project_worker(
 ) -> dict:
     from grpo.train.step import grpo_step
 
-    cfg, ctx = project_context(project, variant, full_length)
+    cfg, step = project_step(project, variant, full_length)
     times, tokens, phases, decode, table = [], [], [], [], []
     # With ``profile``, one more step after the timed ones runs under the profiler (its overhead untimed).
-    for step, records in enumerate(step_records(cfg, warmup + steps + int(profile)), start=1):
+    for index, records in enumerate(step_records(cfg, warmup + steps + int(profile)), start=1):
         started = time.perf_counter()
-        with _profiled(step > warmup + steps, table):
-            metrics = grpo_step(ctx, records, step, lambda attempt, r=records: r).metrics
-        if warmup < step <= warmup + steps:
+        with _profiled(index > warmup + steps, table):
+            metrics = grpo_step(step, records, index, lambda attempt, r=records: r).metrics
+        if warmup < index <= warmup + steps:
             times.append(time.perf_counter() - started)
             tokens.append(metrics["completions/mean_length"] * WORKLOAD["rows"])
             phases.append(

@@ -96,7 +96,7 @@ def tiny_base():
     return tokenizer, build_tiny_model(tokenizer, sizes, seed=0).eval()
 
 
-def make_context(accelerator: Accelerator, tokenizer, base, grpo: dict, fsdp: bool = False,
+def make_step(accelerator: Accelerator, tokenizer, base, grpo: dict, fsdp: bool = False,
                  lora: bool = True) -> Step:
     """The tiny policy with a LoRA adapter drawn from one seed; SGD, so a wrong gradient SCALE shows in
     the weights (Adam would hide it), and no clipping for the same reason (except ``cagrad_clipped``).
@@ -118,13 +118,13 @@ def make_context(accelerator: Accelerator, tokenizer, base, grpo: dict, fsdp: bo
     return build_step(cfg, Policy(model, tokenizer, optimizer, scheduler, reference), accelerator)
 
 
-def global_draws(ctx: Step, by_task: dict, n_prompts: int, fraction: float) -> list:
+def global_draws(step: Step, by_task: dict, n_prompts: int, fraction: float) -> list:
     """The global batch of each step: prompts, completions from the initial policy, fixed advantages."""
     draws = []
-    for step in range(1, STEPS + 1):
-        records = sample_step(by_task, n_prompts, fraction, seed=5, step=step)
-        sampled = draw(ctx, records, seed=100 + step)
-        advantages = torch.randn(len(sampled.rewards), generator=torch.Generator().manual_seed(step))
+    for index in range(1, STEPS + 1):
+        records = sample_step(by_task, n_prompts, fraction, seed=5, step=index)
+        sampled = draw(step, records, seed=100 + index)
+        advantages = torch.randn(len(sampled.rewards), generator=torch.Generator().manual_seed(index))
         draws.append(type(sampled)(sampled.rollout, sampled.records, sampled.rewards, advantages, sampled.stats))
     return draws
 
@@ -143,19 +143,19 @@ def run_equal(out: Path, fsdp: bool = False) -> None:
     for name in FSDP_CONFIGS if fsdp else CONFIGS:
         n_prompts, fraction, grpo = CONFIGS[name]
         if (n_prompts, fraction) not in cache:  # sampled from the unsharded initial policy
-            cache[n_prompts, fraction] = global_draws(make_context(accelerator, tokenizer, base, grpo),
+            cache[n_prompts, fraction] = global_draws(make_step(accelerator, tokenizer, base, grpo),
                                                       by_task, n_prompts, fraction)
-        ctx = make_context(accelerator, tokenizer, base, grpo, fsdp, lora=name not in FULL_WEIGHTS)
-        initial = trainable_weights(ctx.model)
+        step = make_step(accelerator, tokenizer, base, grpo, fsdp, lora=name not in FULL_WEIGHTS)
+        initial = trainable_weights(step.model)
         history = []
-        for step, whole in enumerate(cache[n_prompts, fraction], 1):
+        for index, whole in enumerate(cache[n_prompts, fraction], 1):
             mine = shard_indices([r["task"] for r in whole.records], accelerator.process_index,
                                  accelerator.num_processes)
             local = whole.select(mine)
-            stats, _ = update(ctx, prepare_batch(ctx, local))
-            result = step_result(ctx, local.records, local, local.stats, stats, elapsed=1.0)
-            history.append({"step": step, **result.metrics, "n_completions": len(result.raw_texts)})
-        weights = trainable_weights(ctx.model)
+            stats, _ = update(step, prepare_batch(step, local))
+            result = step_result(step, local.records, local, local.stats, stats, elapsed=1.0)
+            history.append({"step": index, **result.metrics, "n_completions": len(result.raw_texts)})
+        weights = trainable_weights(step.model)
         if accelerator.is_main_process:
             history[-1]["max_update"] = max(float((weights[k] - initial[k]).abs().max()) for k in weights)
             save_file(weights, str(out / f"{name}.safetensors"))
@@ -184,9 +184,9 @@ def run_nan() -> None:
     rank = accelerator.process_index
 
     rewards = torch.tensor([1.0, float("nan") if rank == 1 else 0.0])
-    ctx = make_context(accelerator, *tiny_base(), {})
+    step = make_step(accelerator, *tiny_base(), {})
     try:
-        raise_on_nonfinite_rewards(ctx, rewards, ["fairness", "fairness"], 1)
+        raise_on_nonfinite_rewards(step, rewards, ["fairness", "fairness"], 1)
     except NonFiniteError as error:
         print(f"rank {rank} RAISED: {error}", flush=True)
         return
@@ -212,10 +212,10 @@ def run_batch_std(out: Path) -> None:
     rewards = (torch.randint(0, 3, (4 * (2 + rank),), generator=generator).float() - 1.0) * (1 + 2 * rank)
     advantages, _ = group_advantages(rewards, 4, "batch", batch_std=global_reward_std(accelerator, rewards))
     local, _ = group_advantages(rewards, 4, "batch")
-    ctx = make_context(accelerator, *tiny_base(), {"loss": {"scale_rewards": "batch"}})
+    step = make_step(accelerator, *tiny_base(), {"loss": {"scale_rewards": "batch"}})
     records = [r.model_dump(mode="json") for r in build_records(config_from_dict({"data": {"n_train": 8}}))["train"]]
     step_module.group_rewards = _spread_rewards
-    drawn = draw(ctx, records[: 2 + rank], seed=7)
+    drawn = draw(step, records[: 2 + rank], seed=7)
     save_file({"rewards": rewards, "advantages": advantages, "local": local, "draw_rewards": drawn.rewards,
                "draw_advantages": drawn.advantages}, str(out / f"rank{rank}.safetensors"))
     accelerator.wait_for_everyone()

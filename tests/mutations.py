@@ -48,7 +48,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "step_retokenises_decoded_text", "I3", "grpo/train/step.py",
         "    inputs = rollout_inputs(rollout, device)\n",
         "    width = rollout.completion_ids.shape[1]\n"
-        "    retok = [(ctx.tokenizer.encode(t, add_special_tokens=False) + [ctx.tokenizer.pad_token_id] * width)[:width]\n"
+        "    retok = [(step.tokenizer.encode(t, add_special_tokens=False) + [step.tokenizer.pad_token_id] * width)[:width]\n"
         "             for t in rollout.texts]\n"
         "    rollout = __import__('dataclasses').replace(rollout, completion_ids=torch.tensor(retok))\n"
         "    inputs = rollout_inputs(rollout, device)\n",
@@ -208,10 +208,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "the_trainer_swaps_in_the_base_as_reference", "I9", "grpo/train/trainer.py",
-        "    policy = context.policy\n",
-        "    context = __import__('dataclasses').replace(context, reference=__import__(\n"
+        "    policy = step.policy\n",
+        "    step = __import__('dataclasses').replace(step, reference=__import__(\n"
         "        'grpo.model.stage_models', fromlist=['load_base']).load_base(cfg)[0].eval())\n"
-        "    policy = context.policy\n",
+        "    policy = step.policy\n",
         ("tests/test_trainer.py::test_i9_the_trainers_first_step_has_ratio_1_and_kl_0",),
         None,
     ),

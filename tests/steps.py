@@ -14,7 +14,7 @@ from grpo.train.step_types import Step
 from grpo.train.update import update
 
 
-def make_context(tiny_model, tiny_tokenizer, device: str = "cpu", fast_paths: str = "auto", **grpo) -> Step:
+def make_step(tiny_model, tiny_tokenizer, device: str = "cpu", fast_paths: str = "auto", **grpo) -> Step:
     """The step around the tiny model under a LoRA adapter, on ``device`` (``cuda``: the process's GPU), with
     ``model.fast_paths: fast_paths``."""
     cfg = config_from_dict({
@@ -41,9 +41,9 @@ def with_advantages(sampled, advantages):
                          prefills=sampled.prefills)
 
 
-def combined_gradient(ctx, batch) -> torch.Tensor:
-    update(ctx, batch)
-    return torch.cat([p.grad.flatten() for p in ctx.model.parameters() if p.requires_grad])
+def combined_gradient(step, batch) -> torch.Tensor:
+    update(step, batch)
+    return torch.cat([p.grad.flatten() for p in step.model.parameters() if p.requires_grad])
 
 
 def decode_cache_by_the_permutation(model, prefills, repeats):

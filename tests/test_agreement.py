@@ -28,7 +28,7 @@ from grpo.train.agreement import (
     token_bounds,
 )
 from grpo.train.step import grpo_step
-from tests.steps import decode_cache_by_the_permutation, make_context, step_records
+from tests.steps import decode_cache_by_the_permutation, make_step, step_records
 from tests.weights import fill_adapter
 
 
@@ -39,12 +39,12 @@ def _records() -> list[dict]:
     return [f0, h0, h1, f1]
 
 
-def _weights(ctx) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in ctx.params]
+def _weights(step) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in step.params]
 
 
-def _unchanged(ctx, before) -> bool:
-    return all(torch.equal(p, b) for p, b in zip(ctx.params, before, strict=True))
+def _unchanged(step, before) -> bool:
+    return all(torch.equal(p, b) for p, b in zip(step.params, before, strict=True))
 
 
 @pytest.mark.parametrize("fast_paths", ["auto", "off"])
@@ -54,16 +54,16 @@ def _unchanged(ctx, before) -> bool:
 def test_the_sampler_and_the_scorer_agree_on_a_correct_step(tiny_model, tiny_tokenizer, fast_paths, sampling):
     """Every step logs the gap (TRL's names) within its bound, with the decode loop and with ``generate``; a
     penalty reshapes some positions, which are still compared (the scored log-prob ignores the processors)."""
-    ctx = make_context(tiny_model, tiny_tokenizer, fast_paths=fast_paths, sampling={"max_new_tokens": 5, **sampling})
-    metrics = grpo_step(ctx, _records(), 1, lambda attempt: _records(), first=True).metrics
+    step = make_step(tiny_model, tiny_tokenizer, fast_paths=fast_paths, sampling={"max_new_tokens": 5, **sampling})
+    metrics = grpo_step(step, _records(), 1, lambda attempt: _records(), first=True).metrics
     assert 0 <= metrics["sampling/sampling_logp_difference/mean"] <= metrics["sampling/sampling_logp_difference/max"]
     assert metrics["sampling/sampling_logp_difference/max_over_bound"] < 0.1, "far inside the fp32 bound"
     assert (metrics["sampling/reshaped_frac"] > 0) == ("presence_penalty" in sampling)
 
 
 def test_two_updates_hold_the_stored_old_logprobs_to_the_sampler(tiny_model, tiny_tokenizer):
-    ctx = make_context(tiny_model, tiny_tokenizer, num_iterations=2)
-    metrics = grpo_step(ctx, _records(), 1, lambda attempt: _records(), first=True).metrics
+    step = make_step(tiny_model, tiny_tokenizer, num_iterations=2)
+    metrics = grpo_step(step, _records(), 1, lambda attempt: _records(), first=True).metrics
     assert metrics["sampling/sampling_logp_difference/max_over_bound"] < 0.1
 
 
@@ -71,9 +71,9 @@ def test_two_updates_hold_the_stored_old_logprobs_to_the_sampler(tiny_model, tin
 def test_bf16_autocast_steps_agree_within_the_bf16_bound(tiny_model, tiny_tokenizer):
     """Under bf16 autocast the bound is two bf16 steps of each position's largest scaled logit, and a correct
     step stays inside it."""
-    ctx = make_context(tiny_model, tiny_tokenizer, bf16=True)
-    assert runs_bf16(ctx)
-    metrics = grpo_step(ctx, _records(), 1, lambda attempt: _records(), first=True).metrics
+    step = make_step(tiny_model, tiny_tokenizer, bf16=True)
+    assert runs_bf16(step)
+    metrics = grpo_step(step, _records(), 1, lambda attempt: _records(), first=True).metrics
     assert 0 < metrics["sampling/sampling_logp_difference/max_over_bound"] < 1
 
 
@@ -81,20 +81,20 @@ def test_tokens_decoded_against_another_prompts_cache_stop_the_step(tiny_model, 
     """The kept prefill mapped to the decode's rows without inverting its order: rows decode against other
     prompts' keys and values, with exact ids and masks; the step stops before its update, naming I10."""
 
-    ctx = make_context(tiny_model, tiny_tokenizer)
-    assert ctx.reuses_prefill, "the rollout keeps its prefill for the update (the path the slip is in)"
+    step = make_step(tiny_model, tiny_tokenizer)
+    assert step.reuses_prefill, "the rollout keeps its prefill for the update (the path the slip is in)"
     monkeypatch.setattr("grpo.model.rollout.decode_cache", decode_cache_by_the_permutation)
-    before = _weights(ctx)
+    before = _weights(step)
     with pytest.raises(StepInvariantError, match=r"step 1 stopped before its update: rows .*I10") as caught:
-        grpo_step(ctx, _records(), 1, lambda attempt: _records())
-    assert caught.value.invariant == "I10" and _unchanged(ctx, before)
+        grpo_step(step, _records(), 1, lambda attempt: _records())
+    assert caught.value.invariant == "I10" and _unchanged(step, before)
 
 
 def test_a_drawn_token_written_as_another_id_stops_the_step(tiny_model, tiny_tokenizer, monkeypatch):
     """The decode wrote another id than the one it drew (as a loop that writes the pad id over a drawn stop
     token, where the row then runs on as truncated): the ids the step scores are not the drawn ids (I3),
     after a row's stop too."""
-    ctx = make_context(tiny_model, tiny_tokenizer)
+    step = make_step(tiny_model, tiny_tokenizer)
     word = 300
     original = loop.decode
 
@@ -104,9 +104,9 @@ def test_a_drawn_token_written_as_another_id_stops_the_step(tiny_model, tiny_tok
         return sequences
 
     monkeypatch.setattr(loop, "decode", forced)
-    assert word not in ctx.eos_ids
+    assert word not in step.eos_ids
     with pytest.raises(StepInvariantError, match=rf"row 0, column \d+: drew \d+, scored {word}") as caught:
-        grpo_step(ctx, _records(), 1, lambda attempt: _records())
+        grpo_step(step, _records(), 1, lambda attempt: _records())
     assert caught.value.invariant == "I3"
 
 
@@ -121,22 +121,22 @@ def test_a_temperature_applied_twice_on_the_sampling_side_stops_the_step(tiny_mo
         return out
 
     monkeypatch.setattr(loop, "warpers", twice)
-    ctx = make_context(tiny_model, tiny_tokenizer, sampling={"max_new_tokens": 5, "temperature": 0.7})
+    step = make_step(tiny_model, tiny_tokenizer, sampling={"max_new_tokens": 5, "temperature": 0.7})
     with pytest.raises(StepInvariantError, match="distribution other than softmax") as caught:
-        grpo_step(ctx, _records(), 1, lambda attempt: _records())
+        grpo_step(step, _records(), 1, lambda attempt: _records())
     assert caught.value.invariant == "I10"
 
 
 def test_the_first_step_refuses_a_policy_that_is_not_its_reference(tiny_model, tiny_tokenizer):
     """At the first step of a fresh run the policy must be its reference (I9); later steps (``first`` False)
     train a moved policy as they should."""
-    ctx = make_context(tiny_model, tiny_tokenizer, loss={"beta": 0.0})
-    fill_adapter(ctx.model, torch.Generator().manual_seed(0))  # the adapter moved: KL > 0 against the SFT weights
-    before = _weights(ctx)
+    step = make_step(tiny_model, tiny_tokenizer, loss={"beta": 0.0})
+    fill_adapter(step.model, torch.Generator().manual_seed(0))  # the adapter moved: KL > 0 against the SFT weights
+    before = _weights(step)
     with pytest.raises(StepInvariantError, match=r"step 1 stopped before its update: .*KL .*\(I9\)") as caught:
-        grpo_step(ctx, _records(), 1, lambda attempt: _records(), first=True)
-    assert caught.value.invariant == "I9" and _unchanged(ctx, before)
-    later = grpo_step(ctx, _records(), 2, lambda attempt: _records()).metrics
+        grpo_step(step, _records(), 1, lambda attempt: _records(), first=True)
+    assert caught.value.invariant == "I9" and _unchanged(step, before)
+    later = grpo_step(step, _records(), 2, lambda attempt: _records()).metrics
     assert later["sampling/sampling_logp_difference/max_over_bound"] < 0.1
 
 

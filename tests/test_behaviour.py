@@ -79,9 +79,9 @@ def test_the_first_step_check_sees_a_reference_that_is_not_the_policy(tiny_token
             p.mul_(0.5)
     model = random_model_for(tiny_tokenizer)
     wrong = subject_for(FULL, model, tiny_tokenizer, records, reference=other.requires_grad_(False))
-    before = [p.detach().clone() for p in wrong.ctx.params]
+    before = [p.detach().clone() for p in wrong.step.params]
     check = check_first_step(wrong)
     # The step's own first-step check refuses before the update, naming the reference's invariant.
     assert check.status == "fail" and "I9" in check.invariant and "I9" in check.detail, check
-    assert all(torch.equal(a, b) for a, b in zip(before, wrong.ctx.params, strict=True))  # the gate trains nothing
-    assert not wrong.ctx.optimizer.state
+    assert all(torch.equal(a, b) for a, b in zip(before, wrong.step.params, strict=True))  # the gate trains nothing
+    assert not wrong.step.optimizer.state

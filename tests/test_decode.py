@@ -14,7 +14,7 @@ from grpo.core.batching import completion_mask, join_prompt_completion, left_pad
 from grpo.core.logprobs import score_completions
 from grpo.core.prefix import prefilled_cache
 from grpo.model import chat
-from grpo.model.fast import draws
+from grpo.model.fast import multinomial
 from grpo.model.fast.decode import ReservedLayer, decode, reserve_room
 from grpo.model.fast.lean_step import LeanStep
 from grpo.model.generation import generate_sequences, stack_records
@@ -79,10 +79,10 @@ def _decode(model, tokenizer, batch, sampling, eos, greedy, seed, prefilled, ent
 @pytest.mark.parametrize("prefilled", [False, True], ids=["plain-prefill", "shared-prefill"])
 @pytest.mark.parametrize("mode", [*SAMPLINGS, "greedy"])
 def test_decode_samples_generates_tokens(policy, tiny_tokenizer, mode, prefilled, monkeypatch):
-    """Sampled rows go through ``draws.draw_one``'s own draws (not its fallback to ``multinomial``)."""
+    """Sampled rows go through ``multinomial.multinomial_one``'s own draws (not its fallback to ``multinomial``)."""
     fast_draws = []
-    exponentials = draws._exponentials
-    monkeypatch.setattr(draws, "_exponentials", lambda shape: fast_draws.append(shape) or exponentials(shape))
+    exponentials = multinomial._exponentials
+    monkeypatch.setattr(multinomial, "_exponentials", lambda shape: fast_draws.append(shape) or exponentials(shape))
     sampling = SAMPLINGS.get(mode, SAMPLINGS["plain"])
     greedy = mode == "greedy"
     eos = chat.end_of_turn_ids(tiny_tokenizer)
@@ -97,7 +97,7 @@ def test_decode_samples_generates_tokens(policy, tiny_tokenizer, mode, prefilled
         completions |= {tuple(row) for row in generated.tolist()}
         stopped += torch.isin(generated, torch.tensor(eos)).any(dim=1).tolist()
     assert len(completions) > 3, "completions vary (a real comparison)"
-    assert bool(fast_draws) != greedy, "sampling drew through draw_one's exponentials, greedy decoding did not"
+    assert bool(fast_draws) != greedy, "sampling drew through multinomial_one's exponentials, greedy decoding did not"
     if not greedy:
         assert any(stopped) and not all(stopped), "some rows stop early, others run on (pad after stop)"
 

@@ -33,7 +33,7 @@ from grpo.model.fast import paths as paths_module
 from grpo.model.precision import bf16_autocast, cpu_has_native_bf16, fp32_head
 from grpo.model.rollout import generate_rollout, stop_ids
 from grpo.train.step import build_step, grpo_step
-from tests.steps import make_context, step_records
+from tests.steps import make_step, step_records
 from tests.test_decode import SAMPLINGS, varied_policy
 
 AUTO, OFF = FastPaths("auto"), FastPaths("off")
@@ -98,17 +98,17 @@ GRADIENT_METRICS = ("grad_norm", "grad_cos")  # and grad_norm/<task>, cagrad/*: 
 def _steps(tiny_model, tiny_tokenizer, setting: str, bf16: bool, steps: int):
     """``steps`` GRPO steps from the same weights; the step context, the results, each step's gradient."""
     records = step_records()
-    ctx = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, fast_paths=setting, bf16=bf16,
+    step = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, fast_paths=setting, bf16=bf16,
                        loss={"beta": 0.04, "entropy_coef": 0.01})
     with torch.no_grad():
-        for name, param in ctx.model.named_parameters():
+        for name, param in step.model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
     results, grads = [], []
     for index in range(1, steps + 1):
-        results.append(grpo_step(ctx, records, index, lambda attempt: records))
-        grads.append(torch.cat([p.grad.flatten() for p in ctx.model.parameters() if p.requires_grad]))
-    return ctx, results, grads
+        results.append(grpo_step(step, records, index, lambda attempt: records))
+        grads.append(torch.cat([p.grad.flatten() for p in step.model.parameters() if p.requires_grad]))
+    return step, results, grads
 
 
 def test_off_and_auto_take_the_same_grpo_step_in_fp32(tiny_model, tiny_tokenizer):
@@ -258,8 +258,8 @@ def test_off_asks_no_self_check_and_reuses_no_prefill(tiny_model, tiny_tokenizer
                for path in paths_module.PATHS]
     assert all(OFF.why_not(path) == "model.fast_paths is off" for path in failing)
     assert OFF.prompt_pass() is None
-    ctx = make_context(tiny_model, tiny_tokenizer, fast_paths="off")
-    assert not ctx.reuses_prefill and ctx.fast == OFF
+    step = make_step(tiny_model, tiny_tokenizer, fast_paths="off")
+    assert not step.reuses_prefill and step.fast == OFF
 
 
 @pytest.mark.slow
@@ -297,10 +297,10 @@ def test_off_and_auto_agree_on_smollm2(tmp_path):
         replies = evaluate_model(model, tokenizer, _records()["eval"][:4], cfg, progress=False, texts=texts)
         policy = policy_for(cfg, model, tokenizer)
         fill_adapter(policy.model, torch.Generator().manual_seed(1), std=0.01)
-        ctx = build_step(cfg, policy, Accelerator(cpu=True))
-        result = grpo_step(ctx, records, 1, lambda attempt: records)
-        grad = torch.cat([p.grad.flatten() for p in ctx.model.parameters() if p.requires_grad])
-        runs[setting] = (ctx, result, grad, (replies, texts))
+        step = build_step(cfg, policy, Accelerator(cpu=True))
+        result = grpo_step(step, records, 1, lambda attempt: records)
+        grad = torch.cat([p.grad.flatten() for p in step.model.parameters() if p.requires_grad])
+        runs[setting] = (step, result, grad, (replies, texts))
     (auto, got, auto_grad, auto_eval), (off, expected, off_grad, off_eval) = runs["auto"], runs["off"]
     assert auto.reuses_prefill and not off.reuses_prefill
     scale = 50.0  # SmolLM2's logits stay below it

@@ -42,7 +42,7 @@ def test_the_fast_paths_give_the_library_paths_tokens(tiny_model, tiny_tokenizer
 
     monkeypatch.setattr(prompt_pass_module.PromptPass, "prefilled", spied)
     subject = _subject(tiny_model, tiny_tokenizer)
-    assert subject.ctx.reuses_prefill
+    assert subject.step.reuses_prefill
     check = check_fast_paths(subject)
     assert check.status == "pass", check.detail
     assert reused and all(reused), "evaluation's samples started from the greedy pass"

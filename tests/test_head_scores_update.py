@@ -19,7 +19,7 @@ from grpo.model.precision import fp32_head
 from grpo.train.policy import Policy, frozen_copy
 from grpo.train.step import build_step, draw, prepare_batch
 from grpo.train.update import global_totals, gradient
-from tests.steps import make_context, step_records, with_advantages
+from tests.steps import make_step, step_records, with_advantages
 from tests.test_head_scores import small_chunks
 
 
@@ -28,7 +28,7 @@ def records():
     return step_records()
 
 
-def full_context(tiny_model, tiny_tokenizer, **grpo):
+def make_full_step(tiny_model, tiny_tokenizer, **grpo):
     """The step around the tiny model under full fine-tuning (tied head trainable; a frozen SFT copy)."""
     cfg = config_from_dict({"grpo": {"group_size": 2, "sampling": {"max_new_tokens": 5}, **grpo},
                             "model": {"lora": {"enabled": False}}})
@@ -43,21 +43,21 @@ def drawn(tiny_model, tiny_tokenizer, records, full_logits: bool, lora: bool = T
     """The step (LoRA moved off zero, or full fine-tuning) and one rollout of ``records``."""
     model = copy.deepcopy(tiny_model)
     if lora:
-        ctx = make_context(model, tiny_tokenizer, full_logits=full_logits, num_iterations=2, **grpo)
+        step = make_step(model, tiny_tokenizer, full_logits=full_logits, num_iterations=2, **grpo)
         with torch.no_grad():
-            for name, param in ctx.model.named_parameters():
+            for name, param in step.model.named_parameters():
                 if "lora_B" in name:
                     param.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
     else:
-        ctx = full_context(model, tiny_tokenizer, full_logits=full_logits, num_iterations=2, **grpo)
-    sampled = draw(ctx, records, seed=5)
-    return ctx, with_advantages(sampled, torch.linspace(-1, 1, len(sampled.rewards)))
+        step = make_full_step(model, tiny_tokenizer, full_logits=full_logits, num_iterations=2, **grpo)
+    sampled = draw(step, records, seed=5)
+    return step, with_advantages(sampled, torch.linspace(-1, 1, len(sampled.rewards)))
 
 
-def scored_update(ctx, sampled):
+def scored_update(step, sampled):
     """The stored old and reference log-probs, and the update's first gradient pass."""
-    batch = prepare_batch(ctx, sampled)
-    return batch, gradient(ctx, batch, global_totals(ctx, batch))
+    batch = prepare_batch(step, sampled)
+    return batch, gradient(step, batch, global_totals(step, batch))
 
 
 def update_pass(tiny_model, tiny_tokenizer, records, full_logits: bool, lora: bool = True, **grpo):
@@ -160,9 +160,9 @@ def test_the_update_never_holds_the_full_logits(tiny_model, tiny_tokenizer, reco
         grpo = {"group_size": 4, "loss": {"beta": 0.04, "entropy_coef": 0.01},
                 "multitask": {"mode": "cagrad", "low_memory": False},  # one pass over all 16 rows
                 "sampling": {"max_new_tokens": 24}}
-        ctx, sampled = drawn(model, tiny_tokenizer, records, full_logits, lora=lora, **grpo)
+        step, sampled = drawn(model, tiny_tokenizer, records, full_logits, lora=lora, **grpo)
         with LargestOutput() as largest:
-            batch, taken = scored_update(ctx, sampled)
+            batch, taken = scored_update(step, sampled)
         rows, width = batch.completion_mask.shape
         assert rows == 16 and width >= 16 and taken.direction.abs().max() > 0
         seen[full_logits] = (largest.nbytes, largest.op, 4 * rows * width * vocab)

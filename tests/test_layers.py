@@ -249,7 +249,7 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
         ({"newlayer/thing.py": ""}, "belongs to no layer"),
         ({"model/rollout.py": "from grpo.model.fast.decode import decode\n", "model/fast/decode.py": ""},
          "import its entry point grpo.model.fast"),
-        ({"model/kernels.py": "from grpo.model.fast import draws\n", "model/fast/draws.py": ""},
+        ({"model/kernels.py": "from grpo.model.fast import multinomial\n", "model/fast/multinomial.py": ""},
          "import its entry point grpo.model.fast"),
         ({"model/fast/decode.py": "from grpo.model.rollout import Rollout\n", "model/rollout.py": ""},
          "grpo/model/fast imports no model module"),

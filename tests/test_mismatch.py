@@ -18,7 +18,7 @@ from grpo.model.fast import FastPaths
 from grpo.model.precision import bf16_autocast, cpu_has_native_bf16
 from grpo.train.mismatch import trainer_logprobs
 from grpo.train.step import build_step, draw, prepare_batch
-from tests.steps import combined_gradient, make_context
+from tests.steps import combined_gradient, make_step
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +45,20 @@ class ShiftedEngine:
         pass
 
 
-def with_engine(ctx, engine):
+def with_engine(step, engine):
     """The step built again around another engine (the facts it decides, such as the kept prefill, follow)."""
-    return build_step(ctx.cfg, ctx.policy, ctx.accelerator, engine=engine)
+    return build_step(step.cfg, step.policy, step.accelerator, engine=engine)
 
 
 def _gradient(tiny_model, tiny_tokenizer, one_per_task, shift: float | None, **rollout) -> tuple[torch.Tensor, dict]:
     """The combined gradient of one step (sum mode, policy term only) and the draw's stats."""
-    ctx = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "sum"},
+    step = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "sum"},
                        loss={"beta": 0.0}, rollout=rollout)
     if shift is not None:
-        ctx = with_engine(ctx, ShiftedEngine(ctx.model, tiny_tokenizer, shift))
-    sampled = draw(ctx, one_per_task, seed=11)
+        step = with_engine(step, ShiftedEngine(step.model, tiny_tokenizer, shift))
+    sampled = draw(step, one_per_task, seed=11)
     signal = dataclasses.replace(sampled, advantages=torch.linspace(-1, 1, len(sampled.rewards)))
-    return combined_gradient(ctx, prepare_batch(ctx, signal)), sampled.stats
+    return combined_gradient(step, prepare_batch(step, signal)), sampled.stats
 
 
 @pytest.mark.parametrize("shift, cap, factor", [(1.5, 2.0, 1.5), (3.0, 2.0, 2.0)])
@@ -95,9 +95,9 @@ def test_the_mismatch_is_measured_in_the_steps_precision(tiny_model, tiny_tokeni
     """Under ``grpo.bf16`` the trainer's side of the importance weights is scored under the same autocast
     as the loss: a sampler that agrees with that scoring gives weights of exactly 1 (fp32 scoring of
     bf16-trained log-probs would read a mismatch of about 1e-3 that no engine caused)."""
-    ctx = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, bf16=True, rollout={"tis_threshold": 0.0})
-    ctx = with_engine(ctx, SameScoringEngine(ctx.model, tiny_tokenizer, 1.0))
-    sampled = draw(ctx, one_per_task, seed=11)
+    step = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, bf16=True, rollout={"tis_threshold": 0.0})
+    step = with_engine(step, SameScoringEngine(step.model, tiny_tokenizer, 1.0))
+    sampled = draw(step, one_per_task, seed=11)
     assert sampled.stats["sampling/sampling_logp_difference/max"] == 0.0
     mask = sampled.rollout.completion_mask
     assert torch.equal(sampled.is_weights[mask], torch.ones(int(mask.sum())))

@@ -242,11 +242,11 @@ def stage_result(tokenizer, eos_ids: list[int], completions: list[list[int]]) ->
     _, suppressor = build_logits_processors(prompt.input_ids.shape[1], eos_ids, sampling)
     rollout = rollout_from_sequences(tokenizer, prompt, torch.cat([prompt.input_ids, generated], dim=1),
                                      eos_ids, suppressor, n, sampling)
-    ctx = SimpleNamespace(tokenizer=tokenizer, eos_ids=eos_ids, accelerator=SimpleNamespace(num_processes=1),
+    step = SimpleNamespace(tokenizer=tokenizer, eos_ids=eos_ids, accelerator=SimpleNamespace(num_processes=1),
                           header_tokens=header_tokens(tokenizer, eos_ids),
                           end_of_turn_tokens=tokenizer.convert_ids_to_tokens(eos_ids))  # what build_step makes
     sampled = Draw(rollout, [record], torch.zeros(n), torch.zeros(n), {})
-    return step_result(ctx, [record], sampled, {}, {"entropy": 1.0}, elapsed=1.0)
+    return step_result(step, [record], sampled, {}, {"entropy": 1.0}, elapsed=1.0)
 
 
 def watched(result: StepResult, step: int = 1) -> list[str]:

@@ -55,7 +55,7 @@ def test_every_check_passes_under_bf16_autocast_with_its_bound(tiny_tokenizer, r
     subject = subject_for(cfg, random_model_for(tiny_tokenizer), tiny_tokenizer, records)
     fp32 = subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, records)
     assert subject.tolerance() == fp32.tolerance() == 1e-4
-    with subject.ctx.autocast():
+    with subject.step.autocast():
         assert torch.is_autocast_enabled("cpu")
     checks = {c.name: c for c in run_checks_on(subject)}
     assert {n: (c.detail, c.value) for n, c in checks.items() if not c.passed} .keys() <= {"sft_ends_answers"}

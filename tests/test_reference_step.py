@@ -46,7 +46,7 @@ def test_it_renders_cuts_and_masks_by_itself(tiny_tokenizer):
     """On a real rollout: its own prompts are the renderer's, each completion ends at the first stop token
     (the decode loop's pads after it dropped), its texts are the completions decoded."""
     subject = subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, step_records())
-    drawn = draw(subject.ctx, subject.records, seed=3)
+    drawn = draw(subject.step, subject.records, seed=3)
     ref = plain.reference_step(CFG, subject.policy, subject.sft, tiny_tokenizer, subject.records,
                                drawn.rollout.sequences)
     g = CFG.grpo.group_size

@@ -38,7 +38,7 @@ CURVE = [
 
 def test_a_trade_cannot_win_the_choice():
     choice = choose(CURVE, SFT)
-    assert choice.step == 20 and choice.worst == pytest.approx(0.05) and choice.mean == pytest.approx(0.075)
+    assert choice.index == 20 and choice.worst == pytest.approx(0.05) and choice.mean == pytest.approx(0.075)
     assert choice.reason.startswith("step 20: its worst kind changed +0.050 against SFT on the validation split")
     assert "10: -0.200" in choice.reason and "30: -0.050" in choice.reason
 
@@ -46,11 +46,11 @@ def test_a_trade_cannot_win_the_choice():
 def test_ties_go_to_the_larger_mean_then_the_later_step():
     """Where the validation split cannot tell checkpoints apart, the last one stands, as without selection."""
     same = planted(ambiguous=0.1, disambiguated=0.1, answerable=0.1, unanswerable=0.1)
-    assert choose([(5, same), (10, same)], SFT).step == 10
+    assert choose([(5, same), (10, same)], SFT).index == 10
     assert choose([(5, planted(ambiguous=0.2, disambiguated=0.1, answerable=0.1, unanswerable=0.1)), (10, same)],
-                  SFT).step == 5
+                  SFT).index == 5
     assert choose([(5, same), (10, planted(ambiguous=0.1, disambiguated=0.1, answerable=0.1, unanswerable=0.2))],
-                  SFT).step == 10
+                  SFT).index == 10
     with pytest.raises(SelectionError, match="no evaluated step"):
         choose([], SFT)
 

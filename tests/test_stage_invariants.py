@@ -28,7 +28,7 @@ from grpo.provenance.lineage import make_lineage, write_lineage
 from grpo.train.causal_lm import build_examples
 from grpo.train.policy import build_policy
 from grpo.train.step import draw, prepare_batch
-from tests.steps import make_context
+from tests.steps import make_step
 
 CFG = config_from_dict({"grpo": {"group_size": 2, "sampling": {"max_new_tokens": 5}}})
 
@@ -119,9 +119,9 @@ def test_i5_rollout_mask_stops_at_the_first_stop_when_pad_is_not_a_stop(tiny_tok
 
 
 def test_i3_prepare_batch_scores_the_generated_ids(tiny_model, tiny_tokenizer, records):
-    ctx = make_context(tiny_model, tiny_tokenizer)
-    sampled = draw(ctx, records, seed=8)
-    batch = prepare_batch(ctx, sampled)
+    step = make_step(tiny_model, tiny_tokenizer)
+    sampled = draw(step, records, seed=8)
+    batch = prepare_batch(step, sampled)
     rollout = sampled.rollout
     width = rollout.prompt_ids.shape[1]
     assert torch.equal(batch.inputs.input_ids[:, width:].cpu(), rollout.completion_ids)

@@ -15,7 +15,7 @@ from grpo.model.precision import apply_memory_settings, cpu_has_native_bf16
 from grpo.train.step import build_step, draw, grpo_step, prepare_batch
 from grpo.train.step_types import Step
 from grpo.train.update import update
-from tests.steps import combined_gradient, make_context, step_records, with_advantages
+from tests.steps import combined_gradient, make_step, step_records, with_advantages
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +26,11 @@ def records():
 def test_gradient_accumulation_happens_before_the_combination(tiny_model, tiny_tokenizer, records):
     """CAGrad is nonlinear: combining per-micro-batch gradients would differ from combining the
     accumulated ones. With per-task accumulation, grad_accum 1 and 3 give the same update."""
-    whole = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "cagrad"})
+    whole = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "cagrad"})
     sampled = draw(whole, records, seed=11)
     # Advantages of both signs in every task, so both task gradients are non-zero and conflicting.
     signal = with_advantages(sampled, torch.linspace(-1, 1, len(sampled.rewards)))
-    accum = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "cagrad"}, grad_accum=3)
+    accum = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "cagrad"}, grad_accum=3)
     g_whole = combined_gradient(whole, prepare_batch(whole, signal))
     g_accum = combined_gradient(accum, prepare_batch(accum, signal))
     assert g_whole.abs().max() > 0
@@ -38,14 +38,14 @@ def test_gradient_accumulation_happens_before_the_combination(tiny_model, tiny_t
 
 
 def test_nan_in_the_loss_raises_and_updates_nothing(tiny_model, tiny_tokenizer, records):
-    ctx = make_context(tiny_model, tiny_tokenizer)
-    sampled = draw(ctx, records, seed=3)
+    step = make_step(tiny_model, tiny_tokenizer)
+    sampled = draw(step, records, seed=3)
     poisoned = with_advantages(sampled, torch.full_like(sampled.advantages, float("nan")))
-    before = [p.detach().clone() for p in ctx.model.parameters()]
+    before = [p.detach().clone() for p in step.model.parameters()]
     with pytest.raises(MultitaskError, match="NaN/Inf"):
-        update(ctx, prepare_batch(ctx, poisoned))
-    assert all(torch.equal(a, b) for a, b in zip(before, ctx.model.parameters(), strict=True))
-    assert not ctx.optimizer.state, "the optimizer took a step"
+        update(step, prepare_batch(step, poisoned))
+    assert all(torch.equal(a, b) for a, b in zip(before, step.model.parameters(), strict=True))
+    assert not step.optimizer.state, "the optimizer took a step"
 
 
 @pytest.mark.parametrize("mode", ["sum", "cagrad"])
@@ -62,30 +62,30 @@ def test_a_nan_loss_stops_the_step_with_its_number(tiny_model, tiny_tokenizer, r
         return torch.full_like(advantages, float("nan")), stats
 
     monkeypatch.setattr(step_module, "group_advantages", nan_advantages)
-    ctx = make_context(tiny_model, tiny_tokenizer, multitask={"mode": mode})
-    before = [p.detach().clone() for p in ctx.model.parameters()]
+    step = make_step(tiny_model, tiny_tokenizer, multitask={"mode": mode})
+    before = [p.detach().clone() for p in step.model.parameters()]
     with pytest.raises(NonFiniteError, match=r"^grpo: step 7 stopped before its update: .*NaN/Inf.*nothing of "
                                              r"step 7 was applied or saved"):
-        grpo_step(ctx, records, 7, lambda attempt: records)
-    assert all(torch.equal(a, b) for a, b in zip(before, ctx.model.parameters(), strict=True))
+        grpo_step(step, records, 7, lambda attempt: records)
+    assert all(torch.equal(a, b) for a, b in zip(before, step.model.parameters(), strict=True))
 
 
 def test_zero_variance_step_makes_no_update(tiny_model, tiny_tokenizer, records):
     """All advantages 0, no KL or entropy term: the gradient is exactly 0 and Adam does not step
     (its momentum must not move the weights during a reward deadlock)."""
-    ctx = make_context(tiny_model, tiny_tokenizer, loss={"beta": 0.0, "entropy_coef": 0.0})
-    sampled = draw(ctx, records, seed=5)
+    step = make_step(tiny_model, tiny_tokenizer, loss={"beta": 0.0, "entropy_coef": 0.0})
+    sampled = draw(step, records, seed=5)
     frozen = with_advantages(sampled, torch.zeros_like(sampled.advantages))
-    metrics, _ = update(ctx, prepare_batch(ctx, frozen))
-    assert metrics["grad_norm"] == 0.0 and not ctx.optimizer.state
+    metrics, _ = update(step, prepare_batch(step, frozen))
+    assert metrics["grad_norm"] == 0.0 and not step.optimizer.state
 
 
 @pytest.mark.parametrize("mode", ["none", "filter", "resample"])
 def test_step_reports_every_health_metric(tiny_model, tiny_tokenizer, records, mode):
     from grpo.health.metrics import HEALTH_METRICS
 
-    ctx = make_context(tiny_model, tiny_tokenizer, dynamic_sampling=mode, max_resample=1)
-    result = grpo_step(ctx, records, 1, lambda attempt: records[::-1])
+    step = make_step(tiny_model, tiny_tokenizer, dynamic_sampling=mode, max_resample=1)
+    result = grpo_step(step, records, 1, lambda attempt: records[::-1])
     assert set(HEALTH_METRICS) <= set(result.metrics)
     assert len(result.raw_texts) == len(result.prompt_texts)
     assert "<|start_header_id|>" in result.header_tokens
@@ -99,21 +99,21 @@ def test_i9_reference_is_the_sft_policy_with_the_adapter_disabled(tiny_model, ti
     from grpo.core.logprobs import score_completions
 
     sft = copy.deepcopy(tiny_model)
-    ctx = make_context(tiny_model, tiny_tokenizer, loss={"beta": 0.1})
+    step = make_step(tiny_model, tiny_tokenizer, loss={"beta": 0.1})
     with torch.no_grad():  # a trained adapter: the policy now differs from the SFT model
-        for name, param in ctx.model.named_parameters():
+        for name, param in step.model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
-    batch = prepare_batch(ctx, draw(ctx, records, seed=2))
+    batch = prepare_batch(step, draw(step, records, seed=2))
     width = batch.completion_mask.shape[1]
     with torch.no_grad():
         inputs = batch.inputs
         expected = score_completions(sft, inputs.input_ids, inputs.attention_mask, width, 1.0).logprobs
-        policy = score_completions(ctx.model, inputs.input_ids, inputs.attention_mask, width, 1.0).logprobs
+        policy = score_completions(step.model, inputs.input_ids, inputs.attention_mask, width, 1.0).logprobs
     mask = batch.completion_mask
     torch.testing.assert_close(batch.ref_logprobs[mask], expected[mask], rtol=0, atol=1e-5)
     assert (policy[mask] - expected[mask]).abs().max() > 1e-3, "the adapter did not change the policy"
-    assert sum(p.numel() for p in ctx.model.parameters()) < 2 * sum(p.numel() for p in sft.parameters())
+    assert sum(p.numel() for p in step.model.parameters()) < 2 * sum(p.numel() for p in sft.parameters())
 
 
 def test_i10_scoring_takes_the_temperature_the_rollout_sampled_at(tiny_model, tiny_tokenizer, records):
@@ -121,18 +121,18 @@ def test_i10_scoring_takes_the_temperature_the_rollout_sampled_at(tiny_model, ti
     the config is changed afterwards (no scorer reads grpo.sampling.temperature)."""
     from grpo.core.logprobs import score_completions
 
-    ctx = make_context(tiny_model, tiny_tokenizer, num_iterations=2, loss={"beta": 0.1},
+    step = make_step(tiny_model, tiny_tokenizer, num_iterations=2, loss={"beta": 0.1},
                        sampling={"max_new_tokens": 5, "temperature": 0.7, "top_k": 5})
-    sampled = draw(ctx, records, seed=4)
+    sampled = draw(step, records, seed=4)
     assert sampled.rollout.temperature == 0.7 and sampled.rollout.processors == ("top_k=5", "min_new_tokens=1")
-    grpo = ctx.cfg.grpo  # a later change of the config must not reach the scoring of this rollout
+    grpo = step.cfg.grpo  # a later change of the config must not reach the scoring of this rollout
     sampling = grpo.sampling.model_copy(update={"temperature": 1.0})
-    ctx.cfg = ctx.cfg.model_copy(update={"grpo": grpo.model_copy(update={"sampling": sampling})})
-    batch = prepare_batch(ctx, sampled)
+    step.cfg = step.cfg.model_copy(update={"grpo": grpo.model_copy(update={"sampling": sampling})})
+    batch = prepare_batch(step, sampled)
     inputs, mask = batch.inputs, batch.completion_mask
     assert inputs.temperature == 0.7
     with torch.no_grad():
-        at_07 = score_completions(ctx.model, inputs.input_ids, inputs.attention_mask, mask.shape[1], 0.7).logprobs
+        at_07 = score_completions(step.model, inputs.input_ids, inputs.attention_mask, mask.shape[1], 0.7).logprobs
     torch.testing.assert_close(batch.old_logprobs[mask], at_07[mask], rtol=0, atol=1e-6)
 
 
@@ -141,9 +141,9 @@ def test_num_iterations_old_and_new_logprobs_are_the_same_distribution(tiny_mode
     and precision as the update's: before the first optimizer step the ratio is exactly 1."""
     from grpo.train.update import global_totals, task_losses
 
-    ctx = make_context(tiny_model, tiny_tokenizer, num_iterations=2, sampling={"max_new_tokens": 5, "temperature": 0.6})
-    batch = prepare_batch(ctx, draw(ctx, records, seed=6))
-    _, stats, _ = task_losses(ctx, batch, global_totals(ctx, batch), tuple(batch.rows), 0)
+    step = make_step(tiny_model, tiny_tokenizer, num_iterations=2, sampling={"max_new_tokens": 5, "temperature": 0.6})
+    batch = prepare_batch(step, draw(step, records, seed=6))
+    _, stats, _ = task_losses(step, batch, global_totals(step, batch), tuple(batch.rows), 0)
     for task, task_stats in stats.items():
         assert task_stats["ratio/mean"] == pytest.approx(1.0, abs=1e-6), task
         assert task_stats["clip_ratio/region_mean"] == 0.0, task
@@ -164,14 +164,14 @@ def test_fast_path_gives_the_plain_paths_numbers(tiny_model, tiny_tokenizer, rec
     reused by the policy pass, one graph per task, sum mode at one backward) changes no number: loss,
     entropy, KL and gradients agree in fp32, on the CPU and on a GPU."""
     loss = {"beta": 0.04, "entropy_coef": 0.01}
-    plain = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, device, loss=loss,
+    plain = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, device, loss=loss,
                          **{**PLAIN, "multitask": {**PLAIN["multitask"], "mode": mode}})
-    fast = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, device, loss=loss,
+    fast = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, device, loss=loss,
                         **{**FAST, "multitask": {**FAST["multitask"], "mode": mode, "low_memory": low_memory}})
-    assert {next(ctx.model.parameters()).device.type for ctx in (plain, fast)} == {device}
+    assert {next(step.model.parameters()).device.type for step in (plain, fast)} == {device}
     with torch.no_grad():  # a trained adapter, so the policy differs from the reference
-        for ctx in (plain, fast):
-            for name, param in ctx.model.named_parameters():
+        for step in (plain, fast):
+            for name, param in step.model.named_parameters():
                 if "lora_B" in name:
                     param.normal_(0, 0.3, generator=torch.Generator(param.device).manual_seed(1))
     advantages = torch.linspace(-1, 1, 2 * len(records))
@@ -202,13 +202,13 @@ def test_gradient_checkpointing_step_recomputes_and_gives_the_same_numbers(tiny_
     original = checkpoint_module.checkpoint  # bound when checkpointing is enabled: patched before
     monkeypatch.setattr(checkpoint_module, "checkpoint", lambda *a, **k: calls.append(1) or original(*a, **k))
     loss = {"beta": 0.04, "entropy_coef": 0.01}
-    plain = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss=loss, **FAST)
+    plain = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, loss=loss, **FAST)
     checkpointed_model = apply_memory_settings(copy.deepcopy(tiny_model), ModelConfig(gradient_checkpointing=True))
-    checkpointed = make_context(checkpointed_model, tiny_tokenizer, loss=loss, **FAST)
+    checkpointed = make_step(checkpointed_model, tiny_tokenizer, loss=loss, **FAST)
     assert checkpointed.model.training and checkpointed.model.is_gradient_checkpointing
     with torch.no_grad():
-        for ctx in (plain, checkpointed):
-            for name, param in ctx.model.named_parameters():
+        for step in (plain, checkpointed):
+            for name, param in step.model.named_parameters():
                 if "lora_B" in name:
                     param.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
     advantages = torch.linspace(-1, 1, 2 * len(records))
@@ -221,8 +221,8 @@ def test_gradient_checkpointing_step_recomputes_and_gives_the_same_numbers(tiny_
     assert calls, "no layer was checkpointed"
     for key in ("loss", "entropy", "kl"):
         assert got[key] == pytest.approx(expected[key], abs=1e-5), key
-    grads = [torch.cat([p.grad.flatten() for p in ctx.model.parameters() if p.requires_grad])
-             for ctx in (checkpointed, plain)]
+    grads = [torch.cat([p.grad.flatten() for p in step.model.parameters() if p.requires_grad])
+             for step in (checkpointed, plain)]
     assert grads[1].abs().max() > 1e-3
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-5)
 
@@ -231,8 +231,8 @@ def test_gradient_checkpointing_step_recomputes_and_gives_the_same_numbers(tiny_
 def test_bf16_step_computes_in_bf16_and_keeps_fp32_weights_and_statistics(tiny_model, tiny_tokenizer, records):
     """``grpo.bf16`` on a bf16 CPU: the forward passes run in bf16 (generation included), the log-probs,
     entropy, losses and the update stay fp32 and close to the fp32 step's on the same completions."""
-    fp32 = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"beta": 0.04})
-    bf16 = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"beta": 0.04}, bf16=True)
+    fp32 = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"beta": 0.04})
+    bf16 = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"beta": 0.04}, bf16=True)
     with bf16.autocast():  # the body's matmuls in bf16; the LM head stays fp32 (precision.Fp32Head)
         assert torch.is_autocast_enabled("cpu")
         assert bf16.model(input_ids=torch.tensor([[1, 2, 3]])).logits.dtype == torch.float32
@@ -259,14 +259,14 @@ def test_bf16_step_holding_frozen_weights_in_bf16_is_the_same_step(tiny_model, t
     def run(held: bool):
         if not held:
             monkeypatch.setattr(Step, "frozen_bf16", lambda self: contextlib.nullcontext())
-        ctx = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"beta": 0.04}, bf16=True)
+        step = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"beta": 0.04}, bf16=True)
         seen = []  # the dtype of a frozen projection's weight at each of its forwards during the step
-        proj = ctx.model.base_model.model.model.layers[0].mlp.down_proj
+        proj = step.model.base_model.model.model.layers[0].mlp.down_proj
         hook = proj.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
-        result = grpo_step(ctx, records, 1, lambda attempt: records)
+        result = grpo_step(step, records, 1, lambda attempt: records)
         hook.remove()
         monkeypatch.undo()
-        return result, ctx.model, set(seen)
+        return result, step.model, set(seen)
 
     (held, held_model, held_seen), (plain, plain_model, plain_seen) = run(True), run(False)
     assert held_seen == {torch.bfloat16} and plain_seen == {torch.float32}, "the step itself holds them"
@@ -279,8 +279,8 @@ def test_bf16_step_holding_frozen_weights_in_bf16_is_the_same_step(tiny_model, t
 
 
 def test_step_reports_the_time_of_every_phase(tiny_model, tiny_tokenizer, records):
-    ctx = make_context(tiny_model, tiny_tokenizer, loss={"beta": 0.04})
-    metrics = grpo_step(ctx, records, 1, lambda attempt: records).metrics
+    step = make_step(tiny_model, tiny_tokenizer, loss={"beta": 0.04})
+    metrics = grpo_step(step, records, 1, lambda attempt: records).metrics
     for phase in ("generate", "reward", "reference", "update"):
         assert metrics[f"timing/{phase}"] > 0, phase
         assert metrics[f"timing/{phase}_share"] == pytest.approx(metrics[f"timing/{phase}"] / metrics["step_time"])
@@ -297,19 +297,19 @@ def test_step_reports_the_time_of_every_phase(tiny_model, tiny_tokenizer, record
 ], ids=["default", "off", "no-shared-prefix", "two-iterations", "two-micro-batches", "dynamic-sampling"])
 def test_the_rollouts_prefill_is_kept_only_where_the_update_would_repeat_it(tiny_model, tiny_tokenizer, records,
                                                                              grpo, kept):
-    ctx = make_context(tiny_model, tiny_tokenizer, **grpo)
-    assert ctx.reuses_prefill is kept
-    assert bool(draw(ctx, records, seed=3).prefills) is kept
-    grpo_step(ctx, records, 1, lambda attempt: records)  # and the step runs either way
+    step = make_step(tiny_model, tiny_tokenizer, **grpo)
+    assert step.reuses_prefill is kept
+    assert bool(draw(step, records, seed=3).prefills) is kept
+    grpo_step(step, records, 1, lambda attempt: records)  # and the step runs either way
 
 
 def test_no_prefill_is_kept_for_a_model_with_dropout(tiny_model, tiny_tokenizer):
     """The rollout runs in eval mode, the update in train mode: with dropout they are not the same pass."""
-    ctx = make_context(tiny_model, tiny_tokenizer)
-    assert ctx.reuses_prefill
-    layer = next(m for m in ctx.model.modules() if hasattr(m, "lora_dropout"))
+    step = make_step(tiny_model, tiny_tokenizer)
+    assert step.reuses_prefill
+    layer = next(m for m in step.model.modules() if hasattr(m, "lora_dropout"))
     layer.lora_dropout["default"] = torch.nn.Dropout(0.1)  # what model.lora.dropout: 0.1 builds
-    rebuilt = build_step(ctx.cfg, ctx.policy, ctx.accelerator)
+    rebuilt = build_step(step.cfg, step.policy, step.accelerator)
     assert not rebuilt.reuses_prefill
 
 
@@ -317,12 +317,12 @@ def test_i10_the_reference_is_scored_at_the_rollouts_temperature(tiny_model, tin
     """The stored reference log-probs at T = 0.7 are those of the SFT weights (a copy without the adapter)
     under softmax(z / 0.7), scored row by row apart."""
     sft = copy.deepcopy(tiny_model)
-    ctx = make_context(tiny_model, tiny_tokenizer, loss={"beta": 0.04}, sampling={"max_new_tokens": 5, "temperature": 0.7})
+    step = make_step(tiny_model, tiny_tokenizer, loss={"beta": 0.04}, sampling={"max_new_tokens": 5, "temperature": 0.7})
     with torch.no_grad():  # a moved adapter: the reference is the SFT weights, not the policy
-        for name, param in ctx.model.named_parameters():
+        for name, param in step.model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.3, generator=torch.Generator().manual_seed(4))
-    batch = prepare_batch(ctx, draw(ctx, records, seed=9))
+    batch = prepare_batch(step, draw(step, records, seed=9))
     inputs, mask = batch.inputs, batch.completion_mask
     from grpo.core.logprobs import score_completions
 

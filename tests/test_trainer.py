@@ -210,14 +210,14 @@ def test_lora_off_trains_every_weight_against_the_frozen_sft_model(project, tmp_
     assert not any("lora" in name for name, _ in policy.model.named_parameters())
     assert all(p.requires_grad for p in policy.model.parameters())
     assert policy.reference is not None and not any(p.requires_grad for p in policy.reference.parameters())
-    ctx = build_step(cfg, policy, accelerator)
+    step = build_step(cfg, policy, accelerator)
     records = read_records(params.parent / "data" / "processed" / "train.jsonl")[:4]
-    for step in (1, 2):
-        grpo_step(ctx, records, step, lambda attempt: records)
+    for index in (1, 2):
+        grpo_step(step, records, index, lambda attempt: records)
     sft_weights = dict(sft.named_parameters())
     assert any(not torch.equal(p, sft_weights[n]) for n, p in policy.model.named_parameters()), "policy did not move"
     assert all(torch.equal(p, sft_weights[n]) for n, p in policy.reference.named_parameters())
-    batch = prepare_batch(ctx, draw(ctx, records, seed=3))
+    batch = prepare_batch(step, draw(step, records, seed=3))
     width, mask = batch.completion_mask.shape[1], batch.completion_mask
     with torch.no_grad():
         expected = score_completions(sft, batch.inputs.input_ids, batch.inputs.attention_mask, width, 1.0).logprobs

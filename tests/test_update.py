@@ -14,7 +14,7 @@ from grpo.core.multitask import MultitaskError
 from grpo.model.scoring import score_inputs
 from grpo.train.step import draw, prepare_batch
 from grpo.train.update import global_totals, gradient, parts, task_losses, update
-from tests.steps import make_context, step_records, with_advantages
+from tests.steps import make_step, step_records, with_advantages
 
 
 @pytest.fixture(scope="module")
@@ -30,15 +30,15 @@ MODES = [  # (mode, reward_only, low_memory, task_stats)
 ]
 
 
-def _batch(ctx, records, advantages=None):
-    sampled = draw(ctx, records, seed=5)
+def _batch(step, records, advantages=None):
+    sampled = draw(step, records, seed=5)
     advantages = torch.zeros(len(sampled.rewards)) if advantages is None else advantages
-    return prepare_batch(ctx, with_advantages(sampled, advantages))
+    return prepare_batch(step, with_advantages(sampled, advantages))
 
 
 @torch.no_grad()
-def _entropy(ctx, batch) -> float:
-    return float(masked_mean(score_inputs(ctx.model, batch.inputs).entropy, batch.completion_mask))
+def _entropy(step, batch) -> float:
+    return float(masked_mean(score_inputs(step.model, batch.inputs).entropy, batch.completion_mask))
 
 
 @pytest.mark.parametrize(("mode", "reward_only", "low_memory", "task_stats"), MODES)
@@ -48,31 +48,31 @@ def test_i7_entropy_step_raises_entropy_in_every_mode(tiny_model, tiny_tokenizer
     """Zero advantages and no KL: the update's direction is the entropy bonus's alone, combined in the mode;
     one SGD step along it raises entropy for a positive coefficient and lowers it for a negative one."""
     multitask = {"mode": mode, "reward_only": reward_only, "low_memory": low_memory, "task_stats": task_stats}
-    ctx = make_context(tiny_model, tiny_tokenizer, multitask=multitask,
+    step = make_step(tiny_model, tiny_tokenizer, multitask=multitask,
                        loss={"beta": 0.0, "entropy_coef": entropy_coef})
     with torch.no_grad():  # a moved adapter, so the entropy gradient reaches A and B
-        for name, param in ctx.model.named_parameters():
+        for name, param in step.model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
-    batch = _batch(ctx, records)
-    before = _entropy(ctx, batch)
-    direction = gradient(ctx, batch, global_totals(ctx, batch)).direction
+    batch = _batch(step, records)
+    before = _entropy(step, batch)
+    direction = gradient(step, batch, global_totals(step, batch)).direction
     with torch.no_grad():
         offset = 0
-        for p in ctx.params:
+        for p in step.params:
             p -= 2.0 * direction[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-    after = _entropy(ctx, batch)
+    after = _entropy(step, batch)
     assert (after - before) * entropy_coef > 1e-5, (before, after)
 
 
 def test_parts_score_per_task_or_together(tiny_model, tiny_tokenizer):
     tasks = ("fairness", "hallucination")
-    low = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "cagrad"}, grad_accum=2)
+    low = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "cagrad"}, grad_accum=2)
     assert parts(low) == [(("fairness",), 0), (("hallucination",), 0), (("fairness",), 1), (("hallucination",), 1)]
-    shared = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "cagrad", "low_memory": False})
+    shared = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "cagrad", "low_memory": False})
     assert parts(shared) == [(tasks, 0)]
-    summed = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "sum"})
+    summed = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "sum"})
     assert summed.summed and parts(summed) == [(tasks, 0)]
 
 
@@ -81,8 +81,8 @@ def test_the_summed_backward_is_the_sum_of_the_task_gradients(tiny_model, tiny_t
     per-task gradients summed, without their norms."""
     advantages = torch.linspace(-1, 1, 2 * len(records))
     loss = {"beta": 0.04, "entropy_coef": 0.01}
-    one = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "sum"}, loss=loss)
-    each = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "sum", "task_stats": True},
+    one = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "sum"}, loss=loss)
+    each = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, multitask={"mode": "sum", "task_stats": True},
                         loss=loss)
     got, got_stats, _, _ = gradient(one, b := _batch(one, records, advantages), global_totals(one, b))
     want, want_stats, _, _ = gradient(each, c := _batch(each, records, advantages), global_totals(each, c))
@@ -94,23 +94,23 @@ def test_the_summed_backward_is_the_sum_of_the_task_gradients(tiny_model, tiny_t
 
 @pytest.mark.parametrize("multitask", [{"mode": "sum"}, {"mode": "cagrad"}, {"mode": "cagrad", "low_memory": False}])
 def test_a_nan_loss_raises_naming_the_task_and_updates_nothing(tiny_model, tiny_tokenizer, records, multitask):
-    ctx = make_context(tiny_model, tiny_tokenizer, multitask=multitask)
+    step = make_step(tiny_model, tiny_tokenizer, multitask=multitask)
     advantages = torch.ones(2 * len(records))
-    batch = _batch(ctx, records, advantages)
+    batch = _batch(step, records, advantages)
     advantages[batch.rows["hallucination"][0]] = float("nan")
-    batch = _batch(ctx, records, advantages)
-    before = [p.detach().clone() for p in ctx.model.parameters()]
+    batch = _batch(step, records, advantages)
+    before = [p.detach().clone() for p in step.model.parameters()]
     with pytest.raises(MultitaskError, match="hallucination"):
-        update(ctx, batch)
-    assert all(torch.equal(a, b) for a, b in zip(before, ctx.model.parameters(), strict=True))
-    assert not ctx.optimizer.state
+        update(step, batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, step.model.parameters(), strict=True))
+    assert not step.optimizer.state
 
 
 def test_task_losses_scale_each_task_by_its_share_of_the_batch(tiny_model, tiny_tokenizer, records):
     """Two micro-batches' losses of a task add up to the whole task's loss (grpo: rows, token_mean: tokens)."""
     for loss_type in ("grpo", "token_mean"):
-        whole = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"loss_type": loss_type})
-        split = make_context(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"loss_type": loss_type}, grad_accum=2)
+        whole = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"loss_type": loss_type})
+        split = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, loss={"loss_type": loss_type}, grad_accum=2)
         advantages = torch.linspace(-1, 1, 2 * len(records))
         batch = _batch(whole, records, advantages)
         totals = global_totals(whole, batch)
@@ -124,10 +124,10 @@ def test_task_losses_scale_each_task_by_its_share_of_the_batch(tiny_model, tiny_
 def test_i10_the_update_scores_at_the_rollouts_temperature(tiny_model, tiny_tokenizer, records):
     """At T = 0.7 with two updates per rollout, the update's first policy pass scores the very numbers the
     stored old log-probs hold (same forwards, same temperature): a pass that dropped T would not."""
-    ctx = make_context(tiny_model, tiny_tokenizer, num_iterations=2,
+    step = make_step(tiny_model, tiny_tokenizer, num_iterations=2,
                        sampling={"max_new_tokens": 5, "temperature": 0.7})
-    batch = _batch(ctx, records, torch.linspace(-1, 1, 2 * len(records)))
+    batch = _batch(step, records, torch.linspace(-1, 1, 2 * len(records)))
     assert batch.inputs.temperature == 0.7 and batch.old_logprobs is not None
-    _, first = update(ctx, batch)
+    _, first = update(step, batch)
     mask = batch.completion_mask
     assert torch.equal(first.logprobs[mask], batch.old_logprobs[mask])

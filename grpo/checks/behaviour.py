@@ -91,9 +91,9 @@ def check_sft_ends_answers(s: Gated) -> Check:
     """I2 in the trained SFT model: greedy answers to eval prompts end with a stop token in the budget."""
     cfg = s.cfg
     prompts = render_records(s.tokenizer, s.questions, cfg.model.chat_template_kwargs)
-    with torch.no_grad(), s.ctx.autocast():
+    with torch.no_grad(), s.step.autocast():
         rollout = generate_rollout(
-            s.sft, s.tokenizer, prompts, 1, cfg.grpo.sampling, s.eos_ids, cfg.seed, greedy=True, fast=s.ctx.fast
+            s.sft, s.tokenizer, prompts, 1, cfg.grpo.sampling, s.eos_ids, cfg.seed, greedy=True, fast=s.step.fast
         )
     ended = 1.0 - float(rollout.truncated.float().mean())
     detail = (
@@ -146,11 +146,11 @@ def check_processors_see_completion(s: Gated) -> Check:
         }
     )
     rows = len(s.prompts)
-    with torch.no_grad(), s.ctx.autocast():
+    with torch.no_grad(), s.step.autocast():
         for penalty in ("presence_penalty", "frequency_penalty"):
             sampling = base.model_copy(update={penalty: 2 * BIAS})
             with biased(s.policy, [x]):
-                out = s.ctx.engine.generate(s.prompts, 1, sampling, s.eos_ids, s.cfg.seed).rollout
+                out = s.step.engine.generate(s.prompts, 1, sampling, s.eos_ids, s.cfg.seed).rollout
             first = out.completion_ids[:, 0].tolist()
             if first != [x] * rows:
                 problems.append(
@@ -165,7 +165,7 @@ def check_processors_see_completion(s: Gated) -> Check:
                 )
         sampling = base.model_copy(update={"min_new_tokens": 2})
         with biased(s.policy, list(s.eos_ids)):
-            out = s.ctx.engine.generate(s.prompts, 1, sampling, s.eos_ids, s.cfg.seed).rollout
+            out = s.step.engine.generate(s.prompts, 1, sampling, s.eos_ids, s.cfg.seed).rollout
         if out.lengths.tolist() != [3] * rows:
             problems.append(
                 f"with min_new_tokens=2 and the stop tokens favoured, the rows stopped after "
@@ -194,7 +194,7 @@ def check_first_step(s: Gated) -> Check:
         "at the start the policy is its reference: check the reference the trainer's step context "
         "gets (I9) and that old, new and reference log-probs are scored alike (I8, I10)"
     )
-    with restored(s.ctx):
+    with restored(s.step):
         try:
             metrics = grpo_step(
                 s.variant(loss={"beta": max(s.cfg.grpo.loss.beta, 0.04)}), s.records, 1, lambda attempt: s.records,

@@ -75,7 +75,7 @@ def _recorded(rollout: Rollout, eos_ids: list[int]) -> list[int]:
 
 def _step_rollouts(s: Gated, records: list[dict]) -> tuple[Rollout, Rollout]:
     """The step's engine on ``records`` as the step calls it, and the library path's engine, one seed."""
-    step, group = s.ctx, s.cfg.grpo.group_size
+    step, group = s.step, s.cfg.grpo.group_size
     prompts = render_records(step.tokenizer, records, s.cfg.model.chat_template_kwargs)
     keep = {"keep_segments": [r["task"] for r in records]} if step.reuses_prefill else {}
     sampling, seed = _probe_sampling(s), s.cfg.seed
@@ -93,7 +93,7 @@ def _probe_sampling(s: Gated) -> SamplingConfig:
 def _evaluation(s: Gated, records: list[dict], fast: FastPaths) -> tuple[Rollout, Rollout]:
     """Evaluation's two decodes of a batch (``eval.evaluate.evaluate_model``): greedy, then the samples
     started from that greedy pass where ``fast`` allows (``FastPaths.prompt_pass``)."""
-    step = s.ctx
+    step = s.step
     prompts = render_records(step.tokenizer, records, s.cfg.model.chat_template_kwargs)
     shared = fast.prompt_pass()
     args = (step.model, step.tokenizer, prompts)
@@ -106,10 +106,10 @@ def _evaluation(s: Gated, records: list[dict], fast: FastPaths) -> tuple[Rollout
 
 def check_fast_paths(s: Gated) -> Check:
     """The fast paths in use against the library's paths (module docstring): rows that differ, in fp32."""
-    if s.ctx.fast.setting == "off":
+    if s.step.fast.setting == "off":
         return Check("fast_paths", "pass", 0, "model.fast_paths: off: the library's paths run", "", "I3, I10", 0)
-    if not isinstance(s.ctx.engine, HFEngine):
-        return Check("fast_paths", "skip", 0, f"the {s.ctx.engine.name} engine samples, not the decode loop", "",
+    if not isinstance(s.step.engine, HFEngine):
+        return Check("fast_paths", "skip", 0, f"the {s.step.engine.name} engine samples, not the decode loop", "",
                      "I3, I10", 0)
     records = interleaved(s.records)
     problems = {}
@@ -117,7 +117,7 @@ def check_fast_paths(s: Gated) -> Check:
         fast, library = _step_rollouts(s, records)
         problems["step rollout rows unlike generate's"] = _differing(fast, library)
         problems["rows whose recorded draws are not their ids or stop"] = _recorded(fast, s.eos_ids)
-        ours, theirs = _evaluation(s, records, s.ctx.fast), _evaluation(s, records, OFF)
+        ours, theirs = _evaluation(s, records, s.step.fast), _evaluation(s, records, OFF)
         problems["evaluation's greedy replies unlike the library's"] = _differing(ours[0], theirs[0])
         problems["evaluation's samples unlike the library's"] = _differing(ours[1], theirs[1])
         if not problems["evaluation's samples unlike the library's"]:
@@ -125,7 +125,7 @@ def check_fast_paths(s: Gated) -> Check:
                 ours[1], theirs[1])
     wrong = {what: rows for what, rows in problems.items() if rows}
     detail = (
-        f"{s.ctx.fast.report()}; {len(records)} prompts (tasks {[r['task'] for r in records]}), "
+        f"{s.step.fast.report()}; {len(records)} prompts (tasks {[r['task'] for r in records]}), "
         f"{s.cfg.grpo.group_size} samples each at T={_probe_sampling(s).temperature}, against model.fast_paths: "
         "off from the same seed"
         + "".join(f"; {what}: {rows}" for what, rows in wrong.items())

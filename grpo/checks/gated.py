@@ -35,7 +35,7 @@ from grpo.train.step_types import ScoredBatch, Step
 class Gated:
     """What the checks run on: the trainer's step around the configured policy, and the models to compare with."""
 
-    ctx: Step  # the configured policy (LoRA on the SFT weights, or all of them), its reference and optimizer
+    step: Step  # the configured policy (LoRA on the SFT weights, or all of them), its reference and optimizer
     records: list[dict]  # one per task, prompt widths as different as possible, shortest first
     sft: torch.nn.Module  # a fresh load of the SFT weights: the reference must equal it (I9)
     base: torch.nn.Module | None  # the pre-SFT base: the reference must differ from it (None: not compared)
@@ -43,24 +43,24 @@ class Gated:
 
     @property
     def cfg(self) -> Config:
-        return self.ctx.cfg
+        return self.step.cfg
 
     @property
     def policy(self) -> torch.nn.Module:
-        return self.ctx.model
+        return self.step.model
 
     @property
     def reference(self) -> torch.nn.Module | None:
         """The frozen SFT copy (full fine-tuning), or None: the policy with its adapter disabled (I9)."""
-        return self.ctx.reference
+        return self.step.reference
 
     @property
     def tokenizer(self) -> Any:
-        return self.ctx.tokenizer
+        return self.step.tokenizer
 
     @property
     def eos_ids(self) -> list[int]:
-        return self.ctx.eos_ids
+        return self.step.eos_ids
 
     @property
     def prompts(self) -> list[list[int]]:
@@ -69,7 +69,7 @@ class Gated:
 
     def variant(self, **grpo: Any) -> Step:
         """The trainer's step built again with some ``grpo`` params replaced (``with_grpo``)."""
-        return with_grpo(self.ctx, **grpo)
+        return with_grpo(self.step, **grpo)
 
     def tolerance(self) -> float:
         """Log-prob agreement expected of two scorings of the same ids through the same path (the
@@ -112,14 +112,14 @@ def pad_not_stop(tokenizer: Any, eos_ids: list[int]) -> Any | None:
     return copied
 
 
-def with_grpo(ctx: Step, **grpo: Any) -> Step:
-    """``ctx`` built again with some ``grpo`` params replaced (``sampling`` as a dict of its fields)."""
-    sampling = ctx.cfg.grpo.sampling.model_copy(update=grpo.pop("sampling", {}))
-    loss = ctx.cfg.grpo.loss.model_copy(update=grpo.pop("loss", {}))
-    cfg = ctx.cfg.model_copy(
-        update={"grpo": ctx.cfg.grpo.model_copy(update={**grpo, "sampling": sampling, "loss": loss})}
+def with_grpo(step: Step, **grpo: Any) -> Step:
+    """``step`` built again with some ``grpo`` params replaced (``sampling`` as a dict of its fields)."""
+    sampling = step.cfg.grpo.sampling.model_copy(update=grpo.pop("sampling", {}))
+    loss = step.cfg.grpo.loss.model_copy(update=grpo.pop("loss", {}))
+    cfg = step.cfg.model_copy(
+        update={"grpo": step.cfg.grpo.model_copy(update={**grpo, "sampling": sampling, "loss": loss})}
     )
-    return build_step(cfg, ctx.policy, ctx.accelerator)
+    return build_step(cfg, step.policy, step.accelerator)
 
 
 def _noise(p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -157,9 +157,9 @@ def perturbed_policy(model: torch.nn.Module, seed: int, scale: float = 0.05):
 
 def step_batch(s: Gated, seed: int, **grpo: Any) -> tuple[ScoredBatch, Any]:
     """One ``draw`` and ``prepare_batch`` of the GRPO step over the subject's records."""
-    ctx = with_grpo(s.ctx, **grpo)
-    sampled = draw(ctx, s.records, seed)
-    return prepare_batch(ctx, sampled), sampled
+    step = with_grpo(s.step, **grpo)
+    sampled = draw(step, s.records, seed)
+    return prepare_batch(step, sampled), sampled
 
 
 def _records(cfg: Config, tokenizer, records: list[dict]) -> list[dict]:

@@ -166,7 +166,7 @@ def _batch_ids_problem(s: Gated) -> list[str]:
     hand = _hand_rollout(s).rollout
     n = len(hand.texts)
     records = [s.records[i % len(s.records)] for i in range(n)]
-    batch = prepare_batch(s.ctx, Draw(hand, records, torch.zeros(n), torch.zeros(n), {}))
+    batch = prepare_batch(s.step, Draw(hand, records, torch.zeros(n), torch.zeros(n), {}))
     joined = torch.cat([hand.prompt_ids, hand.completion_ids], dim=1)
     if torch.equal(batch.inputs.input_ids.cpu(), joined):
         return []

@@ -30,7 +30,7 @@ def _fresh_gap(s: Gated, model: torch.nn.Module, batch: ScoredBatch) -> float:
     part as the step scores its reference (the same forwards: in any precision the SFT weights agree
     exactly, where a model that is not them differs by far more)."""
     model.to(batch.inputs.input_ids.device).eval()
-    other = score_parts(s.ctx, batch.inputs, batch.rows, adapter=True, model=model)
+    other = score_parts(s.step, batch.inputs, batch.rows, adapter=True, model=model)
     return float((batch.ref_logprobs - other).abs()[batch.completion_mask].max())
 
 
@@ -163,7 +163,7 @@ def check_temperature(s: Gated) -> Check:
             if sampled.rollout.temperature != t or batch.inputs.temperature != t:
                 wrong_record.append(t)
             logp, manual_entropy, (scored_logp, entropy) = _formula(
-                with_grpo(s.ctx, num_iterations=2, sampling={"temperature": t}), batch
+                with_grpo(s.step, num_iterations=2, sampling={"temperature": t}), batch
             )
             mask = batch.completion_mask.cpu()
             gaps[f"T={t}"] = max(

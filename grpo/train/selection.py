@@ -62,7 +62,8 @@ class SelectionError(GrpoError):
 class Choice(NamedTuple):
     """The checkpoint ``models/grpo`` is made from."""
 
-    step: int
+    index: int
+    """The step's number."""
     worst: float
     """Its worst kind's change of validation accuracy against SFT."""
     mean: float
@@ -96,9 +97,9 @@ def carve(cfg: Config, records: Sequence[dict]) -> tuple[list[dict], list[dict]]
     return train, validation
 
 
-def due(cfg: Config, step: int) -> bool:
-    """Whether the validation split is scored after ``step``."""
-    return selecting(cfg) and (step % cfg.grpo.selection.every == 0 or step == cfg.grpo.steps)
+def due(cfg: Config, index: int) -> bool:
+    """Whether the validation split is scored after step ``index``."""
+    return selecting(cfg) and (index % cfg.grpo.selection.every == 0 or index == cfg.grpo.steps)
 
 
 # --------------------------------------------------------------------------- scoring
@@ -197,21 +198,21 @@ def choose(evaluated: Sequence[tuple[int, Mapping[str, float]]], sft: Mapping[st
     if not evaluated:
         raise SelectionError("no evaluated step to choose from: the run never evaluated its validation split")
     ranked = []
-    for step, scores in evaluated:
+    for index, scores in evaluated:
         moved = changes(scores, sft)
         if not moved:
             raise SelectionError(
-                f"step {step} was scored on no kind of item SFT was scored on: {sorted(scores)}"
+                f"step {index} was scored on no kind of item SFT was scored on: {sorted(scores)}"
             )
-        ranked.append((min(moved.values()), sum(moved.values()) / len(moved), step, moved))
-    worst, mean, step, moved = max(ranked)
+        ranked.append((min(moved.values()), sum(moved.values()) / len(moved), index, moved))
+    worst, mean, index, moved = max(ranked)
     kinds = ", ".join(f"{kind} {change:+.3f}" for kind, change in moved.items())
-    others = ", ".join(f"{s}: {w:+.3f}" for w, _, s, _ in ranked if s != step) or "none"
+    others = ", ".join(f"{s}: {w:+.3f}" for w, _, s, _ in ranked if s != index) or "none"
     reason = (
-        f"step {step}: its worst kind changed {worst:+.3f} against SFT on the validation split ({kinds}); "
+        f"step {index}: its worst kind changed {worst:+.3f} against SFT on the validation split ({kinds}); "
         f"the other evaluated steps' worst changes: {others}"
     )
-    return Choice(step, worst, mean, reason)
+    return Choice(index, worst, mean, reason)
 
 
 def record(
@@ -229,11 +230,11 @@ def record(
         "every": cfg.grpo.selection.every,
         "records": n_records,
         "sft": dict(sft),
-        "evaluations": [{"step": step, "accuracy": scores} for step, scores in evaluations(history)],
+        "evaluations": [{"step": index, "accuracy": scores} for index, scores in evaluations(history)],
         "seconds": sum(float(entry.get(SECONDS, 0.0)) for entry in history),
     }
     if choice is not None:
-        summary |= {"step": choice.step, "worst_change": choice.worst, "mean_change": choice.mean}
+        summary |= {"step": choice.index, "worst_change": choice.worst, "mean_change": choice.mean}
         summary["reason"] = choice.reason
     write_json(run_dir / SELECTION_FILE, summary)
     return summary
@@ -273,7 +274,7 @@ class Selector:
     def keep(self, history: Sequence[Mapping[str, Any]]) -> tuple[int, ...]:
         """Checkpoint steps pruning must spare: the best so far."""
         best = self.best(history)
-        return () if best is None else (best.step,)
+        return () if best is None else (best.index,)
 
     def finish(self, history: Sequence[Mapping[str, Any]], last: int, is_main: bool) -> dict[str, Any] | None:
         """Load the chosen checkpoint's weights into the policy (unless it is the ``last`` step, whose weights
@@ -281,16 +282,16 @@ class Selector:
         choice = self.best(history)
         if choice is None:
             return None
-        if choice.step != last:
-            path = ckpt.checkpoint_path(self.run_dir, choice.step)
+        if choice.index != last:
+            path = ckpt.checkpoint_path(self.run_dir, choice.index)
             if not ckpt.is_complete(path):
                 raise SelectionError(
-                    f"{path}: the checkpoint of the chosen step {choice.step} is missing or incomplete; it is "
+                    f"{path}: the checkpoint of the chosen step {choice.index} is missing or incomplete; it is "
                     "kept from pruning while it is the best, so the run folder was changed by hand: rerun "
                     "`grpo train` from scratch (delete the run folder) or use --select last"
                 )
             ckpt.load_checkpoint(path, model=self.step.model, optimizer=None, scheduler=None)
-        summary = {"rule": self.cfg.grpo.selection.rule, "step": choice.step, "reason": choice.reason}
+        summary = {"rule": self.cfg.grpo.selection.rule, "step": choice.index, "reason": choice.reason}
         if is_main:
             print(f"grpo: models/grpo is {choice.reason}")
             summary = record(self.cfg, self.run_dir, self.sft, history, len(self.validation), choice)

@@ -128,11 +128,11 @@ def check_in_sync(policy: Policy, accelerator: Accelerator) -> list[str]:
     return digests
 
 
-def _shard(cfg: Config, by_task: dict, step: int, attempt: int, accelerator: Accelerator) -> list[dict]:
-    """This process's prompts of ``step`` (``attempt`` > 0: fresh prompts for dynamic resampling)."""
+def _shard(cfg: Config, by_task: dict, index: int, attempt: int, accelerator: Accelerator) -> list[dict]:
+    """This process's prompts of step ``index`` (``attempt`` > 0: fresh prompts for dynamic resampling)."""
     seed = derive_seed(cfg.seed, ("attempt", attempt))
     grpo = cfg.grpo
-    records = sample_step(by_task, grpo.prompts_per_step, grpo.fairness_fraction, seed, step, grpo.kind_share)
+    records = sample_step(by_task, grpo.prompts_per_step, grpo.fairness_fraction, seed, index, grpo.kind_share)
     return shard(records, accelerator.process_index, accelerator.num_processes)
 
 
@@ -140,7 +140,7 @@ def save_checkpoint(
     cfg: Config,
     policy: Policy,
     accelerator: Accelerator,
-    step: int,
+    index: int,
     history: list[dict],
     lineage: dict,
     keep: tuple[int, ...] = (),
@@ -153,7 +153,7 @@ def save_checkpoint(
     if accelerator.is_main_process:
         ckpt.save_checkpoint(
             paths.run_dir(cfg),
-            step,
+            index,
             model=policy.model,
             optimizer=policy.optimizer,
             scheduler=policy.scheduler,
@@ -166,13 +166,13 @@ def save_checkpoint(
         )
 
 
-def watch(monitor: Monitor, step: int, result: StepResult, run_dir: Path | None = None) -> None:
-    """Apply the monitor to one step; ``result`` describes the global batch (the same on every
+def watch(monitor: Monitor, index: int, result: StepResult, run_dir: Path | None = None) -> None:
+    """Apply the monitor to step ``index``; ``result`` describes the global batch (the same on every
     process), so every process decides alike and all stop together, none left in an all-reduce.
     ``run_dir``: where the run's checkpoints are, for the stop message to name the last healthy one."""
-    findings = monitor.observe(step, result.metrics)  # boundary text checks run on the first steps only
+    findings = monitor.observe(index, result.metrics)  # boundary text checks run on the first steps only
     findings += monitor.check_boundary(
-        step, result.raw_texts, result.prompt_texts, result.header_tokens, result.end_of_turn_tokens
+        index, result.raw_texts, result.prompt_texts, result.header_tokens, result.end_of_turn_tokens
     )
     raise_if_stop(findings, None if run_dir is None else lambda: ckpt.checkpoint_steps(run_dir))
 
@@ -192,12 +192,12 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> T
     """Run (or resume) GRPO. Raises TrainingStopped on a collapse."""
     require_preflight(cfg)
     accelerator = make_accelerator()
-    context = build_training(cfg, accelerator, shard=sharding.policy_sharder(cfg, accelerator))
-    policy = context.policy
+    step = build_training(cfg, accelerator, shard=sharding.policy_sharder(cfg, accelerator))
+    policy = step.policy
     lineage = make_lineage("grpo", cfg, paths.stage_inputs(cfg, "grpo"))
     start, history = resume(cfg, policy)
-    context.engine.sync_weights(policy.model)  # an engine of its own (vLLM) samples from the resumed weights
-    selector = Selector(cfg, context, train_records(cfg, "grpo"), paths.run_dir(cfg))
+    step.engine.sync_weights(policy.model)  # an engine of its own (vLLM) samples from the resumed weights
+    selector = Selector(cfg, step, train_records(cfg, "grpo"), paths.run_dir(cfg))
     by_task = split_by_task(selector.prompts)  # the validation records are never prompts
     monitor = Monitor(cfg.monitor, history)
     writer = MetricsWriter(
@@ -212,20 +212,20 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> T
     end = min(cfg.grpo.steps, start + max_steps) if max_steps else cfg.grpo.steps
     bar = tqdm(range(start + 1, end + 1), desc="grpo", disable=not (progress and accelerator.is_main_process))
     try:
-        for step in bar:
+        for index in bar:
             result = grpo_step(
-                context,
-                _shard(cfg, by_task, step, 0, accelerator),
                 step,
-                lambda attempt, step=step: _shard(cfg, by_task, step, attempt, accelerator),
-                first=start == 0 and step == 1,  # a fresh run: the policy must be its reference (I8, I9)
+                _shard(cfg, by_task, index, 0, accelerator),
+                index,
+                lambda attempt, index=index: _shard(cfg, by_task, index, attempt, accelerator),
+                first=start == 0 and index == 1,  # a fresh run: the policy must be its reference (I8, I9)
             )
             # before saving: a collapsed state never becomes a checkpoint
-            watch(monitor, step, result, paths.run_dir(cfg))
-            context.engine.sync_weights(policy.model)  # vLLM samples the next step from the new weights
-            metrics = result.metrics | selector.scores(step)  # selection/<kind> on its steps
-            history.append({"step": step, **metrics})
-            writer.log(step, metrics)
+            watch(monitor, index, result, paths.run_dir(cfg))
+            step.engine.sync_weights(policy.model)  # vLLM samples the next step from the new weights
+            metrics = result.metrics | selector.scores(index)  # selection/<kind> on its steps
+            history.append({"step": index, **metrics})
+            writer.log(index, metrics)
             bar.set_postfix(
                 reward=f"{result.metrics['reward']:.2f}",
                 entropy=f"{result.metrics['entropy']:.2f}",
@@ -233,8 +233,8 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> T
                 kinds=kinds_progress(result.metrics),
                 refresh=False,
             )
-            if step % cfg.checkpoint.every == 0 or step == end or selector.due(step):
-                save_checkpoint(cfg, policy, accelerator, step, history, lineage, selector.keep(history))
+            if index % cfg.checkpoint.every == 0 or index == end or selector.due(index):
+                save_checkpoint(cfg, policy, accelerator, index, history, lineage, selector.keep(history))
             accelerator.wait_for_everyone()
     finally:
         writer.close()

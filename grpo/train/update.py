@@ -152,8 +152,9 @@ def _score_rows(step: Step, batch: ScoredBatch, rows: torch.Tensor, segments: li
         )
 
 
-class Scoring(NamedTuple):
-    """The policy pass over some rows of the batch, detached: what the loss was computed from."""
+class PassPart(NamedTuple):
+    """One part of a policy pass (the rows ``task_losses`` scored at once), detached: what their loss was
+    computed from. ``policy_pass`` puts a pass's parts back in row order, a ``PolicyPass``."""
 
     rows: torch.Tensor  # [n] row indices
     logprobs: torch.Tensor  # [n, C]
@@ -162,7 +163,7 @@ class Scoring(NamedTuple):
 
 def task_losses(
     step: Step, batch: ScoredBatch, totals: Totals, subset: tuple[str, ...], micro: int
-) -> tuple[dict[str, LossTerms], dict[str, dict[str, float]], Scoring | None]:
+) -> tuple[dict[str, LossTerms], dict[str, dict[str, float]], PassPart | None]:
     """One forward over micro-batch ``micro`` of the rows of ``subset``; each task's loss terms from its
     own rows, scaled by their share, its statistics weighted by its share of the task's tokens, and the
     pass itself (detached).
@@ -207,7 +208,7 @@ def task_losses(
         stats_out[task] = {
             key: token_share * float(value) for key, value in (stats | scored.logits_stats).items()
         }
-    return losses, stats_out, Scoring(rows, scored.logprobs.detach().float(), scored.entropy.detach().float())
+    return losses, stats_out, PassPart(rows, scored.logprobs.detach().float(), scored.entropy.detach().float())
 
 
 def _add_stats(into: dict[str, dict[str, float]], stats: dict[str, dict[str, float]]) -> None:
@@ -225,7 +226,7 @@ class Gradient(NamedTuple):
     task_stats: dict[
         str, dict[str, float]
     ]  # per-task loss and logits statistics (shares of the task's tokens)
-    scored: list[Scoring]  # the policy pass, part by part
+    scored: list[PassPart]  # the policy pass, part by part
 
 
 def gradient(step: Step, batch: ScoredBatch, totals: Totals) -> Gradient:
@@ -235,7 +236,7 @@ def gradient(step: Step, batch: ScoredBatch, totals: Totals) -> Gradient:
     mt, loss_cfg = step.cfg.grpo.multitask, step.cfg.grpo.loss
     params, space = step.params, step.space
     task_stats: dict[str, dict[str, float]] = {}
-    scored: list[Scoring] = []
+    scored: list[PassPart] = []
     if step.summed:  # sum mode: the gradient of the summed loss is the sum of the task gradients
         direction, losses = space.zeros(params), {}
         for subset, micro in parts(step):
@@ -328,14 +329,15 @@ def update(
 
 
 class PolicyPass(NamedTuple):
-    """The log-probs and entropy the update's (first) policy pass scored, detached: [N, C] each, 0 on rows
-    it did not score."""
+    """A whole policy pass of the update in row order, made of its parts (``PassPart``): the log-probs and
+    entropy it scored, detached, [N, C] each, 0 on rows it did not score. The first pass is what the step's
+    checks hold to the sampler (``agreement.step_checks``) and what the step's trace keeps."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
 
 
-def policy_pass(batch: ScoredBatch, scored: list[Scoring]) -> PolicyPass:
+def policy_pass(batch: ScoredBatch, scored: list[PassPart]) -> PolicyPass:
     """The parts of a pass put back in row order."""
     logprobs = torch.zeros(batch.completion_mask.shape, device=batch.completion_mask.device)
     entropy = torch.zeros_like(logprobs)

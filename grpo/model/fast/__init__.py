@@ -12,7 +12,7 @@ self-check that fails (a torch or transformers release that computes otherwise) 
 | decode loop | ``decode.py`` | ``model.generate`` (``grpo/model/generation.py``) | ``loop_mismatch``: generate's tokens on a small random Llama | the same tokens |
 | lean decode step | ``lean_step.py`` | the model's forward at each one-token step (CPU) | its first step of each kind against the model's forward | bit for bit |
 | CUDA graph decode step | ``graph_step.py`` | the model's forward at each one-token step (GPU) | each rollout's first graph step against the model's forward | ``STATIC_BOUND`` of the logits' scale |
-| exponential draws | ``draws.py`` | ``torch.multinomial``'s serial ``exponential_`` | ``exponential_mismatch``: the same draws, generator state after | the same tokens |
+| exponential draws | ``multinomial.py`` | ``torch.multinomial``'s serial ``exponential_`` | ``exponential_mismatch``: the same draws, generator state after | the same tokens |
 | greedy-pass reuse | ``prompt_pass.py`` | evaluation's own prefill of its samples | every pass: ``PrefixWatch``, ``rows_independent`` | bit for bit |
 | oneDNN head product | ``head.py`` | ``F.linear`` in the fp32 head | ``onednn_mismatch``: F.linear's product on a probe | fp32 rounding (1e-6 of the logits' scale) |
 | prefill reuse | ``prefill.py`` | the update's own pass over the prompts | its conditions (``prefill_reusable``) | bit for bit |

@@ -6,8 +6,8 @@ mask from the 2D one at every token, re-derives the inputs, checks stopping crit
 runs the same computation with the mask prepared once per step by two tensor ops (``core.attention``),
 and is otherwise ``generate``'s sampling loop, step for step: the logits of the last position in fp32,
 the caller's processors then temperature, top-k and top-p (the order ``generate`` applies them),
-``softmax`` and ``torch.multinomial``'s draw on the global generator (``draws.draw_one``: the same draws
-without its serial loop) or argmax, the pad id after a row's stop token, and the loop ends when every row
+``softmax`` and ``torch.multinomial``'s draw on the global generator (``multinomial.multinomial_one``: the same
+draws without its serial loop) or argmax, the pad id after a row's stop token, and the loop ends when every row
 has stopped or ``max_new_tokens`` are out. The key/value cache writes each token into room reserved once
 (``ReservedLayer``) where ``generate``'s concatenates the whole cache again. After the first step, a
 Llama-family model on a CPU runs its one-token steps through ``lean_step.LeanStep``: the forward's very
@@ -40,9 +40,9 @@ from grpo.config import SamplingConfig
 from grpo.core.attention import model_attention_mask
 from grpo.core.batching import position_ids_from_mask
 from grpo.core.logprobs import entropy_from_logits
-from grpo.model.fast.draws import draw_one
 from grpo.model.fast.graph_step import GraphStep
 from grpo.model.fast.lean_step import LeanStep
+from grpo.model.fast.multinomial import multinomial_one
 from grpo.model.fast.prompt_pass import PromptPass, watch_prefix
 from grpo.model.fast.warning import fall_back
 from grpo.model.generation import SamplerRecord, generate_sequences, record_draw
@@ -141,15 +141,15 @@ def decode(
     sequences = input_ids
     watching = prompt_pass is not None and past_key_values is None
     lean = graph = None
-    for step in range(sampling.max_new_tokens):
-        if step == 1:
+    for column in range(sampling.max_new_tokens):
+        if column == 1:
             graph = GraphStep.build(model, past_key_values, rows, mask.shape[1] + sampling.max_new_tokens)
         step_mask = None if graph is not None else model_attention_mask(model, mask, step_ids.shape[1])
         if graph is not None:
-            logits, graph = _graph_logits(model, graph, step == 1, step_ids, step_positions, mask, past_key_values)
+            logits, graph = _graph_logits(model, graph, column == 1, step_ids, step_positions, mask, past_key_values)
             if graph is not None:
                 past_key_values = None  # the static cache holds every column from here on
-        elif step == 0:
+        elif column == 0:
             with watch_prefix(prompt_pass.watch) if watching else contextlib.nullcontext():
                 out = _forward(model, step_ids, step_mask, step_positions, past_key_values)
             if watching:
@@ -158,7 +158,7 @@ def decode(
             reserve_room(past_key_values, sampling.max_new_tokens)
             logits = out.logits
         else:
-            if step == 1 and all(type(layer) is ReservedLayer for layer in getattr(past_key_values, "layers", [None])):
+            if column == 1 and all(type(layer) is ReservedLayer for layer in getattr(past_key_values, "layers", [None])):
                 lean = LeanStep.build(model)
             logits = _step_logits(model, lean, step_ids, step_mask, step_positions, past_key_values)
         logits = logits[:, -1, :].to(dtype=torch.float32)  # [N, V]
@@ -168,13 +168,13 @@ def decode(
         if greedy:
             tokens = scores.argmax(dim=-1)
         else:
-            tokens = draw_one(torch.softmax(scores, dim=-1))
+            tokens = multinomial_one(torch.softmax(scores, dim=-1))
             if record is not None:
                 record.append(record_draw(logits, scores, tokens, running, sampling.temperature, pad_id))
         tokens = torch.where(running, tokens, pad_id)  # [N]
         sequences = torch.cat([sequences, tokens[:, None]], dim=1)
         running &= ~torch.isin(tokens, stops)
-        if step == sampling.max_new_tokens - 1 or not bool(running.any()):
+        if column == sampling.max_new_tokens - 1 or not bool(running.any()):
             break
         step_ids = tokens[:, None]
         step_positions = step_positions[:, -1:] + 1

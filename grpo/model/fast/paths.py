@@ -16,8 +16,8 @@ import torch
 
 from grpo.config import FastPathsSetting, GrpoConfig
 from grpo.model.fast import decode as loop
-from grpo.model.fast.draws import exponential_mismatch
 from grpo.model.fast.head import onednn_mismatch, onednn_product
+from grpo.model.fast.multinomial import exponential_mismatch
 from grpo.model.fast.prefill import prefill_reusable
 from grpo.model.fast.prompt_pass import PromptPass
 from grpo.model.generation import generate_sequences

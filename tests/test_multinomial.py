@@ -1,4 +1,4 @@
-"""``grpo/model/fast/draws.py``: ``multinomial_one`` is ``torch.multinomial(probs, 1)``, the same indices from the same
+"""``grpo/model/fast/multinomial.py``: ``multinomial_one`` is ``torch.multinomial(probs, 1)``, the same indices from the same
 generator, which it leaves in the same state."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from grpo.model.fast import FastPathWarning, draws
+from grpo.model.fast import FastPathWarning, multinomial
 
 
 def _both(probs: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -16,7 +16,7 @@ def _both(probs: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, t
     expected = torch.multinomial(probs, num_samples=1).squeeze(1)
     state_expected = torch.get_rng_state()
     torch.manual_seed(seed)
-    got = draws.multinomial_one(probs)
+    got = multinomial.multinomial_one(probs)
     return expected, got, state_expected, torch.get_rng_state()
 
 
@@ -24,7 +24,7 @@ def _both(probs: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor, t
 def test_multinomial_one_is_multinomials_draw(scale):
     logits = torch.randn(16, 600, generator=torch.Generator().manual_seed(1)) * scale
     probs = torch.softmax(logits, dim=-1)
-    assert draws.exponential_mismatch() is None  # the fast path is the one compared here
+    assert multinomial.exponential_mismatch() is None  # the fast path is the one compared here
     for seed in range(5):
         expected, got, state_expected, state_got = _both(probs, seed)
         assert torch.equal(got, expected)
@@ -46,40 +46,40 @@ def test_multinomial_one_on_a_real_vocabulary_with_filtered_entries():
 def test_exponentials_near_a_float_midpoint_are_recomputed_serially(monkeypatch):
     """With the window widened to a quarter of all doubles, the serial recomputation decides those
     entries: they must still be ``exponential_``'s (its sign and index handling are right)."""
-    monkeypatch.setattr(draws, "_NEAR", 1 << 26)
+    monkeypatch.setattr(multinomial, "_NEAR", 1 << 26)
     torch.manual_seed(4)
     expected = torch.empty(32, 128).exponential_()
     torch.manual_seed(4)
-    assert torch.equal(draws._exponentials((32, 128)), expected)
+    assert torch.equal(multinomial._exponentials((32, 128)), expected)
 
 
 def test_the_self_check_leaves_the_generator_alone():
-    draws.exponential_mismatch.cache_clear()
+    multinomial.exponential_mismatch.cache_clear()
     torch.manual_seed(5)
     before = torch.get_rng_state()
-    assert draws.exponential_mismatch() is None
+    assert multinomial.exponential_mismatch() is None
     assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_a_kernel_that_draws_otherwise_fails_the_self_check_with_a_warning(monkeypatch):
     """A PyTorch whose ``log1p`` or ``uniform_`` moved (here: draws one part in a million off): the self-check
     says so once, and ``multinomial_one`` is ``torch.multinomial``, the same indices and generator state."""
-    from_uniform = draws._from_uniform
-    monkeypatch.setattr(draws, "_from_uniform", lambda uniform: from_uniform(uniform) * (1 + 1e-6))
-    draws.exponential_mismatch.cache_clear()
+    from_uniform = multinomial._from_uniform
+    monkeypatch.setattr(multinomial, "_from_uniform", lambda uniform: from_uniform(uniform) * (1 + 1e-6))
+    multinomial.exponential_mismatch.cache_clear()
     try:
         with pytest.warns(FastPathWarning, match="'exponential draws' fell back to torch.multinomial"):
-            assert draws.exponential_mismatch() is not None
+            assert multinomial.exponential_mismatch() is not None
         probs = torch.softmax(torch.randn(4, 50), dim=-1)
         expected, got, state_expected, state_got = _both(probs, 6)
         assert torch.equal(got, expected) and torch.equal(state_got, state_expected)
     finally:
-        draws.exponential_mismatch.cache_clear()
+        multinomial.exponential_mismatch.cache_clear()
 
 
 def test_where_the_self_check_fails_multinomial_one_is_multinomial(monkeypatch):
-    monkeypatch.setattr(draws, "exponential_mismatch", lambda: "changed")
-    monkeypatch.setattr(draws, "_exponentials", lambda shape: pytest.fail("the fast path ran"))
+    monkeypatch.setattr(multinomial, "exponential_mismatch", lambda: "changed")
+    monkeypatch.setattr(multinomial, "_exponentials", lambda shape: pytest.fail("the fast path ran"))
     probs = torch.softmax(torch.randn(4, 50), dim=-1)
     expected, got, state_expected, state_got = _both(probs, 6)
     assert torch.equal(got, expected) and torch.equal(state_got, state_expected)
@@ -94,7 +94,7 @@ def test_where_the_self_check_fails_multinomial_one_is_multinomial(monkeypatch):
     ids=["float64", "strided"],
 )
 def test_other_inputs_take_multinomial_itself(monkeypatch, probs):
-    monkeypatch.setattr(draws, "_exponentials", lambda shape: pytest.fail("the fast path ran"))
+    monkeypatch.setattr(multinomial, "_exponentials", lambda shape: pytest.fail("the fast path ran"))
     expected, got, _, _ = _both(probs, 7)
     assert torch.equal(got, expected)
 
@@ -109,7 +109,7 @@ def test_invalid_probabilities_raise_multinomials_error(bad, message):
     with pytest.raises(RuntimeError, match=message):
         torch.multinomial(probs, 1)
     with pytest.raises(RuntimeError, match=message):
-        draws.multinomial_one(probs)
+        multinomial.multinomial_one(probs)
 
 
 def test_a_row_of_zeros_raises_multinomials_error():
@@ -118,7 +118,7 @@ def test_a_row_of_zeros_raises_multinomials_error():
     with pytest.raises(RuntimeError, match="sum of probabilities"):
         torch.multinomial(probs, 1)
     with pytest.raises(RuntimeError, match="sum of probabilities"):
-        draws.multinomial_one(probs)
+        multinomial.multinomial_one(probs)
 
 
 def _uniforms_near_float_midpoints() -> torch.Tensor:
@@ -139,4 +139,4 @@ def test_draws_on_a_float_midpoint_are_the_serial_kernels():
     vectorised = uniforms.neg().log1p().neg().float()
     if torch.equal(vectorised, serial):
         pytest.skip("vectorised and serial log1p round alike on this CPU: no midpoint case to correct")
-    assert torch.equal(draws._from_uniform(uniforms), serial)
+    assert torch.equal(multinomial._from_uniform(uniforms), serial)

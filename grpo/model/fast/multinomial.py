@@ -16,7 +16,7 @@ serial kernel's). So every ``q`` is the float the serial kernel makes.
 Self-check (``exponential_mismatch``, at the first draw): the two ways compared on a copy of the
 generator's state; where they differ (a PyTorch whose kernel changed), ``multinomial_one`` is
 ``torch.multinomial`` itself, with a warning. So it is on a GPU and for other dtypes.
-``tests/test_draws.py`` and ``tests/test_decode.py`` compare the tokens.
+``tests/test_multinomial.py`` and ``tests/test_decode.py`` compare the tokens.
 """
 
 from __future__ import annotations
@@ -91,7 +91,3 @@ def multinomial_one(probs: torch.Tensor) -> torch.Tensor:
     draws = _exponentials(probs.shape)
     return torch.div(probs, draws, out=draws).argmax(dim=-1)
 
-
-draw_one = multinomial_one
-"""The name ``grpo/model/fast/decode.py`` imports; ``multinomial_one`` is the one to use ("draw" is the step's
-``grpo.train.step.draw``, a rollout with its rewards)."""
