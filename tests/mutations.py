@@ -184,8 +184,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "entropy_sign_flipped_in_the_summed_backward", "I7", "grpo/train/update.py",
-        "                task: total_loss(terms, loss_cfg.beta, loss_cfg.entropy_coef)\n",
-        "                task: total_loss(terms, loss_cfg.beta, -loss_cfg.entropy_coef)\n",
+        "            task: total_loss(terms, loss_cfg.beta, loss_cfg.entropy_coef) for task, terms in by_task.items()\n",
+        "            task: total_loss(terms, loss_cfg.beta, -loss_cfg.entropy_coef) for task, terms in by_task.items()\n",
         ("tests/test_update.py::test_i7_entropy_step_raises_entropy_in_every_mode",),
         "step_agreement",
     ),

@@ -21,6 +21,7 @@ import torch
 
 from grpo.checks.gated import Gated, restored
 from grpo.checks.probes import Check, bounded
+from grpo.config import SamplingConfig
 from grpo.data.prompts import render_records
 from grpo.model.chat import special_ids
 from grpo.model.rollout import generate_rollout
@@ -134,7 +135,6 @@ def check_processors_see_completion(s: Gated) -> Check:
     towards the prompt's last plain token X (a presence, then a frequency penalty of twice the bias) or
     towards the stop tokens (EOS suppression for ``min_new_tokens`` = 2). Counting completion tokens only,
     every row starts with X and does not repeat it, and every row stops exactly after two tokens."""
-    x, problems = _plain_last_token(s), []
     base = s.cfg.grpo.sampling.model_copy(
         update={
             "top_k": 0,
@@ -145,33 +145,9 @@ def check_processors_see_completion(s: Gated) -> Check:
             "frequency_penalty": 0.0,
         }
     )
-    rows = len(s.prompts)
     with torch.no_grad(), s.step.autocast():
-        for penalty in ("presence_penalty", "frequency_penalty"):
-            sampling = base.model_copy(update={penalty: 2 * BIAS})
-            with biased(s.policy, [x]):
-                out = s.step.engine.generate(s.prompts, 1, sampling, s.eos_ids, s.cfg.seed).rollout
-            first = out.completion_ids[:, 0].tolist()
-            if first != [x] * rows:
-                problems.append(
-                    f"with a {penalty} the first tokens are {first}, not the favoured {x} in every row: "
-                    "the penalty counted prompt tokens"
-                )
-            elif any(
-                n > 1 and int(out.completion_ids[i, 1]) == x for i, n in enumerate(out.lengths.tolist())
-            ):
-                problems.append(
-                    f"with a {penalty} the favoured token {x} came twice: the penalty missed the completion"
-                )
-        sampling = base.model_copy(update={"min_new_tokens": 2})
-        with biased(s.policy, list(s.eos_ids)):
-            out = s.step.engine.generate(s.prompts, 1, sampling, s.eos_ids, s.cfg.seed).rollout
-        if out.lengths.tolist() != [3] * rows:
-            problems.append(
-                f"with min_new_tokens=2 and the stop tokens favoured, the rows stopped after "
-                f"{[n - 1 for n in out.lengths.tolist()]} tokens, not 2: EOS suppression counted prompt tokens"
-            )
-    detail = f"{rows} prompts of widths {[len(p) for p in s.prompts]} (shortest first); " + (
+        problems = _penalty_problems(s, base) + _eos_suppression_problems(s, base)
+    detail = f"{len(s.prompts)} prompts of widths {[len(p) for p in s.prompts]} (shortest first); " + (
         "; ".join(problems) or "penalties and EOS suppression acted on completion tokens only"
     )
     return bounded(
@@ -183,6 +159,41 @@ def check_processors_see_completion(s: Gated) -> Check:
         "build the rollout's processors with the padded prompt width (sampling.build_logits_processors)",
         "problems",
     )
+
+
+def _penalty_problems(s: Gated, base: SamplingConfig) -> list[str]:
+    """A presence, then a frequency penalty of twice the bias towards the prompt's last plain token X:
+    every row's first completion token is X, and X does not come twice."""
+    x, rows, problems = _plain_last_token(s), len(s.prompts), []
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        sampling = base.model_copy(update={penalty: 2 * BIAS})
+        with biased(s.policy, [x]):
+            out = s.step.engine.generate(s.prompts, 1, sampling, s.eos_ids, s.cfg.seed).rollout
+        first = out.completion_ids[:, 0].tolist()
+        if first != [x] * rows:
+            problems.append(
+                f"with a {penalty} the first tokens are {first}, not the favoured {x} in every row: "
+                "the penalty counted prompt tokens"
+            )
+        elif any(n > 1 and int(out.completion_ids[i, 1]) == x for i, n in enumerate(out.lengths.tolist())):
+            problems.append(
+                f"with a {penalty} the favoured token {x} came twice: the penalty missed the completion"
+            )
+    return problems
+
+
+def _eos_suppression_problems(s: Gated, base: SamplingConfig) -> list[str]:
+    """EOS suppression for ``min_new_tokens`` = 2 with the stop tokens favoured: every row stops exactly
+    after two tokens."""
+    sampling = base.model_copy(update={"min_new_tokens": 2})
+    with biased(s.policy, list(s.eos_ids)):
+        out = s.step.engine.generate(s.prompts, 1, sampling, s.eos_ids, s.cfg.seed).rollout
+    if out.lengths.tolist() == [3] * len(s.prompts):
+        return []
+    return [
+        f"with min_new_tokens=2 and the stop tokens favoured, the rows stopped after "
+        f"{[n - 1 for n in out.lengths.tolist()]} tokens, not 2: EOS suppression counted prompt tokens"
+    ]
 
 
 def check_first_step(s: Gated) -> Check:

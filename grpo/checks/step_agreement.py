@@ -150,16 +150,14 @@ def _cosine_gap(a: torch.Tensor, b: torch.Tensor) -> float:
     return 1.0 - float(a @ b) / (na * nb)
 
 
-def compare(
-    trace: StepTrace, metrics: dict[str, Any] | None, ref: ReferenceStep
-) -> dict[str, tuple[float, float]]:
-    """``{quantity: (value, bound)}`` of the step against the reference; ids, masks and texts count rows.
-    ``metrics``: the step's, when they describe its first update (one update per step), else None."""
+def _rows_differing(trace: StepTrace, ref: ReferenceStep) -> dict[str, float]:
+    """How many rows' prompt ids, completion ids, completion mask, joined ids and reward texts differ from
+    the reference's."""
     rollout, batch, n = trace.draw.rollout, trace.batch, len(ref.prompts)
     lengths = [len(c) for c in ref.completions]
     width = rollout.prompt_ids.shape[1]
     ids = batch.inputs.input_ids.cpu()
-    out = {
+    counts = {
         "prompt_ids": sum(
             rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist() != ref.prompts[i] for i in range(n)
         ),
@@ -178,7 +176,17 @@ def compare(
         ),
         "reward_texts": sum(a != b for a, b in zip(rollout.texts, ref.texts, strict=True)),
     }
-    out = {key: (float(value), 0.0) for key, value in out.items()}
+    return {key: float(value) for key, value in counts.items()}
+
+
+def compare(
+    trace: StepTrace, metrics: dict[str, Any] | None, ref: ReferenceStep
+) -> dict[str, tuple[float, float]]:
+    """``{quantity: (value, bound)}`` of the step against the reference; ids, masks and texts count rows.
+    ``metrics``: the step's, when they describe its first update (one update per step), else None."""
+    rollout, batch, n = trace.draw.rollout, trace.batch, len(ref.prompts)
+    lengths = [len(c) for c in ref.completions]
+    out = {key: (value, 0.0) for key, value in _rows_differing(trace, ref).items()}
     if any(out[key][0] for key in ("completion_ids", "completion_mask")):
         return out  # the per-token quantities below would compare different tokens
     out["rewards"] = (_gap(trace.draw.rewards, torch.tensor(ref.rewards)), 1e-6)

@@ -188,6 +188,30 @@ class Trained(NamedTuple):
     """Whether the policy was saved (all ``grpo.steps`` done); else the last step is only a checkpoint."""
 
 
+def metrics_writer(cfg: Config, accelerator: Accelerator, start: int, history: list[dict]) -> MetricsWriter:
+    """Where the steps' metrics go (metrics.jsonl, W&B), continuing after step ``start`` of a resumed run
+    (``history``: the steps restored); only the main process writes."""
+    return MetricsWriter(
+        paths.run_dir(cfg),
+        cfg.experiment,
+        cfg.tracking,
+        config_to_dict(cfg),
+        is_main_process=accelerator.is_main_process,
+        resume_step=start,
+        restored=history,
+    )
+
+
+def progress_fields(metrics: dict) -> dict[str, str]:
+    """What the progress bar shows of a step's metrics."""
+    return {
+        "reward": f"{metrics['reward']:.2f}",
+        "entropy": f"{metrics['entropy']:.2f}",
+        "step_time": f"{metrics['step_time']:.1f}s",
+        "kinds": kinds_progress(metrics),
+    }
+
+
 def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> Trained:
     """Run (or resume) GRPO. Raises TrainingStopped on a collapse."""
     require_preflight(cfg)
@@ -200,15 +224,7 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> T
     selector = Selector(cfg, step, train_records(cfg, "grpo"), paths.run_dir(cfg))
     by_task = split_by_task(selector.prompts)  # the validation records are never prompts
     monitor = Monitor(cfg.monitor, history)
-    writer = MetricsWriter(
-        paths.run_dir(cfg),
-        cfg.experiment,
-        cfg.tracking,
-        config_to_dict(cfg),
-        is_main_process=accelerator.is_main_process,
-        resume_step=start,
-        restored=history,
-    )
+    writer = metrics_writer(cfg, accelerator, start, history)
     end = min(cfg.grpo.steps, start + max_steps) if max_steps else cfg.grpo.steps
     bar = tqdm(range(start + 1, end + 1), desc="grpo", disable=not (progress and accelerator.is_main_process))
     try:
@@ -226,13 +242,7 @@ def train(cfg: Config, max_steps: int | None = None, progress: bool = True) -> T
             metrics = result.metrics | selector.scores(index)  # selection/<kind> on its steps
             history.append({"step": index, **metrics})
             writer.log(index, metrics)
-            bar.set_postfix(
-                reward=f"{result.metrics['reward']:.2f}",
-                entropy=f"{result.metrics['entropy']:.2f}",
-                step_time=f"{result.metrics['step_time']:.1f}s",
-                kinds=kinds_progress(result.metrics),
-                refresh=False,
-            )
+            bar.set_postfix(refresh=False, **progress_fields(result.metrics))
             if index % cfg.checkpoint.every == 0 or index == end or selector.due(index):
                 save_checkpoint(cfg, policy, accelerator, index, history, lineage, selector.keep(history))
             accelerator.wait_for_everyone()

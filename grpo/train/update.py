@@ -231,35 +231,46 @@ class Gradient(NamedTuple):
 
 def gradient(step: Step, batch: ScoredBatch, totals: Totals) -> Gradient:
     """The update direction ``[P]`` of one pass over the batch, its combination statistics, the per-task
-    statistics and the pass: every part scored, each task's gradient taken and summed over micro-batches,
-    then combined (I7: every loss through ``total_loss``)."""
+    statistics and the pass: every part scored, then one backward of the summed loss (``summed_gradient``,
+    ``Step.summed``) or each task's gradient combined (``combined_gradient``). I7: every loss goes through
+    ``total_loss``."""
+    return (summed_gradient if step.summed else combined_gradient)(step, batch, totals)
+
+
+def summed_gradient(step: Step, batch: ScoredBatch, totals: Totals) -> Gradient:
+    """``sum`` mode without per-task statistics: the gradient of the summed loss, one backward per part
+    (the sum of the task gradients, the loss being linear), summed over processes."""
+    loss_cfg, params, space = step.cfg.grpo.loss, step.params, step.space
+    task_stats: dict[str, dict[str, float]] = {}
+    scored: list[PassPart] = []
+    direction, losses = space.zeros(params), {}
+    for subset, micro in parts(step):
+        by_task, stats, seen = task_losses(step, batch, totals, subset, micro)
+        _add_stats(task_stats, stats)
+        if not by_task:
+            continue
+        scored.append(seen)
+        totals_here = {
+            task: total_loss(terms, loss_cfg.beta, loss_cfg.entropy_coef) for task, terms in by_task.items()
+        }
+        direction += space.flat_grad(sum(totals_here.values()), params, retain=False)
+        for task, value in totals_here.items():
+            losses[task] = losses.get(task, 0.0) + float(value.detach())
+        del by_task, totals_here
+    direction = collectives.sum_gradient(step.accelerator, space, direction)
+    bad = sorted(task for task, value in losses.items() if not math.isfinite(value)) or sorted(losses)
+    check_finite(direction, f"the summed loss (task(s) {bad})", space)
+    combined: dict[str, Any] = {f"loss/{task}": value for task, value in losses.items()}
+    return Gradient(direction, combined | {"multitask/tasks_combined": float(len(losses))}, task_stats, scored)
+
+
+def combined_gradient(step: Step, batch: ScoredBatch, totals: Totals) -> Gradient:
+    """Each task's gradient from its own loss terms, summed over micro-batches and then over processes,
+    combined once in the configured mode (``grpo.multitask``: sum, PCGrad or CAGrad; ``core.multitask``)."""
     mt, loss_cfg = step.cfg.grpo.multitask, step.cfg.grpo.loss
     params, space = step.params, step.space
     task_stats: dict[str, dict[str, float]] = {}
     scored: list[PassPart] = []
-    if step.summed:  # sum mode: the gradient of the summed loss is the sum of the task gradients
-        direction, losses = space.zeros(params), {}
-        for subset, micro in parts(step):
-            by_task, stats, seen = task_losses(step, batch, totals, subset, micro)
-            _add_stats(task_stats, stats)
-            if not by_task:
-                continue
-            scored.append(seen)
-            totals_here = {
-                task: total_loss(terms, loss_cfg.beta, loss_cfg.entropy_coef)
-                for task, terms in by_task.items()
-            }
-            direction += space.flat_grad(sum(totals_here.values()), params, retain=False)
-            for task, value in totals_here.items():
-                losses[task] = losses.get(task, 0.0) + float(value.detach())
-            del by_task, totals_here
-        direction = collectives.sum_gradient(step.accelerator, space, direction)
-        bad = sorted(task for task, value in losses.items() if not math.isfinite(value)) or sorted(losses)
-        check_finite(direction, f"the summed loss (task(s) {bad})", space)
-        stats: dict[str, Any] = {f"loss/{task}": value for task, value in losses.items()}
-        return Gradient(
-            direction, stats | {"multitask/tasks_combined": float(len(losses))}, task_stats, scored
-        )
     grads: dict[str, TaskGradients] = {}
     for subset, micro in parts(step):
         by_task, stats, seen = task_losses(step, batch, totals, subset, micro)
@@ -268,19 +279,10 @@ def gradient(step: Step, batch: ScoredBatch, totals: Totals) -> Gradient:
         for task in subset:
             if task in by_task:
                 retain = not mt.low_memory and task != subset[-1]
-                accumulate(
-                    grads,
-                    task,
-                    task_gradient(
-                        params,
-                        by_task[task],
-                        loss_cfg.beta,
-                        loss_cfg.entropy_coef,
-                        mt.reward_only,
-                        retain,
-                        space,
-                    ),
+                taken = task_gradient(
+                    params, by_task[task], loss_cfg.beta, loss_cfg.entropy_coef, mt.reward_only, retain, space
                 )
+                accumulate(grads, task, taken)
         del by_task
     zeros = space.zeros(params)
     summed = collectives.sum_task_gradients(step.accelerator, space, grads, TASKS, zeros, mt.reward_only)
