@@ -286,13 +286,13 @@ def _rendered(cfg: Config, tokenizer, records: list[dict]) -> list[list[int]]:
     return [list(map(int, rendered[i // group])) for i in range(len(records) * group)]
 
 
-def _greedy_choice(logits: torch.Tensor, earlier: list[int], stops: set[int], step: int, cfg: Config) -> torch.Tensor:
-    """The logits [V] greedy decoding picks from at completion position ``step``: the presence and frequency
+def _greedy_choice(logits: torch.Tensor, earlier: list[int], stops: set[int], column: int, cfg: Config) -> torch.Tensor:
+    """The logits [V] greedy decoding picks from at completion position ``column``: the presence and frequency
     penalties over the row's ``earlier`` tokens, and the stop tokens at -inf before ``min_new_tokens``."""
     sampling = cfg.grpo.sampling
     counts = torch.bincount(torch.tensor(earlier, dtype=torch.long), minlength=logits.shape[-1]).to(logits)
     z = logits - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0).to(logits)
-    if step < sampling.min_new_tokens:
+    if column < sampling.min_new_tokens:
         z[sorted(stops)] = -math.inf
     return z
 
