@@ -19,7 +19,6 @@ Two figures, because a few percent is within the spread of step times on a share
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ import grpo.model.fast.decode as decode_module
 import grpo.model.generation as generation_module
 import grpo.model.rollout as rollout_module
 import grpo.train.step as step_module
-from benchmarks.grpo_step import ROOT, machine, prepare
+from benchmarks.grpo_step import ROOT, machine, prepare, write_results
 from benchmarks.workers import project_step, step_records
 
 REAL = {
@@ -142,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{ratio['min']:.4f}..{ratio['max']:.4f}) over {ratio['pairs']} pairs")
     print(f"inside the record and the check: {100 * share['median']:.2f} % of the step "
           f"({100 * share['min']:.2f}..{100 * share['max']:.2f} %) over {share['steps']} steps")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"bench: wrote {args.out}")
+    write_results(args.out, out)
     return 0
 
 

@@ -182,6 +182,13 @@ def print_table(out: dict) -> None:
         print(f"cagrad / sum step time: {out['cagrad_over_sum']:.2f}")
 
 
+def write_results(path: Path, out: dict) -> None:
+    """``out`` as indented JSON at ``path`` (its folder made), and a line saying where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"bench: wrote {path}")
+
+
 def variants(args: argparse.Namespace) -> list[str]:
     chosen = list(PROJECT_VARIANTS) + ([] if args.smoke or args.no_plain else list(PLAIN_VARIANTS))
     chosen += list(BF16_VARIANTS) if cpu_has_native_bf16() and not args.smoke else []
@@ -255,9 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     out = results({name: summarise(r) for name, r in runs.items()}, args, info)
     out["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print_table(out)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"bench: wrote {args.out}")
+    write_results(args.out, out)
     return 0
 
 
