@@ -197,6 +197,11 @@ def variants(args: argparse.Namespace) -> list[str]:
     elif not args.smoke or args.with_trl:
         trl = ["trl-fp32"] + (["trl-bf16"] if cpu_has_native_bf16() else [])
         chosen += trl + ([f"{name}-retain" for name in trl] if not args.smoke else [])
+    if args.variants:
+        unknown = sorted(set(args.variants) - set(chosen))
+        if unknown:
+            raise SystemExit(f"bench: --variants {', '.join(unknown)}: not among this run's ({', '.join(chosen)})")
+        chosen = [name for name in chosen if name in args.variants]
     return chosen
 
 
@@ -229,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke", action="store_true", help="one step of each project variant, one repetition"
     )
     parser.add_argument("--with-trl", action="store_true", help="in --smoke, run TRL too when installed")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="run only these variants (e.g. project-sum project-sum-off trl-bf16-retain): more repetitions "
+        "of the figures that matter in the same time",
+    )
     parser.add_argument(
         "--sft-epochs",
         type=int,

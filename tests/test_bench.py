@@ -49,3 +49,17 @@ def test_benchmark_on_a_profile_prepares_its_model_and_reports_decode_and_profil
     for stats in results["variants"].values():
         assert stats["decode_ms_per_step"] > 0 and stats["decode_rows"] == 32
         assert "Self CPU" in stats["profile"] and "aten::" in stats["profile"]
+
+
+def test_variants_runs_only_the_named_ones_and_refuses_one_not_in_the_run():
+    """``--variants``: the run keeps its order and only the named variants; a name the run would not have
+    (misspelt, or TRL's where TRL is not installed) stops it with the names it has."""
+    from argparse import Namespace
+
+    from benchmarks.grpo_step import variants
+
+    args = Namespace(smoke=True, no_plain=False, with_trl=False, variants=["project-sum-off", "project-sum"])
+    assert variants(args) == ["project-sum", "project-sum-off"]
+    with pytest.raises(SystemExit, match="project-summ: not among this run's"):
+        variants(Namespace(smoke=True, no_plain=False, with_trl=False, variants=["project-summ"]))
+    assert len(variants(Namespace(smoke=True, no_plain=False, with_trl=False, variants=None))) == 3
