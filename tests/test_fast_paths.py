@@ -176,20 +176,38 @@ def test_off_and_auto_evaluate_alike(tiny_model, tiny_tokenizer, monkeypatch):
 
 @pytest.mark.usefixtures("fresh_checks")
 def test_the_run_log_names_the_fast_paths_once(capsys):
-    """``resolve`` prints one line per process and setting: every path in use under ``auto``, the library
-    paths under ``off``."""
+    """``resolve`` prints one line per process and setting: every path of the run's device type in use
+    under ``auto``, the library paths under ``off``."""
     FastPaths.resolve("auto")
     FastPaths.resolve("auto")
     FastPaths.resolve("off")
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2, lines
-    assert lines[0].startswith("fast paths: model.fast_paths: auto; in use: decode loop (for model.generate)")
-    assert lines[0].endswith("fell back: none") or not torch.backends.mkldnn.is_available()
-    assert all(path.name in lines[0] for path in paths_module.PATHS)
-    assert lines[1] == ("fast paths: model.fast_paths: off; the library paths run: model.generate, the model's "
-                        "forward per token on a CPU, the model's forward per token on a GPU, torch.multinomial, "
-                        "evaluation's own prefill of its samples, F.linear in the fp32 head, the update's own pass "
-                        "over the prompts")
+    device = paths_module.run_device()
+    assert lines[0].startswith(f"fast paths: model.fast_paths: auto ({device}); in use: decode loop (for model.generate)")
+    assert lines[0].endswith("fell back: none") or not torch.backends.mkldnn.is_available() or device != "cpu"
+    assert all(path.name in lines[0] for path in paths_module.PATHS if path.device in (None, device))
+    if device == "cpu":
+        assert lines[1] == ("fast paths: model.fast_paths: off (cpu); the library paths run: model.generate, the "
+                            "model's forward per token, torch.multinomial, evaluation's own prefill of its samples, "
+                            "F.linear in the fp32 head, the update's own pass over the prompts")
+
+
+@pytest.mark.usefixtures("fresh_checks")
+def test_the_run_log_names_only_the_paths_of_the_runs_device():
+    """A CPU run's line names the lean step and the oneDNN head, never the CUDA graph step; a GPU run's the
+    graph step and neither CPU path; neither reports the other's paths as fallen back."""
+    cpu, gpu = FastPaths("auto", "cpu"), FastPaths("auto", "cuda")
+    cpu_line, gpu_line = cpu.report(), gpu.report()
+    assert "lean decode step (for" in cpu_line and "oneDNN head product" in cpu_line
+    assert "CUDA graph" not in cpu_line
+    assert "CUDA graph decode step (for the model's forward per token)" in gpu_line
+    assert "lean decode step" not in gpu_line and "oneDNN" not in gpu_line
+    assert not cpu.uses(paths_module.GRAPH_STEP) and not gpu.uses(paths_module.LEAN_STEP)
+    assert "runs on cuda only, the run on cpu" in cpu.why_not(paths_module.GRAPH_STEP)
+    off = FastPaths("off", "cuda").report()
+    assert off.startswith("model.fast_paths: off (cuda); the library paths run: model.generate, the model's "
+                          "forward per token, torch.multinomial") and "F.linear" not in off
 
 
 @pytest.mark.usefixtures("fresh_checks")
