@@ -14,9 +14,13 @@ their real tokenizers (``model.architecture`` presets), the LoRA adapter of conf
   (``training_flops``): 2 x body parameters per token a pass runs through the body (each prompt once per
   group where the step shares it), 2 x vocabulary x hidden per scored position, 4 x layers x query width per
   attended key (causal), LoRA's products; a backward is the forward again for the inputs' gradients (twice
-  for attention) plus the trainable weights' gradients. The split-bf16 head product counts once.
+  for attention) plus the trainable weights' gradients. The split-bf16 head product counts once. The
+  step's figures are the median of the timed steps, each on new prompts (new prompt widths: every shape
+  new to the GPU's libraries); "shapes seen" is one more step on the first timed step's prompts, what a long
+  run's steps cost once its prompt widths recur.
 
     python benchmarks/gpu.py                       # CUDA: 0.5B, 3B and 8B (the 8B: the step only)
+    python benchmarks/gpu.py --cudnn-attention     # the same with cuDNN's attention allowed (the library's choice)
     python benchmarks/gpu.py --smoke               # CPU: shrunk presets, a few tokens (what the test runs)
 
 The JSON goes to ``--out`` and the Markdown table beside it (``.md``), and is printed.
@@ -46,6 +50,7 @@ from benchmarks.gpu_step import (  # noqa: E402
 from grpo.config import config_from_dict  # noqa: E402
 from grpo.core.batching import left_pad  # noqa: E402
 from grpo.data.prompts import render_records  # noqa: E402
+from grpo.model import kernels  # noqa: E402
 from grpo.model.architectures import build_architecture  # noqa: E402
 from grpo.model.fast import FastPaths, graph_step  # noqa: E402
 from grpo.model.lora import wrap_lora  # noqa: E402
@@ -87,6 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", default=str(ROOT / "reports" / "gpu_benchmark.json"))
     parser.add_argument("--all-rollouts", action="store_true",
                         help="also generate over fp32-held frozen weights and the decode loop without graphs")
+    parser.add_argument("--cudnn-attention", action="store_true",
+                        help="let attention run on cuDNN too, the library's default (the project leaves it out)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one more step's training phase of the first architecture (<out>.profile.txt)")
     args = parser.parse_args(argv)
@@ -182,7 +189,7 @@ def bench_rollouts(model, tokenizer, cfg, args, device) -> dict:
 def bench_architecture(name: str, args, device, peak: float | None) -> dict:
     plan = PLAN.get(name, {"rollouts": True, "grad_accum": 1, "steps": 2})
     if args.smoke:
-        plan = plan | {"steps": 1}
+        plan = plan | {"steps": min(plan["steps"], 2)}
     cfg = config(name, args, plan)
     started = time.perf_counter()
     model, tokenizer = build_architecture(cfg.model, seed=0, device=device)
@@ -201,6 +208,8 @@ def bench_architecture(name: str, args, device, peak: float | None) -> dict:
     step = result.get("step", {})
     if "tflops_per_s" in step:
         step["mfu"] = step["tflops_per_s"] / peak if peak else None
+        if step.get("seen_shapes"):
+            step["seen_shapes"]["mfu"] = step["seen_shapes"]["tflops_per_s"] / peak if peak else None
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -228,24 +237,30 @@ def _num(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _percent(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f} %"
+
+
 def markdown(report: dict) -> str:
     lines = [f"GPU: {report['gpu']}; bf16 peak {report['bf16_peak_tflops'] or 'unknown'} TFLOP/s; "
-             f"{report['prompts']} prompts x {report['group']} completions x {report['tokens']} tokens",
+             f"{report['prompts']} prompts x {report['group']} completions x {report['tokens']} tokens; "
+             f"attention: {report['attention']}",
              "",
              "| architecture | generate tok/s | loop tok/s | graph tok/s | graph / generate "
-             "| step s (rollout) | train s | MFU | peak GiB (train / step) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| step s (rollout) | train s | MFU | train s, MFU (shapes seen) | peak GiB (train / step) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in report["results"]:
         ro, st = r.get("rollouts", {}), r.get("step", {})
         best = max((ro.get(k, {}).get("tokens_per_s") or 0 for k in ("generate", "generate, frozen weights bf16")),
                    default=0) or None
-        runs = st.get("steps") or [{}]
+        seen = st.get("seen_shapes") or {}
         lines.append(
             f"| {r['architecture']} | {_num(best, '.0f')} | {_num(ro.get('decode loop', {}).get('tokens_per_s'), '.0f')} "
             f"| {_num(ro.get('decode loop, CUDA graph', {}).get('tokens_per_s'), '.0f')} "
             f"| {_num(ro.get('graph_vs_generate'), '.1f')}x "
-            f"| {_num(runs[-1].get('step_s'), '.2f')} ({_num(runs[-1].get('rollout_s'), '.2f')}) "
-            f"| {_num(st.get('train_s'), '.2f')} | {_num(None if st.get('mfu') is None else 100 * st['mfu'], '.1f')} % "
+            f"| {_num(st.get('step_s'), '.2f')} ({_num(st.get('rollout_s'), '.2f')}) "
+            f"| {_num(st.get('train_s'), '.2f')} | {_percent(st.get('mfu'))} "
+            f"| {_num(seen.get('train_s'), '.2f')}, {_percent(seen.get('mfu'))} "
             f"| {_num(st.get('train_peak_gib'), '.1f')} / {_num(st.get('step_peak_gib'), '.1f')} |")
     lines += ["", "| target | value | bound | held |", "| --- | ---: | ---: | --- |"]
     for t in report["targets"]:
@@ -262,11 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     peak = peak_tflops(device, args.peak_tflops)
+    if args.cudnn_attention:
+        kernels.CUDA_BACKENDS = None
     results = [bench_architecture(name, args, device, peak) for name in args.architectures]
     report = {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU smoke run)",
         "torch": torch.__version__, "bf16_peak_tflops": peak, "smoke": args.smoke,
         "prompts": args.prompts, "group": args.group, "tokens": args.tokens,
+        "attention": "cuDNN allowed (the library's choice)" if args.cudnn_attention else "cuDNN left out",
         "results": results, "targets": targets(results),
     }
     out = Path(args.out)

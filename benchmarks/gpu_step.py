@@ -119,9 +119,27 @@ class TrainingPhase:
         step_module.prepare_batch, step_module.update = self._prepare, self._update
 
 
+def step_flops(model, cfg, step, trace, prompts: int) -> float:
+    """Model FLOPs of one step's training phase, from the widths its rollout ran at (``trace``)."""
+    rollout = trace.draw.rollout
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embedding = base.get_input_embeddings().weight.numel()
+    head = 0 if base.config.tie_word_embeddings else base.get_output_embeddings().weight.numel()
+    lora = lora_parameters(model)
+    body = sum(p.numel() for p in model.parameters()) - embedding - head - lora
+    return training_flops(
+        base.config, rows=rollout.prompt_ids.shape[0], distinct=prompts, prompt=rollout.prompt_ids.shape[1],
+        completion=rollout.completion_ids.shape[1], shared=step.shares_prefix, reused_prefill=step.reuses_prefill,
+        body=body, lora=lora, full=False,
+        passes={"scoring": int(cfg.grpo.loss.beta > 0) + int(cfg.grpo.num_iterations > 1),
+                "policy": cfg.grpo.num_iterations})
+
+
 def bench_step(model, tokenizer, cfg, args, device, plan: dict) -> dict:
-    """The GRPO step: a warm-up step, then ``plan['steps']`` timed (one step only when 1); with ``--profile``
-    one more whose training phase runs under the profiler."""
+    """The GRPO step: a warm-up step, then ``plan['steps']`` timed on new prompts (one step only when 1),
+    then, with more than one, one step on the first timed step's prompts again (every shape seen before:
+    what a long run's steps cost once its prompt widths recur); with ``--profile`` one more whose training
+    phase runs under the profiler. Each step's FLOPs come from its own widths."""
     from accelerate import Accelerator
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -131,12 +149,13 @@ def bench_step(model, tokenizer, cfg, args, device, plan: dict) -> dict:
     step = step_module.build_step(cfg, Policy(model, tokenizer, optimizer, scheduler, None),
                                   Accelerator(cpu=device.type == "cpu"))
     count = 1 + plan["steps"] if plan["steps"] > 1 else 1
+    seeds = [10 + index for index in range(count)] + ([11] if count > 1 else [])  # 11: the first timed step's
     profile = args.profile and args.architectures.index(cfg.model.architecture) == 0
-    runs, trace, table = [], None, ""
+    runs, table, trace = [], "", None
     with TrainingPhase(device) as phase:
-        for index in range(count + int(profile)):
-            phase.profile = index == count
-            batch = records(args.prompts, seed=10 + index)
+        for index, seed in enumerate(seeds + [10 + len(seeds)] * int(profile)):
+            phase.profile = index == len(seeds)
+            batch = records(args.prompts, seed=seed)
             reset_peak(device)
             sync(device)
             started = time.perf_counter()
@@ -146,31 +165,25 @@ def bench_step(model, tokenizer, cfg, args, device, plan: dict) -> dict:
                 table = phase.table
                 continue
             trace = result.trace
+            flops = step_flops(model, cfg, step, trace, args.prompts)
             runs.append({"step_s": time.perf_counter() - started, "rollout_s": result.metrics["timing/generate"],
-                         "train_s": phase.seconds, "rollout_peak_gib": phase.rollout_peak,
-                         "train_peak_gib": phase.train_peak})
+                         "train_s": phase.seconds, "flops": flops, "tflops_per_s": flops / phase.seconds / 1e12,
+                         "rollout_peak_gib": phase.rollout_peak, "train_peak_gib": phase.train_peak,
+                         "prompt_width": trace.draw.rollout.prompt_ids.shape[1], "seen_shapes": seed in seeds[:index]})
     if table:
         Path(args.out).with_suffix(".profile.txt").write_text(table)
-    timed_runs = runs[1:] if len(runs) > 1 else runs
+    new = [r for r in runs[1:] if not r["seen_shapes"]] or runs
+    seen = [r for r in runs if r["seen_shapes"]]
+    median = sorted(new, key=lambda r: r["train_s"])[len(new) // 2]
     rollout = trace.draw.rollout
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    embedding = base.get_input_embeddings().weight.numel()
-    head = 0 if base.config.tie_word_embeddings else base.get_output_embeddings().weight.numel()
-    lora = lora_parameters(model)
-    body = sum(p.numel() for p in model.parameters()) - embedding - head - lora
-    flops = training_flops(
-        base.config, rows=rollout.prompt_ids.shape[0], distinct=args.prompts, prompt=rollout.prompt_ids.shape[1],
-        completion=rollout.completion_ids.shape[1], shared=step.shares_prefix, reused_prefill=step.reuses_prefill,
-        body=body, lora=lora, full=False,
-        passes={"scoring": int(cfg.grpo.loss.beta > 0) + int(cfg.grpo.num_iterations > 1),
-                "policy": cfg.grpo.num_iterations})
-    median = sorted(timed_runs, key=lambda r: r["train_s"])[len(timed_runs) // 2]
     return {
-        "rows": rollout.prompt_ids.shape[0], "prompt_width": rollout.prompt_ids.shape[1],
+        "rows": rollout.prompt_ids.shape[0], "prompt_width": median["prompt_width"],
         "completion_width": rollout.completion_ids.shape[1], "grad_accum": cfg.grpo.grad_accum,
         "shares_prefix": step.shares_prefix, "reuses_prefill": step.reuses_prefill,
-        "steps": runs, "train_s": median["train_s"], "flops": flops,
-        "tflops_per_s": flops / median["train_s"] / 1e12,
+        "steps": runs, "step_s": median["step_s"], "rollout_s": median["rollout_s"],
+        "train_s": median["train_s"], "flops": median["flops"],
+        "tflops_per_s": median["tflops_per_s"],
+        "seen_shapes": ({"train_s": seen[-1]["train_s"], "tflops_per_s": seen[-1]["tflops_per_s"]} if seen else None),
         "step_peak_gib": max(max(r["rollout_peak_gib"], r["train_peak_gib"]) for r in runs),
         "train_peak_gib": max(r["train_peak_gib"] for r in runs),
     }

@@ -40,6 +40,15 @@ def test_smoke_run_measures_rollouts_the_step_and_memory(tmp_path, capsys):
     assert "error" not in step, step
     assert step["rows"] == 4 and step["completion_width"] == 4 and step["train_s"] > 0 and step["flops"] > 0
     assert step["mfu"] == pytest.approx(step["tflops_per_s"] / 1.0) and step["train_peak_gib"] > 0
+    runs = step["steps"]
+    assert [r["seen_shapes"] for r in runs] == [False, False, False, True], "warm-up, 2 timed, 1 seen again"
+    assert runs[3]["prompt_width"] == runs[1]["prompt_width"], "the seen step reruns the first timed prompts"
+    assert runs[1]["prompt_width"] != runs[2]["prompt_width"] or runs[1]["flops"] == runs[2]["flops"]
+    assert all(r["tflops_per_s"] == pytest.approx(r["flops"] / r["train_s"] / 1e12) for r in runs)
+    assert step["train_s"] in (runs[1]["train_s"], runs[2]["train_s"]), "the median of the new-shape steps"
+    assert step["seen_shapes"]["train_s"] == runs[3]["train_s"]
+    assert step["seen_shapes"]["mfu"] == pytest.approx(runs[3]["tflops_per_s"])
+    assert report["attention"] == "cuDNN left out"
     assert {t["figure"] for t in report["targets"]} >= {"mfu", "train_peak_gib", "graph_vs_generate"}
     assert "| qwen2.5-0.5b |" in capsys.readouterr().out and out.with_suffix(".md").is_file()
 

@@ -8,7 +8,8 @@ import torch
 from grpo.config import config_from_dict
 from grpo.core.attention import model_attention_mask
 from grpo.core.batching import left_pad, position_ids_from_mask
-from grpo.model.kernels import GROUPED_SDPA, attention_kernel, sdpa_grouped_forward
+from grpo.model import kernels
+from grpo.model.kernels import GROUPED_SDPA, attention_backends, attention_kernel, sdpa_grouped_forward
 from grpo.model.lora import wrap_lora
 from tests.weights import fill_adapter, spread_weights
 
@@ -81,3 +82,73 @@ def test_sdpa_grouped_attends_in_fp32_under_cpu_autocast(groups, masked):
     assert not torch.equal(rounded.transpose(1, 2), out), "autocast's own attention rounds q and k to bf16"
     out.float().sum().backward()
     assert q.grad.dtype == torch.float32 and k.grad.dtype == torch.bfloat16 and q.grad.abs().sum() > 0
+
+
+def _sdp_flags() -> dict[str, bool]:
+    cuda = torch.backends.cuda
+    return {"cudnn": cuda.cudnn_sdp_enabled(), "flash": cuda.flash_sdp_enabled(),
+            "efficient": cuda.mem_efficient_sdp_enabled(), "math": cuda.math_sdp_enabled()}
+
+
+def test_cuda_attention_never_chooses_cudnn_and_other_devices_are_left_alone(monkeypatch):
+    """On CUDA the kernel's attention may run flash, memory-efficient or math, not cuDNN (which plans per
+    shape); the flags come back after the block; a CPU's attention, and ``CUDA_BACKENDS = None``, change
+    nothing."""
+    before = _sdp_flags()
+    assert before["cudnn"], "PyTorch's default allows cuDNN: the rule is what turns it off"
+    with attention_backends("cuda"):
+        assert _sdp_flags() == {"cudnn": False, "flash": True, "efficient": True, "math": True}
+    assert _sdp_flags() == before
+    with attention_backends("cpu"):
+        assert _sdp_flags() == before
+    monkeypatch.setattr(kernels, "CUDA_BACKENDS", None)
+    with attention_backends("cuda"):
+        assert _sdp_flags() == before
+
+
+def test_the_kernel_attends_under_its_devices_backends(monkeypatch):
+    """``sdpa_grouped_forward`` asks ``attention_backends`` for the device its queries are on, around the
+    attention itself (both of its routes)."""
+    seen: list[tuple[str, dict]] = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(device_type):
+        seen.append(("enter", device_type))
+        return attention_backends(device_type)
+
+    def sdpa(*args, **kwargs):
+        seen.append(("sdpa", None))
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "attention_backends", recording)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+    sdpa_grouped_forward(module, q, k, v, causal)  # grouped with a mask: the kernel's own call
+    sdpa_grouped_forward(module, q, k, v, None)  # through the library's sdpa
+    assert seen == [("enter", "cpu"), ("sdpa", None)] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_attention_runs_no_cudnn_kernel_and_matches_the_librarys_choice():
+    """On a GPU, bf16 attention under the project's masks runs no cuDNN kernel and gives the library's
+    default choice's output within bf16 rounding."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    q = torch.randn(4, 8, 37, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k, v = (torch.randn(4, 4, 37, 64, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.tensor([37, 30, 12, 1], device="cuda")
+    real = torch.arange(37, device="cuda")[None, :] >= (37 - lengths)[:, None]  # left padding
+    mask = real[:, None, None, :] & torch.ones(37, 37, dtype=torch.bool, device="cuda").tril()[None, None]
+    mask = mask | ~real[:, None, :, None]  # padded queries see every key, as the library's masks do
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        out, _ = sdpa_grouped_forward(module, q, k, v, mask)
+        torch.cuda.synchronize()
+    assert not any("cudnn" in event.key.lower() for event in profile.key_averages())
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask).transpose(1, 2)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)

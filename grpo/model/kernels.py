@@ -18,6 +18,14 @@ anyway (the rotary embedding computes in the residual stream's dtype), PyTorch's
 backward is much slower in bf16 than in fp32, and every pass (decode, prefill, reference, update) runs
 the same kernel in the same precision.
 
+On CUDA the kernel runs ``scaled_dot_product_attention`` on its flash, memory-efficient or math backend,
+never on cuDNN's (``attention_backends``), also a rule of the project rather than a fast path. cuDNN's
+attention builds a plan for every new shape, on the host, about 2 ms a call, and the shapes of a GRPO step
+change with every batch's prompt width: the profile of a 0.5B model's training phase on an H200 spent
+0.43 s of its 1.66 s of CPU time there, against 23 ms of GPU time for those calls
+(docs/experiments/gpu.md). The other backends plan nothing; under the project's masks (padding, so flash
+does not apply) the memory-efficient one runs.
+
 After each attention the kernel lets ``fast.watch_attention`` look (evaluation's reuse of its greedy
 pass, ``grpo/model/fast/prompt_pass.py``); outside its watch that is a no-op.
 """
@@ -27,6 +35,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -34,6 +43,19 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from grpo.model.fast import watch_attention
 
 GROUPED_SDPA = "sdpa_grouped"
+CUDA_BACKENDS: tuple[SDPBackend, ...] | None = (
+    SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
+)
+"""The backends ``scaled_dot_product_attention`` may choose from on CUDA, in PyTorch's order of preference:
+all but cuDNN's (the module docstring). ``None``: every backend, the library's default choice."""
+
+
+def attention_backends(device_type: str) -> contextlib.AbstractContextManager:
+    """The block's ``scaled_dot_product_attention`` calls on ``device_type`` restricted to ``CUDA_BACKENDS``
+    on CUDA; elsewhere (and with ``CUDA_BACKENDS`` None) nothing changes."""
+    if device_type != "cuda" or CUDA_BACKENDS is None:
+        return contextlib.nullcontext()
+    return sdpa_kernel(list(CUDA_BACKENDS))
 
 
 def sdpa_grouped_forward(
@@ -62,7 +84,8 @@ def _attend(module, query, key, value, attention_mask, dropout, scaling, is_caus
     heads, a pass without a mask) through ``sdpa`` itself on fp32 inputs."""
     autocast = query.device.type == "cpu" and torch.is_autocast_enabled("cpu")
     grouped = getattr(module, "num_key_value_groups", 1) > 1
-    with torch.autocast("cpu", enabled=False) if autocast else contextlib.nullcontext():
+    with (torch.autocast("cpu", enabled=False) if autocast else contextlib.nullcontext(),
+          attention_backends(query.device.type)):
         if autocast:
             query, key, value = query.float(), key.float(), value.float()
         if query.device.type != "cpu" or attention_mask is None or not grouped:
