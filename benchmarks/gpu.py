@@ -44,7 +44,11 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_step import (  # noqa: E402
     bench_step,
+    profile_path,
+    profile_table,
+    profiler,
     records,
+    sync,
     timed,
 )
 from grpo.config import config_from_dict  # noqa: E402
@@ -95,7 +99,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cudnn-attention", action="store_true",
                         help="let attention run on cuDNN too, the library's default (the project leaves it out)")
     parser.add_argument("--profile", action="store_true",
-                        help="profile one more step's training phase of the first architecture (<out>.profile.txt)")
+                        help="profile each architecture's decode (32 tokens, as the step runs it) and one more "
+                             "step's training phase (<out>.<architecture>.decode|training-profile.txt)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.architectures = args.architectures or ["qwen2.5-0.5b"]
@@ -180,6 +185,12 @@ def bench_rollouts(model, tokenizer, cfg, args, device) -> dict:
             entry["graph"] = {"built": len(steps), "failed": [s.failed for s in steps if s.failed],
                               "static_gap": [s.gap for s in steps]}
         out[name] = entry
+    if args.profile:
+        with bf16_autocast(device, True), frozen_linears_in_bf16([model], True), graphs(True), \
+                profiler(device) as profile:
+            decode(min(32, args.tokens))
+            sync(device)
+        profile_path(args, cfg.model.architecture, "decode").write_text(profile_table(device, profile))
     out["vllm"] = "vLLM is not installed: untested" if importlib.util.find_spec("vllm") is None else "not run"
     best_generate = max(out[k]["tokens_per_s"] for k in ("generate", "generate, frozen weights bf16") if k in out)
     out["graph_vs_generate"] = out["decode loop, CUDA graph"]["tokens_per_s"] / best_generate
@@ -277,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     peak = peak_tflops(device, args.peak_tflops)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # the profiles' tables are written there first
     if args.cudnn_attention:
         kernels.CUDA_BACKENDS = None
     results = [bench_architecture(name, args, device, peak) for name in args.architectures]
@@ -288,7 +300,6 @@ def main(argv: list[str] | None = None) -> int:
         "results": results, "targets": targets(results),
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     table = markdown(report)
     out.with_suffix(".md").write_text(table + "\n")

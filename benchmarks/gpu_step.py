@@ -33,6 +33,25 @@ def peak_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def profiler(device: torch.device) -> torch.profiler.profile:
+    """A profiler of the host's and (on CUDA) the GPU's work."""
+    kinds = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return torch.profiler.profile(activities=kinds)
+
+
+def profile_table(device: torch.device, profile: torch.profiler.profile) -> str:
+    """The profiler's 30 costliest operations (by GPU time on CUDA, host time elsewhere)."""
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return profile.key_averages().table(sort_by=key, row_limit=30)
+
+
+def profile_path(args, architecture: str, what: str) -> Path:
+    """Where ``--profile`` writes a table: beside ``--out``, named by the architecture and the phase."""
+    out = Path(args.out)
+    return out.with_name(f"{out.stem}.{architecture}.{what}-profile.txt")
+
+
 def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         sync(device)
@@ -92,9 +111,7 @@ class TrainingPhase:
         self.rollout_peak = peak_gib(self.device)
         reset_peak(self.device)
         if self.profile:
-            kinds = [torch.profiler.ProfilerActivity.CPU] + (
-                [torch.profiler.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-            self._profiler = torch.profiler.profile(activities=kinds)
+            self._profiler = profiler(self.device)
             self._profiler.__enter__()
         self._started = time.perf_counter()
         return self._prepare(*args)
@@ -106,8 +123,7 @@ class TrainingPhase:
         self.train_peak = peak_gib(self.device)
         if self._profiler is not None:
             self._profiler.__exit__(None, None, None)
-            key = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-            self.table = self._profiler.key_averages().table(sort_by=key, row_limit=30)
+            self.table = profile_table(self.device, self._profiler)
             self._profiler = None
         return out
 
@@ -150,7 +166,7 @@ def bench_step(model, tokenizer, cfg, args, device, plan: dict) -> dict:
                                   Accelerator(cpu=device.type == "cpu"))
     count = 1 + plan["steps"] if plan["steps"] > 1 else 1
     seeds = [10 + index for index in range(count)] + ([11] if count > 1 else [])  # 11: the first timed step's
-    profile = args.profile and args.architectures.index(cfg.model.architecture) == 0
+    profile = args.profile
     runs, table, trace = [], "", None
     with TrainingPhase(device) as phase:
         for index, seed in enumerate(seeds + [10 + len(seeds)] * int(profile)):
@@ -171,7 +187,7 @@ def bench_step(model, tokenizer, cfg, args, device, plan: dict) -> dict:
                          "rollout_peak_gib": phase.rollout_peak, "train_peak_gib": phase.train_peak,
                          "prompt_width": trace.draw.rollout.prompt_ids.shape[1], "seen_shapes": seed in seeds[:index]})
     if table:
-        Path(args.out).with_suffix(".profile.txt").write_text(table)
+        profile_path(args, cfg.model.architecture, "training").write_text(table)
     new = [r for r in runs[1:] if not r["seen_shapes"]] or runs
     seen = [r for r in runs if r["seen_shapes"]]
     median = sorted(new, key=lambda r: r["train_s"])[len(new) // 2]

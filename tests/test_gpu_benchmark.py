@@ -25,10 +25,11 @@ def _bench():
 @pytest.mark.slow
 def test_smoke_run_measures_rollouts_the_step_and_memory(tmp_path, capsys):
     tokenizers = real_tokenizer_path("qwen2.5-0.5b-instruct").parent
-    out = tmp_path / "bench.json"
-    argv = ["--smoke", "--out", str(out), "--peak-tflops", "1.0", "--tokenizers-dir", str(tokenizers)]
+    out = tmp_path / "new"  # a folder the benchmark makes
+    argv = ["--smoke", "--profile", "--out", str(out / "bench.json"), "--peak-tflops", "1.0",
+            "--tokenizers-dir", str(tokenizers)]
     assert _bench().main(argv) == 0
-    report = json.loads(out.read_text())
+    report = json.loads((out / "bench.json").read_text())
     (result,) = report["results"]
     assert report["smoke"] and result["architecture"] == "qwen2.5-0.5b"
     rollouts = result["rollouts"]
@@ -50,7 +51,10 @@ def test_smoke_run_measures_rollouts_the_step_and_memory(tmp_path, capsys):
     assert step["seen_shapes"]["mfu"] == pytest.approx(runs[3]["tflops_per_s"])
     assert report["attention"] == "cuDNN left out"
     assert {t["figure"] for t in report["targets"]} >= {"mfu", "train_peak_gib", "graph_vs_generate"}
-    assert "| qwen2.5-0.5b |" in capsys.readouterr().out and out.with_suffix(".md").is_file()
+    assert "| qwen2.5-0.5b |" in capsys.readouterr().out and (out / "bench.md").is_file()
+    for phase, operation in (("decode", "aten::argmax"), ("training", "HeadScores")):
+        table = (out / f"bench.qwen2.5-0.5b.{phase}-profile.txt").read_text()
+        assert operation in table, f"the {phase} profile holds that phase's work"
 
 
 def test_training_flops_count_each_pass_once_and_the_prompts_once_per_group(tiny_model):
