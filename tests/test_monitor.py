@@ -12,6 +12,7 @@ import torch
 from grpo.config import MonitorConfig, RuleConfig, SamplingConfig
 from grpo.core.batching import left_pad
 from grpo.data.prompts import example_messages
+from grpo.health import monitor as monitor_module
 from grpo.health.monitor import Finding, Monitor, MonitorError, TrainingStopped, raise_if_stop
 from grpo.model.chat import end_of_turn_ids, render_prompt
 from grpo.model.rollout import rollout_from_sequences
@@ -203,6 +204,39 @@ def test_boundary_metric_rules(caplog):
     clipped = {"completions/mean_length": 1.0, "completions/clipped_ratio": 1.0}  # one token each, no stop token
     assert [f.rule for f in Monitor(MonitorConfig()).observe(1, clipped)] == ["boundary_clipped"]
     assert [f.rule for f in Monitor(MonitorConfig()).observe(2, {"entropy": 7.5})] == ["boundary_entropy_high"]
+
+
+# rule: (metric, the comparison its description states). A user sets a threshold by that description:
+# reward_zero_std at 1.0 means "every group frozen", and must fire when every group is.
+THRESHOLD_RULES = {
+    "boundary_clipped": ("completions/clipped_ratio", ">"),
+    "boundary_entropy_low": ("entropy", "<"),
+    "boundary_entropy_high": ("entropy", ">"),
+    "entropy_floor": ("entropy", "<"),
+    "reward_zero_std": ("frac_reward_zero_std", ">="),
+    "step_time": ("step_time", "<"),
+    "max_prob": ("logits/max_prob", ">="),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(THRESHOLD_RULES))
+def test_each_rule_compares_at_its_threshold_as_its_description_says(rule):
+    """At the threshold itself a rule fires exactly when its comparison includes equality; a step past it
+    fires, a step short of it does not; and the finding's text states that comparison."""
+    metric, comparison = THRESHOLD_RULES[rule]
+    threshold = 1.0
+    config = MonitorConfig(**{rule: RuleConfig(threshold=threshold, window=1, action="warn")})
+    config = config.model_copy(update={
+        other: RuleConfig(threshold=0.0, window=1, action="off")
+        for other in (*monitor_module.BOUNDARY_METRIC_RULES, *monitor_module.COLLAPSE_RULES) if other != rule
+    })
+    past = {"<": 0.5, ">": 1.5, ">=": 1.5}[comparison]
+    short = {"<": 1.5, ">": 0.5, ">=": 0.5}[comparison]
+    for value, fires in ((threshold, comparison == ">="), (past, True), (short, False)):
+        findings = Monitor(config).observe(1, {metric: value})
+        assert [f.rule for f in findings] == ([rule] if fires else []), f"{rule} at {metric} = {value}"
+    (finding,) = Monitor(config).observe(1, {metric: past})
+    assert f"{metric} {comparison} 1" in finding.message or f"{comparison} 1" in finding.message, finding.message
 
 
 def test_warn_findings_do_not_stop():
