@@ -149,6 +149,14 @@ def test_train_refuses_without_a_passing_preflight_for_the_current_lineage(tmp_p
         with pytest.raises(PreflightError, match="grpo preflight"):
             require_preflight(load_config(params, [override]))
     text = report_path(cfg).read_text()
+    failing = report["checks"][0]["name"]
+    checks = [dict(c, passed=c["name"] != failing) for c in report["checks"]]
+    report_path(cfg).write_text(json.dumps(dict(report, passed=False, checks=checks)))
+    with pytest.raises(PreflightError, match=rf"pre-flight failed \({failing}\); fix them"):
+        require_preflight(cfg)  # a failed report for the very same lineage
+    report_path(cfg).write_text(json.dumps(dict(report, checks=checks)))  # "passed" contradicted by a check
+    with pytest.raises(PreflightError, match=rf"pre-flight failed \({failing}\)"):
+        require_preflight(cfg)
     report_path(cfg).write_text(text[: len(text) // 2])  # a report cut short
     with pytest.raises(PreflightError, match="is not a pre-flight report .*grpo preflight"):
         require_preflight(cfg)

@@ -131,3 +131,26 @@ def test_i10_the_update_scores_at_the_rollouts_temperature(tiny_model, tiny_toke
     _, first = update(step, batch)
     mask = batch.completion_mask
     assert torch.equal(first.logprobs[mask], batch.old_logprobs[mask])
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e-4, 1e6], ids=["clipped", "unclipped"])
+def test_the_optimizer_steps_on_the_gradient_clipped_to_max_grad_norm(tiny_model, tiny_tokenizer, records,
+                                                                         max_grad_norm):
+    """The gradient the optimizer steps on has a global norm of at most ``grpo.max_grad_norm``, the logged
+    ``grad_norm`` is the norm before clipping, and a gradient under the bound is left as it is."""
+    step = make_step(tiny_model, tiny_tokenizer, max_grad_norm=max_grad_norm)
+    batch = _batch(step, records, torch.linspace(-1, 1, 2 * len(records)))
+    seen: list[float] = []
+    optimizer_step = step.optimizer.step
+
+    def recording(*args, **kwargs):
+        seen.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in step.params]))))
+        return optimizer_step(*args, **kwargs)
+
+    step.optimizer.step = recording
+    metrics, _ = update(step, batch)
+    assert len(seen) == 1 and metrics["grad_norm"] > 1e-4, "a gradient large enough to clip"
+    if max_grad_norm < metrics["grad_norm"]:
+        assert seen[0] == pytest.approx(max_grad_norm, rel=1e-3)
+    else:
+        assert seen[0] == pytest.approx(metrics["grad_norm"], rel=1e-5)

@@ -44,8 +44,8 @@ def require_preflight(cfg: Config) -> None:
         why = "not a JSON object"
     if not isinstance(report, dict):
         raise PreflightError(f"{path} is not a pre-flight report ({why}); {how}")
-    if not report.get("passed"):
-        failed = [c["name"] for c in report.get("checks", []) if not c["passed"]]
+    failed = [c.get("name", "?") for c in report.get("checks", []) if not c.get("passed")]
+    if not report.get("passed") or failed:
         raise PreflightError(f"{path}: pre-flight failed ({', '.join(failed)}); fix them, then {how}")
     current = preflight_lineage(cfg)
     changed = [key for key in LINEAGE_KEYS if report.get("lineage", {}).get(key) != current[key]]
