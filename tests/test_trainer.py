@@ -130,6 +130,41 @@ def test_resume_after_kill_ends_with_the_same_weights(project, tmp_path):
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
 
 
+def test_resume_refuses_a_checkpoint_of_other_params_or_code_and_starts_fresh(project, tmp_path, capsys,
+                                                                             monkeypatch):
+    """The newest checkpoint is resumed only by the code, params and inputs that wrote it: another loss
+    setting, or a module changed since (here: ``core/losses.py`` hashes otherwise than when the checkpoints
+    were written, as after a fix), starts fresh and says why, naming what changed."""
+    from grpo.model.device import make_accelerator
+    from grpo.provenance import lineage as lineage_module
+    from grpo.train.policy import build_policy
+
+    params = copy_project(project, tmp_path / "p")
+    run_stages(params, "train")
+    cfg = load_config(params)
+    policy = build_policy(cfg, make_accelerator().device)
+    start, history = trainer.resume(cfg, policy)
+    assert start == 4 and [h["step"] for h in history] == [1, 2, 3, 4]
+
+    assert trainer.resume(load_config(params, ["grpo.loss.beta=0.5"]), policy) == (0, [])
+    said = capsys.readouterr().out
+    assert "not resuming from" in said and "checkpoint-00000004" in said and "grpo.loss.beta" in said
+
+    fingerprint = lineage_module.stage_fingerprint
+
+    def after_a_fix(stage, root=None):  # the code now differs from what wrote the checkpoints in one module
+        current = fingerprint(stage, root)
+        current["modules"] = {m: "0" * 64 if m.endswith("core/losses.py") else h
+                              for m, h in current["modules"].items()}
+        return current
+
+    monkeypatch.setattr(lineage_module, "stage_fingerprint", after_a_fix)
+    assert trainer.resume(cfg, policy) == (0, [])
+    said = capsys.readouterr().out
+    module = "grpo/core/losses.py"
+    assert "not resuming from" in said and f"{module} changed since" in said
+
+
 def test_half_written_checkpoint_is_never_loaded(project, tmp_path):
     params = copy_project(project, tmp_path / "p")
     run_stages(params, "train")
