@@ -54,10 +54,19 @@ def untied(tiny_model) -> torch.nn.Module:
     return model.train()
 
 
+def untied_with_bias(tiny_model) -> torch.nn.Module:
+    """``untied`` with a trainable bias on the output head (some architectures' heads have one)."""
+    model = untied(tiny_model)
+    head = model.get_output_embeddings()
+    head.bias = torch.nn.Parameter(torch.linspace(-0.5, 0.5, head.out_features))
+    return model
+
+
 HEADS = {
     "lora": moved_lora,  # a frozen head: the backward from the forward's directions, no logits
     "full-tied": lambda m: m.train(),  # a trainable head tied to the embeddings: logits recomputed per chunk
     "full-untied": untied,
+    "full-untied-bias": untied_with_bias,  # the bias's gradient too
 }
 
 
