@@ -74,6 +74,19 @@ def test_bbq_indices_skips_and_template_split():
     assert train_templates and eval_templates and not train_templates & eval_templates
 
 
+@pytest.mark.parametrize("label", [True, 3, "1"], ids=["json-true", "out-of-range", "string"])
+def test_a_bbq_label_that_is_not_an_option_index_names_the_line_and_the_value(tmp_path, label):
+    """``label`` must be the index 0, 1 or 2 of the gold option: JSON ``true`` (which Python would take
+    as 1), 3 or a string is an error naming the file, the line, the field and the value, never an item."""
+    rows = (FIXTURES / "bbq" / "Age.jsonl").read_text().splitlines()[:3]
+    bad = json.loads(rows[1]) | {"label": label}
+    folder = tmp_path / "bbq"
+    folder.mkdir()
+    (folder / "Age.jsonl").write_text("\n".join([rows[0], json.dumps(bad), rows[2]]) + "\n")
+    with pytest.raises(DataSourceError, match=rf"Age.jsonl:2: not a BBQ record .*label {label!r} is not 0, 1 or 2"):
+        load_bbq(folder, eval_share=0.25, seed=0)
+
+
 def test_halueval_keeps_spans_and_borrows_knowledge_for_unanswerables():
     loaded = load_halueval(FIXTURES / "halueval_qa.json", eval_share=0.25, seed=0)
     items = loaded.pools["train"] + loaded.pools["eval"]
