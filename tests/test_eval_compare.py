@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
 from grpo.data.schema import ABSTENTION, LETTERS
+from grpo.eval import compare
 from grpo.eval.compare import (
     INTERVAL_METRICS,
+    ItemOutcomes,
     baseline_texts,
     intervals_markdown,
     item_outcomes,
@@ -78,6 +81,50 @@ def test_paired_bootstrap_interval_straddles_zero_on_a_mixed_change():
     new, old = item_outcomes(mixed, records, WEIGHTS), item_outcomes(flipped, records, WEIGHTS)
     row = paired_bootstrap(new, old, 300, 0)["reward"]
     assert row["low"] < 0 < row["high"]
+
+
+def _rewards_only(records: list[dict], rewards: list[float]) -> ItemOutcomes:
+    """Outcomes whose rewards are ``rewards`` (one sample per item; the items themselves are one scored reply)."""
+    item = item_outcomes(_right(records[:1]), records[:1], WEIGHTS).units[0][0][0]
+    return ItemOutcomes([r["task"] for r in records], [[(item, reward)] for reward in rewards])
+
+
+def test_the_bootstrap_is_paired_and_its_interval_is_the_95_percent_one():
+    """2,000 items whose old rewards alternate -1 and +1 (a spread that dwarfs the change) and the new model
+    better by 2 on 5 % of them: the per-item differences have a mean of 0.1 and a standard error ``se`` of
+    0.0097, so a paired 95 % percentile interval is 0.1 +- 1.96 se (about [0.081, 0.119]) and excludes 0;
+    resampling the two models apart would give about 0.1 +- 0.12, a 90 % interval 0.1 +- 1.645 se."""
+    n = 2000
+    records = make_records("eval", 1, 0, seed=8) * n
+    old = [1.0 if i % 2 else -1.0 for i in range(n)]
+    new = [r + 2.0 if i % 20 == 0 else r for i, r in enumerate(old)]  # every 20th item: -1 -> +1
+    diffs = [a - b for a, b in zip(new, old, strict=True)]
+    mean = sum(diffs) / n
+    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / n / n)
+    row = paired_bootstrap(_rewards_only(records, new), _rewards_only(records, old), n_boot=2000, seed=0)["reward"]
+    assert row["diff"] == pytest.approx(0.1)
+    assert row["low"] > 0, row
+    assert (row["high"] - row["low"]) / (2 * 1.96 * se) == pytest.approx(1.0, abs=0.1), row
+    assert (row["diff"] - row["low"]) / (1.96 * se) == pytest.approx(1.0, abs=0.12), row
+    assert (row["high"] - row["diff"]) / (1.96 * se) == pytest.approx(1.0, abs=0.12), row
+
+
+def test_every_resample_keeps_each_tasks_count(monkeypatch):
+    """Items are drawn within each task: every resample holds as many items of each task as the eval set."""
+    records = make_records("eval", 6, 14, seed=9)
+    outcomes = item_outcomes(_right(records), records, WEIGHTS)
+    counts: list[dict[str, int]] = []
+    summary = compare.summary
+
+    def counting(outcomes_, indices):
+        tasks = [outcomes_.tasks[i] for i in indices]
+        counts.append({task: tasks.count(task) for task in set(tasks)})
+        return summary(outcomes_, indices)
+
+    monkeypatch.setattr(compare, "summary", counting)
+    paired_bootstrap(outcomes, outcomes, n_boot=50, seed=0)
+    expected = {task: outcomes.tasks.count(task) for task in set(outcomes.tasks)}
+    assert len(counts) >= 2 + 2 * 50 and all(c == expected for c in counts), expected
 
 
 def test_score_rejects_texts_that_do_not_match_the_records():
