@@ -106,6 +106,9 @@ def test_kind_trade_needs_one_kind_down_and_another_up_by_the_threshold():
     both_up = stream([-0.5] * 5 + [0.5] * 5, [0.0] * 5 + [0.4] * 5)
     one_down_a_little = stream([-0.5] * 5 + [0.5] * 5, [0.4] * 5 + [0.2] * 5)
     assert not kind_trade(both_up, 0.3)[0] and not kind_trade(one_down_a_little, 0.3)[0]
+    one_down_alone = stream([0.2] * 10, [0.4] * 5 + [-0.2] * 5)  # a fall with nothing gained is no trade
+    both_down = stream([0.5] * 5 + [-0.5] * 5, [0.4] * 5 + [-0.2] * 5)
+    assert not kind_trade(one_down_alone, 0.3)[0] and not kind_trade(both_down, 0.3)[0]
 
 
 def test_abstention_rise_reads_only_the_kinds_whose_context_answers():
