@@ -20,11 +20,10 @@ the same kernel in the same precision.
 
 On CUDA the kernel runs ``scaled_dot_product_attention`` on its flash, memory-efficient or math backend,
 never on cuDNN's (``attention_backends``), also a rule of the project rather than a fast path. cuDNN's
-attention builds a plan for every new shape, on the host, about 2 ms a call, and the shapes of a GRPO step
-change with every batch's prompt width: the profile of a 0.5B model's training phase on an H200 spent
-0.43 s of its 1.66 s of CPU time there, against 23 ms of GPU time for those calls
-(docs/experiments/gpu.md). The other backends plan nothing; under the project's masks (padding, so flash
-does not apply) the memory-efficient one runs.
+attention builds a plan on the host for every new shape, and the shapes of a GRPO step change with every
+batch's prompt width, so a host-bound training phase pays that planning again and again (the profile that
+showed it: docs/experiments/gpu.md). The other backends plan nothing; under the project's masks (padding,
+so flash does not apply) the memory-efficient one runs.
 
 After each attention the kernel lets ``fast.watch_attention`` look (evaluation's reuse of its greedy
 pass, ``grpo/model/fast/prompt_pass.py``); outside its watch that is a no-op.
