@@ -157,6 +157,8 @@ def _record(ids, scored, reshaped=None) -> SamplerRecord:
         ([[5, 7, 0]], [[-1.0, -2.0, 0.0]], None, False, "I3"),  # scored 1 where 7 was drawn
         ([[5, 1, 0]], [[-1.0, -2.1, 0.0]], None, False, "I10"),  # 0.1 nats apart
         ([[5, 1, 0]], [[-1.0, -2.0, 0.0]], [[False, True, False]], False, "I10"),  # reshaped, no penalty
+        ([[5, 1, 0]], [[-1.0, float("nan"), 0.0]], None, False, "I10"),  # the sampler's log-prob NaN
+        ([[5, 1, 0]], [[-1.0, -2.0, float("nan")]], None, False, None),  # NaN after the stop: not scored
     ],
 )
 def test_sampler_problem_names_the_invariant(ids, scored, reshaped, penalised, invariant):

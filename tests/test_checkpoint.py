@@ -49,11 +49,11 @@ def train(model, optimizer, scheduler, steps: int, data_gen: torch.Generator) ->
     return losses
 
 
-def quick_save(run_dir, step, model, keep_last=5, history=None):
+def quick_save(run_dir, step, model, keep_last=5, history=None, keep=()):
     optimizer, scheduler = make_training(model)
     return save_checkpoint(
         run_dir, step, model=model, optimizer=optimizer, scheduler=scheduler, rng=capture_rng(),
-        history=history or [{"step": step}], lineage=LINEAGE, keep_last=keep_last,
+        history=history or [{"step": step}], lineage=LINEAGE, keep_last=keep_last, keep=keep,
     )
 
 
@@ -101,6 +101,14 @@ def test_keep_last_deletes_older_checkpoints(tmp_path, tiny_model):
     for step in range(1, 6):
         quick_save(tmp_path, step, tiny_model, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-00000004", "checkpoint-00000005"]
+
+
+def test_pruning_spares_the_checkpoint_selection_keeps(tmp_path, tiny_model):
+    """``keep`` (the best checkpoint checkpoint selection has seen) outlives ``keep_last``: with one kept
+    and step 2 the best, steps 2 and 5 remain."""
+    for step in range(1, 6):
+        quick_save(tmp_path, step, tiny_model, keep_last=1, keep=(2,))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-00000002", "checkpoint-00000005"]
 
 
 def test_saving_an_earlier_step_drops_the_abandoned_later_ones(tmp_path, tiny_model):

@@ -111,6 +111,10 @@ def duplicate_id(r: Rows) -> None:
     r["train"][1]["id"] = r["train"][0]["id"]
 
 
+def malformed_id(r: Rows) -> None:
+    r["train"][0]["id"] += "0"  # 17 hex digits: not an id the project makes
+
+
 def duplicate_text(r: Rows) -> None:
     a, b = r["train"][0], r["train"][1]
     b["context"], b["question"] = a["context"].upper(), a["question"] + "!"
@@ -181,6 +185,7 @@ BROKEN: list[tuple[str, Callable[[Rows], None], str]] = [
     ("distractor in context", distractor_in_context, "hallucination.distractor_not_in_context"),
     ("unanswerable without abstention", unanswerable_not_abstaining, "hallucination.unanswerable_abstains"),
     ("duplicate id", duplicate_id, "unique.id"),
+    ("malformed id", malformed_id, "id.format"),
     ("duplicate text", duplicate_text, "unique.text"),
     ("train/eval leakage by id", leakage_by_id, "leakage.id"),
     ("train/eval leakage by text", leakage_by_text, "leakage.text"),

@@ -82,6 +82,17 @@ def test_resample_refills_the_batch_from_fresh_prompts_with_other_widths(sample_
     assert stats["dynamic/draws"] == 2
 
 
+def test_resample_reports_the_first_draw_and_trains_on_the_batch_size(sample_groups):
+    """Resampling reports the FIRST draw's statistics (a deadlock is not hidden by the fresh prompts that
+    replaced its groups), and trains on as many groups as the step asked for, however many the extra draws
+    kept: 2 asked, 1 kept from the first draw, 2 from the second, 2 trained."""
+    first = make_draw(["a", "b"], [1, 1, 0, 1])  # one group of equal rewards: frac_reward_zero_std 0.5
+    second = make_draw(["c", "d"], [0, 1, 2, 3])  # every group informative: 0.0
+    sampled, stats = sample_groups({0: first, 1: second}, [{}, {}], lambda a: [{}, {}], "resample", 2, pad_id=0)
+    assert stats["frac_reward_zero_std"] == 0.5
+    assert [r["id"] for r in sampled.records] == ["b", "c"] and sampled.rewards.shape == (4,)
+
+
 def test_no_informative_group_keeps_the_first_draw_with_zero_advantages(sample_groups):
     first = make_draw(["a", "b"], [1, 1, 0, 0])
     sampled, stats = sample_groups({0: first, 1: first}, [{}, {}], lambda a: [{}, {}], "resample",

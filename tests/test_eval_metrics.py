@@ -191,6 +191,8 @@ def test_abstained_answerable_scores_zero_em_f1_and_threshold_is_used():
     item = HallucinationItem(True, False, 0.0, 0.7)
     assert hallucination_metrics([item])["accuracy"] == 0.0
     assert hallucination_metrics([item], f1_threshold=0.7)["accuracy"] == 1.0
+    by_kind = hallucination_metrics([item], f1_threshold=0.7)["by_kind"]["all"]
+    assert by_kind["hallucination_rate"] == 0.0, "each kind's rows are scored at the same threshold"
 
 
 def test_hallucination_empty_denominators_are_none():

@@ -45,6 +45,17 @@ def test_small_mismatch_under_the_threshold_applies_no_correction():
     assert not torch.equal(truncated_is_weights(TRAINER, near, MASK, cap=2.0, threshold=0.0), MASK.float())
 
 
+def test_a_mismatch_at_the_threshold_itself_applies_no_correction():
+    """``tis_threshold`` is the largest mean |Δ log p| left uncorrected: at it exactly, the weights are the
+    mask; a little above it, they are the ratios."""
+    trainer = torch.tensor([[-1.0, -2.0, -3.0]])
+    sampler = torch.tensor([[-1.25, -2.25, -3.0]])  # |Δ| 0.25 on the two masked tokens: exact in binary
+    mask = torch.tensor([[True, True, False]])
+    assert torch.equal(truncated_is_weights(trainer, sampler, mask, cap=2.0, threshold=0.25), mask.float())
+    weights = truncated_is_weights(trainer, sampler, mask, cap=2.0, threshold=0.24)
+    torch.testing.assert_close(weights, torch.tensor([[torch.e ** 0.25, torch.e ** 0.25, 0.0]]))
+
+
 def test_weights_carry_no_gradient_into_the_loss():
     trainer = TRAINER.clone().requires_grad_(True)
     weights = truncated_is_weights(trainer, SAMPLER, MASK, cap=2.0)

@@ -208,6 +208,15 @@ def test_boundary_metric_rules(caplog):
 
 # rule: (metric, the comparison its description states). A user sets a threshold by that description:
 # reward_zero_std at 1.0 means "every group frozen", and must fire when every group is.
+def only(rule: str, threshold: float, window: int) -> MonitorConfig:
+    """A monitor with ``rule`` alone on (warn), every other rule off."""
+    config = MonitorConfig(**{rule: RuleConfig(threshold=threshold, window=window, action="warn")})
+    return config.model_copy(update={
+        other: RuleConfig(threshold=0.0, window=1, action="off")
+        for other in (*monitor_module.BOUNDARY_METRIC_RULES, *monitor_module.COLLAPSE_RULES) if other != rule
+    })
+
+
 THRESHOLD_RULES = {
     "boundary_clipped": ("completions/clipped_ratio", ">"),
     "boundary_entropy_low": ("entropy", "<"),
@@ -225,11 +234,7 @@ def test_each_rule_compares_at_its_threshold_as_its_description_says(rule):
     fires, a step short of it does not; and the finding's text states that comparison."""
     metric, comparison = THRESHOLD_RULES[rule]
     threshold = 1.0
-    config = MonitorConfig(**{rule: RuleConfig(threshold=threshold, window=1, action="warn")})
-    config = config.model_copy(update={
-        other: RuleConfig(threshold=0.0, window=1, action="off")
-        for other in (*monitor_module.BOUNDARY_METRIC_RULES, *monitor_module.COLLAPSE_RULES) if other != rule
-    })
+    config = only(rule, threshold, 1)
     past = {"<": 0.5, ">": 1.5, ">=": 1.5}[comparison]
     short = {"<": 1.5, ">": 0.5, ">=": 0.5}[comparison]
     for value, fires in ((threshold, comparison == ">="), (past, True), (short, False)):
@@ -255,6 +260,37 @@ def test_missing_metric_is_warned_once_and_never_fires(caplog):
             assert monitor.observe(step, {"entropy": 1.0}) == []
     missing = [r.getMessage() for r in caplog.records if "reward_zero_std" in r.getMessage()]
     assert len(missing) == 1 and "no metric" in missing[0]
+
+
+def test_a_step_without_the_metric_breaks_the_streak():
+    """Unknown is not "holds": a step that lacks the rule's metric starts its window again, so two steps
+    before the gap and two after it are no window of three; the third after it is."""
+    monitor = Monitor(only("reward_zero_std", 0.9, 3))
+    stream = [(1, {"frac_reward_zero_std": 1.0}), (2, {"frac_reward_zero_std": 1.0}), (3, {"reward": 0.0}),
+              (4, {"frac_reward_zero_std": 1.0}), (5, {"frac_reward_zero_std": 1.0}),
+              (6, {"frac_reward_zero_std": 1.0})]
+    assert fired(monitor, stream) == [("reward_zero_std", 6)]
+
+
+def test_zero_grad_needs_the_loss_and_every_gradient_norm_at_zero():
+    """A GRPO loss is often 0 while its gradient is not (zero-mean advantages at ratio 1), and one task's
+    gradient may vanish while the other's does not: neither is a frozen step."""
+    monitor = Monitor(only("zero_grad", 0.0, 1))
+    assert monitor.observe(1, {"loss": 0.0, "grad_norm": 0.3}) == []
+    assert monitor.observe(2, {"loss": 0.0, "grad_norm": 0.0, "grad_norm/fairness": 0.2}) == []
+    assert [f.rule for f in monitor.observe(3, {"loss": 0.0, "grad_norm": 0.0, "grad_norm/fairness": 0.0})] == [
+        "zero_grad"]
+
+
+def test_uniform_lengths_that_change_from_step_to_step_are_not_frozen():
+    """Every completion of a step the same length is frozen only while that length stays: lengths of 4, 5
+    and 6 tokens on three steps in a row are not; after a step of mixed lengths, 7 held for three steps is."""
+    monitor = Monitor(only("lengths_frozen", 0.0, 3))
+    lengths = [(4.0, 4.0), (5.0, 5.0), (6.0, 6.0), (3.0, 8.0), (7.0, 7.0), (7.0, 7.0), (7.0, 7.0)]
+    stream = [(step, {"completions/min_length": low, "completions/max_length": high,
+                      "completions/mean_length": (low + high) / 2})
+              for step, (low, high) in enumerate(lengths, start=1)]
+    assert fired(monitor, stream) == [("lengths_frozen", 7)]
 
 
 def test_check_boundary_needs_one_prompt_per_completion():

@@ -201,14 +201,18 @@ def test_a_kept_prefill_refuses_moved_weights_and_rows_it_does_not_hold(policy, 
 
 def test_decode_cache_of_kept_prefills_is_the_prefilled_cache(tiny_model, tiny_tokenizer):
     """The decode loop's cache built from prefills kept per segment holds, row for row, what
-    ``prefilled_cache`` computes for the prompts in their order, without the graph."""
+    ``prefilled_cache`` computes for the prompts in their order, without the graph. The segments order the
+    kept prompts as 0, 3, 1, 2: a permutation that is not its own inverse, so putting the prefills back by
+    the permutation instead of its inverse gives rows another prompt's keys and values."""
     from grpo.core.prefix import decode_cache, keep_prefills, prefilled_cache
 
-    input_ids, attention_mask, _ = grouped_batch(tiny_tokenizer.pad_token_id)
+    input_ids, attention_mask, _ = grouped_batch(tiny_tokenizer.pad_token_id, prompt_lengths=(7, 12, 4, 9))
     width = input_ids.shape[1] - WIDTH
     ids, mask = input_ids[::G, :width], attention_mask[::G, :width]
     expected = prefilled_cache(tiny_model, ids, mask, G)
-    got = decode_cache(tiny_model, keep_prefills(tiny_model, ids, mask, ["b", "a", "b"]), G)
+    kept = keep_prefills(tiny_model, ids, mask, ["b", "a", "a", "b"])
+    assert torch.cat([p.index for p in kept]).tolist() == [0, 3, 1, 2]
+    got = decode_cache(tiny_model, kept, G)
     for mine, theirs in zip(got.layers, expected.layers, strict=True):
         assert not mine.keys.requires_grad
         torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=1e-6)

@@ -112,6 +112,18 @@ def test_concat_pads_prompts_left_and_completions_right(tiny_model, tiny_tokeniz
     assert entropy.sum() == pytest.approx(float(measured[0].entropy.sum() + measured[1].entropy.sum()))
 
 
+def test_concat_weighs_each_parts_eos_suppression_by_its_rows(tiny_model, tiny_tokenizer, prompts):
+    """The stacked rollout's ``eos_suppressed_frac`` is the row-weighted mean of its parts' (dynamic sampling
+    stacks a first draw with a smaller resample): a part of 2 rows at 1.0 and one of 4 at 0.0 give 1/3."""
+    import dataclasses
+
+    small = rollout(tiny_model, tiny_tokenizer, prompts[:1], group_size=2, seed=4)
+    large = rollout(tiny_model, tiny_tokenizer, prompts, group_size=2, seed=5)
+    assert (len(small.texts), len(large.texts)) == (2, 4)
+    parts = [dataclasses.replace(small, eos_suppressed_frac=1.0), dataclasses.replace(large, eos_suppressed_frac=0.0)]
+    assert concat_rollouts(parts, tiny_tokenizer.pad_token_id).eos_suppressed_frac == pytest.approx(1 / 3)
+
+
 def test_the_sampler_record_follows_its_rows_through_selection_and_concatenation(tiny_model, tiny_tokenizer, prompts):
     """``Rollout.sampler`` (asked for with ``with_sampler``) keeps each row's record: selected groups keep
     theirs, stacked rollouts pad theirs as after a stop token (pad id, 0, not reshaped)."""

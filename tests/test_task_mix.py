@@ -108,6 +108,17 @@ def test_kind_share_sets_each_tasks_answered_items_whatever_the_pool(share, answ
     )
 
 
+def test_kind_share_shuffles_the_kinds_within_each_task():
+    """The kinds of a task's prompts come in no fixed order: the first prompt of a step is of the kind whose
+    context answers on some steps and of the other kind on others (micro-batches, process shards and
+    resampling's cut all take prompts by position)."""
+    first_kinds = set()
+    for step in range(1, 21):
+        fair = [r for r in sample_step(KINDED, 8, 0.5, seed=1, step=step, kind_share=0.5) if r["task"] == "fairness"]
+        first_kinds.add(fair[0]["context_condition"])
+    assert first_kinds == {"ambig", "disambig"}
+
+
 def test_kind_share_null_draws_as_before_and_a_missing_kind_is_an_error():
     assert sample_step(BY_TASK, 6, 0.5, seed=3, step=5, kind_share=None) == sample_step(BY_TASK, 6, 0.5, seed=3, step=5)
     only_ambiguous = {**KINDED, "fairness": KINDED["fairness"][:9]}

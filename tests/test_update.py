@@ -13,7 +13,7 @@ from grpo.core.losses import masked_mean
 from grpo.core.multitask import MultitaskError
 from grpo.model.scoring import score_inputs
 from grpo.train.step import draw, prepare_batch
-from grpo.train.update import global_totals, gradient, parts, task_losses, update
+from grpo.train.update import Totals, _share, global_totals, gradient, parts, task_losses, token_means, update
 from tests.steps import make_step, step_records, with_advantages
 
 
@@ -119,6 +119,50 @@ def test_task_losses_scale_each_task_by_its_share_of_the_batch(tiny_model, tiny_
         halves = [task_losses(split, fresh, totals, ("fairness",), micro)[0] for micro in (0, 1)]
         total = sum(float(h["fairness"].policy) for h in halves)
         assert total == pytest.approx(float(full["fairness"].policy), abs=1e-6), loss_type
+
+
+def test_a_token_mean_share_counts_tokens_and_a_grpo_share_rows(tiny_model, tiny_tokenizer, records):
+    """A part's share of its task's loss: its rows over the task's rows (``grpo``), its completion tokens over
+    the task's tokens (``token_mean``); the whole task's share is 1 either way."""
+    step = make_step(tiny_model, tiny_tokenizer)
+    batch = _batch(step, records)
+    totals = global_totals(step, batch)
+    rows = batch.rows["fairness"]
+    half = rows[: len(rows) // 2]
+    tokens = float(batch.completion_mask[half].sum())
+    assert tokens != len(half)  # completions of several tokens: the two shares differ
+    assert _share(batch, totals, "fairness", rows, "token_mean") == pytest.approx(1.0)
+    assert _share(batch, totals, "fairness", rows, "grpo") == pytest.approx(1.0)
+    assert _share(batch, totals, "fairness", half, "token_mean") == pytest.approx(tokens / totals.tokens["fairness"])
+    assert _share(batch, totals, "fairness", half, "grpo") == pytest.approx(len(half) / totals.rows["fairness"])
+
+
+def test_the_logged_statistics_do_not_depend_on_the_micro_batches(tiny_model, tiny_tokenizer, records):
+    """Each micro-batch's statistics are weighted by its share of the task's completion tokens, so two
+    micro-batches log what one pass over the batch logs (the rows' lengths differ: a share of rows would not)."""
+    whole = make_step(copy.deepcopy(tiny_model), tiny_tokenizer)
+    split = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, grad_accum=2)
+    batch = _batch(whole, records, torch.linspace(-1, 1, 2 * len(records)))
+    width = batch.completion_mask.shape[1]
+    lengths = 1 + torch.arange(len(batch.advantages)) % width  # rows stopped after 1, 2, ... tokens
+    mask = torch.arange(width) < lengths[:, None]
+    inputs = dataclasses.replace(batch.inputs, completion_mask=mask,
+                                 attention_mask=torch.cat([batch.inputs.attention_mask[:, :-width], mask.long()], 1))
+    batch = dataclasses.replace(batch, inputs=inputs, prefills=())
+    totals = global_totals(whole, batch)
+    one = token_means(gradient(whole, batch, totals).task_stats, totals)
+    two = token_means(gradient(split, batch, totals).task_stats, totals)
+    assert set(one) == set(two) and "entropy" in one
+    for key in one:
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
+
+
+def test_logged_statistics_are_token_means_over_both_tasks():
+    """The logged loss and logit statistics weigh each task by its completion tokens: 10 tokens at 1.0 and
+    30 at 3.0 log 2.5, not the tasks' plain mean 2.0."""
+    totals = Totals(rows={"fairness": 2.0, "hallucination": 2.0}, tokens={"fairness": 10.0, "hallucination": 30.0})
+    stats = {"fairness": {"entropy": 1.0}, "hallucination": {"entropy": 3.0}}
+    assert token_means(stats, totals) == {"entropy": pytest.approx(2.5)}
 
 
 def test_i10_the_update_scores_at_the_rollouts_temperature(tiny_model, tiny_tokenizer, records):

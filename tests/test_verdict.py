@@ -68,6 +68,24 @@ CASES = [
 ]
 
 
+DIRECTIONS = {  # written out, not read from ROWS: which way each measured metric is better
+    "fairness/accuracy_ambig": 1, "fairness/accuracy_disambig": 1, "fairness/abs_s_amb": -1,
+    "hallucination/accuracy_answerable": 1, "hallucination/accuracy_unanswerable": 1,
+    "hallucination/exact_match": 1, "hallucination/f1": 1,
+    "hallucination/over_abstention_rate": -1, "hallucination/hallucination_rate": -1,
+}
+
+
+def test_each_metric_is_better_in_its_own_direction():
+    """A verdict is only as right as the direction it reads each metric in: a falling hallucination rate,
+    over-abstention or |s_AMB| is better, a falling accuracy or exact match is worse. (The cases above
+    build their moves from ``WANTED`` itself, so this table states the directions independently.)"""
+    assert WANTED == DIRECTIONS
+    assert task_verdict("hallucination", intervals(hallucination__hallucination_rate=UP)).verdict == "worse"
+    assert task_verdict("hallucination", intervals(hallucination__hallucination_rate=DOWN)).verdict == "improved"
+    assert task_verdict("fairness", intervals(fairness__accuracy_disambig=DOWN)).verdict == "worse"
+
+
 @pytest.mark.parametrize(("task", "moved", "verdict", "up", "down"), CASES)
 def test_verdict_of_hand_made_interval_sets(task, moved, verdict, up, down):
     found = task_verdict(task, named(**moved))
