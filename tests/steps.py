@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from accelerate import Accelerator
 
-from grpo.config import config_from_dict
+from grpo.config import SamplingConfig, config_from_dict
+from grpo.core.batching import left_pad
 from grpo.data.prepare import build_records
+from grpo.data.prompts import example_messages
+from grpo.model.chat import render_prompt
 from grpo.model.lora import wrap_lora
+from grpo.model.rollout import rollout_from_sequences
+from grpo.model.sampling import build_logits_processors
+from grpo.train.dynamic_sampling import Draw
 from grpo.train.policy import Policy
-from grpo.train.step import build_step
+from grpo.train.step import StepResult, build_step, header_tokens, step_result
 from grpo.train.step_types import Step
 from grpo.train.update import update
 
@@ -55,3 +63,24 @@ def decode_cache_by_the_permutation(model, prefills, repeats):
     layers = [tuple(torch.cat([p.layers[i][kv] for p in prefills]).detach()[order][..., :-1, :] for kv in (0, 1))
               for i in range(len(prefills[0].layers))]
     return prefills[0].cache_class(layers, config=model.config)
+
+
+STAGE_CONTEXT = "Context: Two friends, a tall one and a short one, met at the station."
+
+
+def stage_result(tokenizer, eos_ids: list[int], completions: list[list[int]]) -> StepResult:
+    """What one training step hands the monitor when the decode loop generated ``completions`` (ids,
+    the pad id after a stop token): the stage's cut (``rollout_from_sequences``) and ``step_result``."""
+    record = {"task": "hallucination", "context": STAGE_CONTEXT, "question": "Who was late?", "answerable": True}
+    n, width = len(completions), max(map(len, completions))
+    prompt = left_pad([render_prompt(tokenizer, example_messages(record))] * n, tokenizer.pad_token_id)
+    generated = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids in completions])
+    sampling = SamplingConfig()
+    _, suppressor = build_logits_processors(prompt.input_ids.shape[1], eos_ids, sampling)
+    rollout = rollout_from_sequences(tokenizer, prompt, torch.cat([prompt.input_ids, generated], dim=1),
+                                     eos_ids, suppressor, n, sampling)
+    step = SimpleNamespace(tokenizer=tokenizer, eos_ids=eos_ids, accelerator=SimpleNamespace(num_processes=1),
+                          header_tokens=header_tokens(tokenizer, eos_ids),
+                          end_of_turn_tokens=tokenizer.convert_ids_to_tokens(eos_ids))  # what build_step makes
+    sampled = Draw(rollout, [record], torch.zeros(n), torch.zeros(n), {})
+    return step_result(step, [record], sampled, {}, {"entropy": 1.0}, elapsed=1.0)

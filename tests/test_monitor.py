@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from grpo.config import MonitorConfig, RuleConfig, SamplingConfig
-from grpo.core.batching import left_pad
-from grpo.data.prompts import example_messages
+from grpo.config import MonitorConfig, RuleConfig
 from grpo.health import monitor as monitor_module
 from grpo.health.monitor import Finding, Monitor, MonitorError, TrainingStopped, raise_if_stop
-from grpo.model.chat import end_of_turn_ids, render_prompt
-from grpo.model.rollout import rollout_from_sequences
-from grpo.model.sampling import build_logits_processors
-from grpo.train.dynamic_sampling import Draw
-from grpo.train.step import StepResult, header_tokens, step_result
+from grpo.model.chat import end_of_turn_ids
+from grpo.train.step import StepResult
 from grpo.train.trainer import watch
 from tests.conftest import real_tokenizer_path
+from tests.steps import stage_result
 
 CONTEXT = "Context: Two friends, a tall one and a short one, met at the station."
 USER = f"{CONTEXT}\nQuestion: Who was late? Options: A. the tall one B. the short one C. Unknown"
@@ -299,24 +294,6 @@ def test_check_boundary_needs_one_prompt_per_completion():
 
 
 # --------------------------------------------------------------------------- the stage's own path
-
-
-def stage_result(tokenizer, eos_ids: list[int], completions: list[list[int]]) -> StepResult:
-    """What one training step hands the monitor when the decode loop generated ``completions`` (ids,
-    the pad id after a stop token): the stage's cut (``rollout_from_sequences``) and ``step_result``."""
-    record = {"task": "hallucination", "context": CONTEXT, "question": "Who was late?", "answerable": True}
-    n, width = len(completions), max(map(len, completions))
-    prompt = left_pad([render_prompt(tokenizer, example_messages(record))] * n, tokenizer.pad_token_id)
-    generated = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids in completions])
-    sampling = SamplingConfig()
-    _, suppressor = build_logits_processors(prompt.input_ids.shape[1], eos_ids, sampling)
-    rollout = rollout_from_sequences(tokenizer, prompt, torch.cat([prompt.input_ids, generated], dim=1),
-                                     eos_ids, suppressor, n, sampling)
-    step = SimpleNamespace(tokenizer=tokenizer, eos_ids=eos_ids, accelerator=SimpleNamespace(num_processes=1),
-                          header_tokens=header_tokens(tokenizer, eos_ids),
-                          end_of_turn_tokens=tokenizer.convert_ids_to_tokens(eos_ids))  # what build_step makes
-    sampled = Draw(rollout, [record], torch.zeros(n), torch.zeros(n), {})
-    return step_result(step, [record], sampled, {}, {"entropy": 1.0}, elapsed=1.0)
 
 
 def watched(result: StepResult, step: int = 1) -> list[str]:

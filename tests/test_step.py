@@ -15,7 +15,7 @@ from grpo.model.precision import apply_memory_settings, cpu_has_native_bf16
 from grpo.train.step import build_step, draw, grpo_step, prepare_batch
 from grpo.train.step_types import Step
 from grpo.train.update import update
-from tests.steps import combined_gradient, make_step, step_records, with_advantages
+from tests.steps import combined_gradient, make_step, stage_result, step_records, with_advantages
 
 
 @pytest.fixture(scope="module")
@@ -329,3 +329,24 @@ def test_i10_the_reference_is_scored_at_the_rollouts_temperature(tiny_model, tin
     with torch.no_grad():
         want = score_completions(sft, inputs.input_ids, inputs.attention_mask, mask.shape[1], 0.7).logprobs
     torch.testing.assert_close(batch.ref_logprobs[mask], want[mask], rtol=1e-6, atol=1e-5)
+
+
+def test_the_step_counts_its_rows_by_task_and_its_tokens_per_second(tiny_tokenizer, monkeypatch):
+    """``step_result``'s counts, which weigh each process's means when the processes' metrics merge, are
+    rows, not prompts; its throughput is generated tokens, stop tokens included, per second: one grounded
+    prompt of four completions of 2, 3, 4 and 1 tokens, in a step of 1 s."""
+    from grpo.train import step as step_module
+
+    seen = {}
+
+    def gather(accelerator, metrics, counts, raw_texts, prompt_texts):
+        seen.update(counts)
+        return metrics, list(raw_texts), list(prompt_texts)
+
+    monkeypatch.setattr(step_module.collectives, "gather_step", gather)
+    eot = tiny_tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    words = tiny_tokenizer.encode(" the tall one", add_special_tokens=False)
+    result = stage_result(tiny_tokenizer, [eot], [words[:1] + [eot], words[:2] + [eot], words[:3] + [eot], [eot]])
+    assert (seen["groups"], seen["rows"], seen["rows/hallucination"], seen["rows/fairness"]) == (1, 4, 4, 0)
+    assert result.metrics["completions/mean_length"] == 2.5
+    assert result.metrics["tokens_per_s"] == pytest.approx(10.0)
