@@ -69,6 +69,20 @@ def evaluated(project, tmp_path_factory):
 # ---------------------------------------------------------------------------- metrics wiring (no model)
 
 
+def test_the_evaluation_reward_is_the_mean_over_items_and_self_bleu_is_within_each_prompt():
+    """``reward`` is the mean over every item (2 fairness items right at +1 and 6 grounded ones wrong at -1:
+    -0.5, where the tasks' mean of means would say 0); self-BLEU compares each prompt's samples with each
+    other only: two prompts whose two samples share no word score 0, though each sample has a twin in the
+    other prompt's."""
+    records = make_records("eval", 2, 6, seed=3)
+    replies = [f"Answer: {LETTERS[r['label']]}" if r["task"] == "fairness" else "zzz" for r in records]
+    got = task_metrics(replies, records, project_cfg(Path("/unused")))
+    assert (got["rewards/fairness/mean"], got["rewards/hallucination/mean"]) == (1.0, -1.0)
+    assert got["reward"] == pytest.approx(-0.5)
+    texts = ["alpha bravo charlie delta", "echo foxtrot golf hotel"] * 2
+    assert diversity_metrics(texts, 2)["diversity/self_bleu"] == 0.0
+
+
 def test_task_metrics_right_and_wrong_answers():
     records = make_records("eval", 4, 4, seed=3)
     right = [f"Answer: {LETTERS[r['label']]}" if r["task"] == "fairness" else r["answer"] for r in records]

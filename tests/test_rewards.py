@@ -66,6 +66,9 @@ def test_f1_score_is_token_overlap():
     assert f1_score("Mara", "Mara Venn") == pytest.approx(2 * 1.0 * 0.5 / 1.5)
     assert f1_score("glass", "Mara Venn") == 0.0
     assert f1_score("", "") == 1.0
+    # Repeated tokens count as often as both sides hold them (SQuAD's Counter overlap, not a set's):
+    # 2 common of 2 predicted and 3 gold tokens.
+    assert f1_score("Venn Venn", "Venn Venn Mara") == pytest.approx(2 * 1.0 * (2 / 3) / (1 + 2 / 3))
 
 
 @pytest.mark.parametrize(
@@ -79,6 +82,19 @@ def test_f1_score_is_token_overlap():
 )
 def test_is_abstention_accepts_declining_replies(text):
     assert is_abstention(text)
+
+
+def test_is_abstention_reads_a_short_reply_after_an_answer_prefix():
+    """"Answer: Unknown." is the whole-reply abstention "unknown" behind the answer prefix."""
+    assert is_abstention("Answer: Unknown.") and is_abstention("Answer: no idea")
+
+
+def test_a_correct_answer_that_is_a_declining_word_is_no_abstention():
+    """Where the answer itself is "Unknown" (a ship so named), saying it answers: correct, not abstained."""
+    ship = {**qa(True), "context": "The ship Unknown sailed from Elbrook in 1821.", "answer": "Unknown",
+            "aliases": []}
+    outcome = hallucination_outcome("Unknown", ship)
+    assert outcome.correct and not outcome.abstained and not outcome.hallucinated
 
 
 @pytest.mark.parametrize("text", ["Mara Venn", "Mara Venn.<|eot_id|>", "", "An unknown sailor", "1821"])
