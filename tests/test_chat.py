@@ -94,6 +94,8 @@ def test_sft_target_prefers_noised_supervision():
     assert prompts.sft_target(UNANSWERABLE) == ABSTENTION
     with pytest.raises(GrpoError, match="label"):
         prompts.sft_target({**FAIRNESS, "label": 7})
+    with pytest.raises(GrpoError, match="got True"):  # a bool is no option index (True would read as B)
+        prompts.sft_target({**FAIRNESS, "label": True})
 
 
 def test_a_text_answer_record_asks_for_and_teaches_the_options_words():
@@ -134,6 +136,20 @@ def test_i1_naive_joined_sft_prompt_would_fail_the_check(tok):
     prompt = chat.render_prompt(tok, messages, **DATE)
     naive = _naive_sft_prompt_ids(tok, messages)
     assert naive[: len(prompt)] != prompt
+
+
+def test_every_stage_renders_prompts_with_the_configured_template_variables(tiny_tokenizer):
+    """``render_records`` (the rollout's and evaluation's prompts) hands ``model.chat_template_kwargs`` to the
+    template as SFT's ``render_sft`` does (I1): a template that prints a date (Llama-3.2's) renders the
+    configured one, never today's."""
+    dated = copy.deepcopy(tiny_tokenizer)
+    dated.chat_template = "{{ date_string | default('today') }}|" + LLAMA3_CHAT_TEMPLATE
+    kwargs = {"date_string": "26 Jul 2024"}
+    ids = prompts.render_records(dated, [FAIRNESS], kwargs)[0]
+    assert ids == chat.render_prompt(dated, prompts.example_messages(FAIRNESS), **kwargs)
+    assert ids != chat.render_prompt(dated, prompts.example_messages(FAIRNESS))
+    sft = chat.render_sft(dated, prompts.example_messages(FAIRNESS), prompts.sft_target(FAIRNESS), **kwargs)
+    assert sft.ids[: len(ids)] == ids
 
 
 def test_i1_template_drift_raises_error_naming_tokenizer(tiny_tokenizer):

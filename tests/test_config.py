@@ -49,6 +49,7 @@ def test_every_field_is_documented():
     [
         # table: bad config -> words the error must contain (key, value, fix)
         ({"grpo": {"group_size": 1}}, ["grpo.group_size", "got 1", "at least two completions"]),
+        ({"checkpoint": {"every": 0}}, ["checkpoint.every", "got 0", "greater than or equal to 1"]),
         ({"grpo": {"sampling": {"temperature": -0.5}}}, ["grpo.sampling.temperature", "-0.5", "> 0"]),
         ({"data": {"hallucination_source": "squad2"}},
          ["data.hallucination_path is needed", "'squad2'", "--set data.hallucination_path="]),
