@@ -12,7 +12,7 @@ import pytest
 
 from grpo.config import ModelConfig
 from grpo.model.loading import ModelLoadError, load_model, load_tokenizer
-from grpo.offline import OFFLINE_ENV
+from grpo.offline import OFFLINE_ENV, offline_by_default
 
 ROOT = Path(__file__).parents[1]
 PROBE = (
@@ -44,6 +44,17 @@ def test_grpo_commands_run_offline_from_a_plain_shell(tmp_path):
     result = _grpo(tmp_path, "base", code=PROBE)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "1", "True"]
+
+
+def test_offline_by_default_covers_hub_transformers_and_datasets_and_keeps_a_users_value(monkeypatch):
+    """The three libraries' offline switches, named here rather than read from ``OFFLINE_ENV``, are set
+    where unset; a value the user exported stays (a user who exported ``HF_HUB_OFFLINE=0`` meant it)."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
+    offline_by_default()
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["HF_DATASETS_OFFLINE"] == "1"
+    assert os.environ["TRANSFORMERS_OFFLINE"] == "0"
 
 
 def test_allow_download_lifts_the_default(tmp_path):
