@@ -4,8 +4,21 @@ from __future__ import annotations
 
 import json
 
+import great_expectations.expectations as gxe
+import pandas as pd
+
+from grpo.config import config_from_dict
+from grpo.data import validate
 from grpo.data.jsonl import ReadProblem
-from grpo.data.report import RuleResult, ValidationReport, failure_message, read_results, to_json, to_markdown
+from grpo.data.report import (
+    RuleResult,
+    ValidationReport,
+    failure_message,
+    gx_results,
+    read_results,
+    to_json,
+    to_markdown,
+)
 
 BROKEN = RuleResult("fairness.ambig_label_unknown", "fair_ambig_label_unknown", "expect_column_values_to_be_in_set",
                     False, 40, 1, None, [{"file": "data/train.jsonl", "line": 7, "id": "abc", "value": False}], None)
@@ -30,5 +43,16 @@ def test_reports_and_message_name_rule_file_and_row():
     assert "FAILED (1 of 2 rules)" in markdown and "data/train.jsonl:7" in markdown
     message = failure_message(report, "reports/validation.md")
     assert "fairness.ambig_label_unknown" in message.splitlines()[0]  # the line a failed run leads with
+    assert "required.id" not in message  # a rule that passed is no reason of the failure
     assert "data/train.jsonl:7 (id abc)" in message
     assert "reports/validation.md" in message and "grpo prepare" in message
+
+
+def test_a_rule_that_could_not_run_is_a_failure_with_its_error(monkeypatch):
+    frame = pd.DataFrame({"_file": ["train.jsonl"], "_line": [1], "present": [True]})
+    broken = gxe.ExpectColumnValuesToBeInSet(column="absent", value_set=[True], meta={"rule": "demo.absent"})
+    monkeypatch.setattr(validate, "build_expectations", lambda frame, cfg: [broken])
+    (rule,) = gx_results(validate.run_suite(frame, config_from_dict({})), frame, max_examples=3)
+    assert rule.rule == "demo.absent" and rule.success is False
+    assert rule.error == 'Error: The column "absent" in BatchData does not exist.'  # GX's, once per rule
+    assert f"could not run: {rule.error}" in to_markdown(ValidationReport(["train.jsonl"], 1, [rule]))

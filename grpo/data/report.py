@@ -128,15 +128,22 @@ def _is_missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
+def _raised(info: dict[str, Any] | None) -> str | None:
+    """The message of an exception GX caught while running an expectation, or None. GX gives it flat
+    (``{"raised_exception": True, "exception_message": ...}``) or, when a metric could not be computed
+    (a missing column), one such entry per metric."""
+    entries = [info] if info and "raised_exception" in info else list((info or {}).values())
+    messages = [str(e.get("exception_message")) for e in entries if isinstance(e, dict) and e.get("raised_exception")]
+    return "; ".join(dict.fromkeys(messages)) or None
+
+
 def gx_results(results: Sequence[Any], frame: pd.DataFrame, max_examples: int) -> list[RuleResult]:
     """GX ``ExpectationValidationResult``s -> rule results, in suite order."""
     out = []
     for item in results:
         config, result = item.expectation_config, item.result or {}
         kwargs = config.kwargs
-        error = None
-        if item.exception_info and item.exception_info.get("raised_exception"):
-            error = item.exception_info.get("exception_message")
+        error = _raised(item.exception_info)
         column = kwargs.get("column") or ",".join(kwargs.get("column_list", []))
         observed = result.get("observed_value")
         if observed is not None:
