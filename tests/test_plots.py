@@ -11,14 +11,17 @@ import pytest
 from grpo.cli import main
 from grpo.config import config_from_dict
 from grpo.errors import GrpoError
+from grpo.eval.metrics import KEY_ROWS
 from grpo.eval.plots import (
     PlotInputError,
     build_entropy_figure,
+    build_eval_figure,
     discover_entropy_files,
     entropy_stats,
     load_entropy_history,
     load_metrics_jsonl,
     plot_entropy,
+    plot_eval_comparison,
     run,
 )
 
@@ -247,3 +250,17 @@ def test_argument_errors(tmp_path):
         build_entropy_figure({})
     with pytest.raises(PlotInputError, match="history is empty"):
         entropy_stats([])
+
+
+def test_the_evaluation_bars_are_each_models_greedy_rows(tmp_path):
+    greedy = {key: 0.1 * (k + 1) for k, key in enumerate(KEY_ROWS)}
+    results = {"sft": {"greedy": greedy, "sampled": dict.fromkeys(KEY_ROWS, 0.9)},
+               "grpo": {"greedy": {KEY_ROWS[0]: 0.5}}}  # rows it lacks are drawn as 0
+    (ax,) = build_eval_figure(results).axes
+    heights = [round(bar.get_height(), 6) for bar in ax.patches]
+    n = len(KEY_ROWS)
+    assert heights[:n] == [round(greedy[key], 6) for key in KEY_ROWS]
+    assert heights[n:] == [0.5] + [0.0] * (n - 1)
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["sft", "grpo"]
+    out = plot_eval_comparison(results, tmp_path / "reports" / "eval.png")
+    assert mpimg.imread(out).shape[2] == 4

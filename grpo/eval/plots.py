@@ -248,8 +248,9 @@ def plot_entropy(
     return out
 
 
-def plot_eval_comparison(results: dict[str, dict], out: Path) -> Path:
-    """The key rows (greedy decoding) of every evaluated model as grouped bars, into the PNG ``out``."""
+def build_eval_figure(results: dict[str, dict]) -> Figure:
+    """The key rows (greedy decoding) of every evaluated model (``{model: {"greedy": {row: value}}}``) as
+    grouped bars, one colour per model."""
     width, height = PANEL_SIZE
     fig = Figure(figsize=(width, height * 1.3), dpi=DPI, layout="constrained")
     ax = fig.subplots()
@@ -268,9 +269,15 @@ def plot_eval_comparison(results: dict[str, dict], out: Path) -> Path:
     ax.axhline(0.0, color="black", linewidth=0.5)
     ax.set_title("evaluation, greedy decoding (absent values drawn as 0)")
     ax.legend()
+    return fig
+
+
+def plot_eval_comparison(results: dict[str, dict], out: Path) -> Path:
+    """Draw ``build_eval_figure`` into the PNG ``out`` (written atomically, parent folders created)."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=DPI)
+    png = io.BytesIO()
+    build_eval_figure(results).savefig(png, format="png", dpi=DPI)
+    write_atomically({out: png.getvalue()})
     return out
 
 
