@@ -84,3 +84,32 @@ def test_bias_report_opens_with_the_verdict_on_bbq(tmp_path):
     assert "hallucination" not in text.split("## figures per model")[0].replace("| greedy | fairness", "")
     assert sft_verdicts({}) == {}
 
+
+
+def test_bias_intervals_are_grpo_minus_each_older_model():
+    from grpo.config import config_from_dict
+    from grpo.data.schema import LETTERS
+    from grpo.eval.bias import intervals
+
+    records = bbq_records(BBQ, 4, seed=3)
+    right = [f"Answer: {LETTERS[r['label']]}" for r in records]
+    person = [f"Answer: {LETTERS[next(i for i in range(3) if i not in (r['label'], r['unknown_idx']))]}"
+              for r in records]  # a person, never the gold one
+    texts = {"grpo": {"greedy": right}, "sft": {"greedy": person}, "base": {"greedy": right}}
+    diffs = intervals(texts, records, config_from_dict({"eval": {"bootstrap": 200}}))
+    assert list(diffs) == ["GRPO − SFT", "GRPO − base"]
+    for key in ("fairness/accuracy_ambig", "fairness/accuracy_disambig"):
+        gain = diffs["GRPO − SFT"][key]
+        assert gain["diff"] == 1.0 and gain["low"] > 0, key  # GRPO right where SFT was wrong: a gain
+        assert diffs["GRPO − base"][key]["diff"] == 0.0, key
+
+
+def test_bias_report_shows_s_amb_per_category(tmp_path):
+    from grpo.config import config_from_dict
+    from grpo.eval.bias import report
+
+    figures = {"accuracy_ambig": 0.1, "accuracy_disambig": 0.5, "s_amb": 0.25, "s_dis": -0.75}
+    results = {name: {"overall": figures, "by_category": {"Age": figures}} for name in ("sft", "grpo")}
+    text = report(results, {}, [{"category": "Age"}], tmp_path, config_from_dict({}))
+    per_category = text.split("## s_AMB per category")[1]
+    assert "| Age | 0.250 | 0.250 |" in per_category and "-0.750" not in per_category

@@ -37,3 +37,12 @@ def test_load_records_round_trip_and_errors(tmp_path):
         load_records(path)
     with pytest.raises(DataValidationError, match="grpo prepare"):
         read_records(tmp_path / "missing.jsonl")
+
+
+def test_a_corrupt_line_among_good_ones_is_an_error_not_a_dropped_record(tmp_path):
+    record = make_record(ROW, "train")
+    path = tmp_path / "train.jsonl"
+    text = records_text([record, record])
+    path.write_text(text + "{broken\n" + text)
+    with pytest.raises(DataValidationError, match=r"train.jsonl:3: read.json: not valid JSON"):
+        load_records(path)

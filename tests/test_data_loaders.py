@@ -104,6 +104,19 @@ def test_halueval_keeps_spans_and_borrows_knowledge_for_unanswerables():
         assert all(i["context"] in own for i in pool), split
 
 
+def test_halueval_borrows_no_knowledge_that_holds_the_right_answer(tmp_path):
+    cities = ["Lyon", "Porto", "Graz", "Turku"]
+    rows = [{"knowledge": f"{city} has a river. " + " ".join(f"{c} is old." for c in cities),
+             "question": f"Which city has river {i}?", "right_answer": city, "hallucinated_answer": f"Zork{i}"}
+            for i, city in enumerate(cities)]
+    path = tmp_path / "qa_data.json"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    loaded = load_halueval(path, eval_share=0.25, seed=0)
+    items = loaded.pools["train"] + loaded.pools["eval"]
+    assert len(items) == 4 and all(i["answerable"] for i in items)  # every other knowledge names each answer
+    assert sum(n for (_, _, reason), n in loaded.skipped.items() if reason.startswith("borrowed")) == 4
+
+
 def test_squad2_answers_aliases_distractors_and_article_split():
     loaded = load_squad2(FIXTURES / "squad2.json", eval_share=0.34, seed=0)
     items = loaded.pools["train"] + loaded.pools["eval"]

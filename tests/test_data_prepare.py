@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,30 @@ def test_cli_prepare_then_validate(tmp_path, capsys):
     train.write_text(train.read_text().replace('"task": "fairness"', '"task": "fair"', 1))
     assert main(["validate", "--params", str(params)]) == 1
     assert "task.in_set" in capsys.readouterr().err
+
+
+def test_a_published_source_is_split_and_sampled_as_the_params_say(tmp_path, monkeypatch):
+    shares = []
+
+    def recording(path, eval_share, seed):
+        shares.append(eval_share)
+        return load_halueval(path, eval_share, seed)
+
+    monkeypatch.setitem(prepare.LOADERS, "halueval", recording)
+    cfg = make_cfg(tmp_path, n_train=8, n_eval=4, answerable_fraction=0.25, hallucination_source="halueval",
+                   hallucination_path=str(FIXTURES / "halueval_qa.json"))
+    prepare.run(cfg)
+    assert shares == [4 / 12]  # eval's share of all the records asked for, not of train's
+    for split, n in (("train", 4), ("eval", 2)):  # the hallucination half of each split
+        answerable = [r["answerable"] for r in rows(tmp_path, split) if r["task"] == "hallucination"]
+        assert len(answerable) == n and sum(answerable) == round(0.25 * n), split
+
+
+def test_a_train_text_repeated_in_eval_is_dropped_from_eval():
+    item = {"context": "Kelby makes ink.", "question": "What does Kelby make?", "answer": "ink", "category": "company"}
+    other = {**item, "question": "Who founded Kelby?"}
+    skipped = Counter()
+    kept = prepare._usable({"train": [item], "eval": [dict(item, context="kelby makes ink"), other]},
+                           DataChecksConfig(), skipped, Path("raw.json"))
+    assert kept == {"train": [item], "eval": [other]}
+    assert skipped == {("raw.json", "company", "repeated (context, question)"): 1}

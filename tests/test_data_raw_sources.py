@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from grpo.config import config_from_dict
 from grpo.data import prepare
 from grpo.data.errors import DataSourceError
 from grpo.data.loaders import load_bbq, load_halueval, load_squad2
+from grpo.data.raw import skip_lines
 from grpo.data.report import ValidationReport, to_markdown
 from grpo.data.schema import ABSTENTION
 
@@ -194,3 +196,10 @@ def test_the_record_schema_rejects_an_option_index_outside_the_three_choices():
     for field in ("label", "unknown_idx", "target_idx"):
         with pytest.raises(ValidationError, match=field):
             Record.model_validate({**record, field: -1})
+
+
+def test_skip_lines_lead_with_the_largest_reasons_and_count_the_rest():
+    skipped = Counter({("raw/a.jsonl", "Age", f"reason {i}"): i for i in range(1, 16)})
+    lines = skip_lines(skipped, limit=3)
+    assert lines == ["15 x a.jsonl [Age]: reason 15", "14 x a.jsonl [Age]: reason 14", "13 x a.jsonl [Age]: reason 13",
+                     "... and 12 more kinds (see reports/validation.md)"]

@@ -59,6 +59,8 @@ def test_clean_rows_hold_true_in_every_applicable_check():
         ({"answer": "The Brasken nurse"}, "fair_answer_is_choice", False),
         ({"label": True}, "schema_types", "label is bool"),
         ({"label": None}, "fair_missing", "label"),
+        # options the parser cannot tell apart: equal up to case, punctuation and articles
+        ({"choices": ["The Velorian nurse", "Unknown", "velorian nurse."]}, "fair_choices_distinct", False),
     ],
 )
 def test_fairness_defects_show_in_their_column(change, column, expected):
@@ -81,3 +83,37 @@ def test_leakage_marks_both_copies():
              zip(frame["split"], frame["task"], frame["id_leak"], frame["text_leak"], strict=True)}
     assert leaks == {("eval", "hallucination"): (True, True), ("train", "hallucination"): (True, True),
                      ("train", "fairness"): (False, False)}
+
+
+def test_choices_and_aliases_are_scanned_for_slots_and_control_characters():
+    fair = {**make_record(FAIR, "eval").model_dump(mode="json"), "choices": ["{name}", "Unknown", "Bell\x07"]}
+    qa = {**make_record(QA, "eval").model_dump(mode="json"), "aliases": ["[[NAME1]] Venn"]}
+    scanned = frame_of(("eval", fair), ("eval", qa))["all_text"]
+    assert "{name}" in scanned[0] and "Bell\x07" in scanned[0] and "[[NAME1]] Venn" in scanned[1]
+
+
+ANSWERABLE = {**QA, "context": "Kelby makes ink. Mara Venn started Kelby at a party.", "answer": "Mara Venn",
+              "answerable": True, "aliases": ["M. Venn"], "distractor": "Ola Brandt"}
+
+
+@pytest.mark.parametrize(
+    ("change", "column", "expected"),
+    [
+        # a change to an answerable row, the derived column, its value
+        ({"distractor": "m venn"}, "hall_distractor_not_gold", False),  # an alias, up to case and punctuation
+        ({"answer": "art"}, "hall_answer_in_context", False),  # inside "party", not a span of whole words
+        ({"answer": "mara venn."}, "hall_answer_in_context", True),  # the span, up to case and punctuation
+    ],
+)
+def test_hallucination_defects_show_in_their_column(change, column, expected):
+    frame = frame_of(("eval", {**make_record(ANSWERABLE, "eval").model_dump(mode="json"), **change}))
+    assert frame.iloc[0][column] == expected
+
+
+def test_sft_noise_is_consistent_only_on_ambiguous_items():
+    # On a disambiguated item the context names the answer: teaching the biased option there is no noise
+    disambiguated = {**FAIR, "context_condition": "disambig", "label": 0, "answer": "The Velorian nurse"}
+    row = {**train_row(disambiguated), "sft_label": 2}  # the biased option of a negative question
+    assert frame_of(("train", row)).iloc[0]["sft_consistent"] == False  # noqa: E712 (numpy bool)
+    noised = {**train_row(FAIR), "sft_label": 2}
+    assert frame_of(("train", noised)).iloc[0]["sft_consistent"] == True  # noqa: E712 (numpy bool)

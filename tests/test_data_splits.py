@@ -28,6 +28,12 @@ def test_stratified_sample_follows_shares_and_fills_shortfalls():
     assert again == picked
     even = stratified_sample(items[:10] + items[50:], 6, lambda x: x["k"], {"a": 0.5, "b": 0.5}, random.Random(0))
     assert Counter(x["k"] for x in even) == {"a": 3, "b": 3}
+    # largest remainders: 7 x (0.3, 0.7) = 2.1 and 4.9 -> 2 and 5; 10 x (0.14, 0.43, 0.43) = 1.4, 4.3, 4.3 -> 2, 4, 4
+    plenty = [{"k": k, "i": i} for k in "abc" for i in range(20)]
+    uneven = stratified_sample(plenty, 7, lambda x: x["k"], {"a": 0.3, "b": 0.7}, random.Random(0))
+    assert Counter(x["k"] for x in uneven) == {"a": 2, "b": 5}
+    three = stratified_sample(plenty, 10, lambda x: x["k"], {"a": 0.14, "b": 0.43, "c": 0.43}, random.Random(0))
+    assert Counter(x["k"] for x in three) == {"a": 2, "b": 4, "c": 4}
 
 
 def _records(split="train"):
@@ -48,6 +54,8 @@ def test_sft_noise_counts_and_targets():
     assert sum(r.sft_answer == r.distractor for r in unanswerable) == 5
     assert all(r.sft_answer == r.answer for r in noised if r.answerable)
     assert apply_sft_noise(_records(), 0.25, seed=0) == noised
+    rounded = apply_sft_noise(_records(), 0.33, seed=0)  # 0.33 x 20 = 6.6: round, never truncate
+    assert sum(r.sft_label != r.label for r in rounded if r.context_condition == "ambig") == 7
 
 
 def test_no_noise_and_eval_records():

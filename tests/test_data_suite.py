@@ -42,3 +42,21 @@ def test_every_documented_rule_has_an_expectation():
         assert any(re.fullmatch(regex, name) for name in names), pattern
     for split in ("train", "eval"):
         assert {f"balance.ambig.{split}", f"balance.task_mix.{split}", f"count.{split}"} <= names
+
+
+def test_the_balance_rules_aim_at_the_configured_shares():
+    cfg = config_from_dict({"data": {"n_train": 40, "n_eval": 20, "answerable_fraction": 0.25,
+                                     "fairness_fraction": 0.6}})
+    by_split = build_records(cfg)
+    rows = {split: [RawRow(f"{split}.jsonl", i + 1, r.model_dump(mode="json")) for i, r in enumerate(records)]
+            for split, records in by_split.items()}
+    frame = build_frame(rows)
+    rules = {e.meta["rule"]: e for e in suite.build_expectations(frame, cfg)}
+    checks = cfg.data.checks
+    for split in ("train", "eval"):
+        for name, column, target in (("answerable", "answerable", 0.25), ("task_mix", "is_fairness", 0.6)):
+            rule = rules[f"balance.{name}.{split}"]
+            n = suite._count(frame, f"{column}_{split}")
+            assert (rule.min_value, rule.max_value) == suite.share_bounds(target, n, checks), (name, split)
+        count, n = rules[f"count.{split}"], {"train": cfg.data.n_train, "eval": cfg.data.n_eval}[split]
+        assert (count.min_value, count.max_value) == (n, n)

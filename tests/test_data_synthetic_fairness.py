@@ -38,6 +38,19 @@ def test_gold_labels_follow_the_context():
         assert (neg_actor.lower().startswith(gold)) == (item["question_polarity"] == "neg")
 
 
+def test_half_the_disambiguated_items_contradict_the_stereotype_in_each_polarity():
+    # As in BBQ: a gold answer that is always the stereotyped person would reward the stereotype
+    items = [i for i in generate_fairness(80, "train", 1) if i["context_condition"] == "disambig"]
+    kinds = Counter((i["question_polarity"], i["label"] == i["target_idx"]) for i in items)
+    assert kinds == {("neg", True): 10, ("neg", False): 10, ("nonneg", True): 10, ("nonneg", False): 10}
+
+
+def test_the_two_people_differ_in_their_group_alone():
+    for item in generate_fairness(60, "train", 2):
+        people = [c.split() for i, c in enumerate(item["choices"]) if i != item["unknown_idx"]]
+        assert people[0][0] == people[1][0] == "The" and people[0][2:] == people[1][2:], people
+
+
 def test_target_is_a_stereotyped_invented_group():
     for item in generate_fairness(60, "eval", 2):
         stereotyped = CATEGORIES[item["category"]][0]

@@ -38,3 +38,13 @@ def test_train_and_eval_entity_names_are_disjoint():
     train = {i["question"] for i in generate_grounded(200, "train", 0, 0.5)}
     evaluation = {i["question"] for i in generate_grounded(100, "eval", 0, 0.5)}
     assert not train & evaluation
+
+
+def test_the_answering_sentence_sits_anywhere_in_the_context():
+    # A context whose last sentence always answers would teach a position instead of reading
+    positions = []
+    for item in generate_grounded(200, "train", 0, 0.5):
+        sentences = [s for s in item["context"].split(". ") if s]
+        if item["answerable"] and len(sentences) > 1:
+            positions.append(contains(sentences[-1], item["answer"]))
+    assert len(positions) > 40 and 0.2 < sum(positions) / len(positions) < 0.8

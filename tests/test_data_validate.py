@@ -172,6 +172,33 @@ def inconsistent_sft_target(r: Rows) -> None:
     row["sft_label"] = row["unknown_idx"]
 
 
+def truncated_split(r: Rows) -> None:
+    r["train"].pop()  # one record fewer than data.n_train
+
+
+def blank_question(r: Rows) -> None:
+    r["eval"][0]["question"] = "   "
+
+
+def unknown_index_at_a_person(r: Rows) -> None:
+    row = first(r["train"], task="fairness", context_condition="disambig")
+    row["unknown_idx"] = ({0, 1, 2} - {row["unknown_idx"], row["target_idx"]}).pop()
+
+
+def target_index_at_the_unknown(r: Rows) -> None:
+    row = first(r["train"], task="fairness", context_condition="disambig")
+    row["target_idx"] = row["unknown_idx"]
+
+
+def bbq_slot(r: Rows) -> None:
+    first(r["train"], task="fairness")["context"] += " The [[occupation]] left early."
+
+
+def sft_noise_one_short(r: Rows) -> None:
+    row = next(row for row in r["train"] if row["task"] == "fairness" and row["sft_label"] != row["label"])
+    row["sft_label"] = row["label"]
+
+
 BROKEN: list[tuple[str, Callable[[Rows], None], str]] = [
     # defect, mutation, rule that must name it
     ("missing field", missing_field, "required.question"),
@@ -199,6 +226,12 @@ BROKEN: list[tuple[str, Callable[[Rows], None], str]] = [
     ("record in the wrong file", record_in_wrong_file, "split.matches_file"),
     ("lone surrogate (invalid UTF-8 text)", lone_surrogate, "text.utf8"),
     ("SFT target neither gold nor biased", inconsistent_sft_target, "sft.consistent"),
+    ("a split one record short", truncated_split, "count.train"),
+    ("blank question", blank_question, "text.blank"),
+    ("unknown index at a person", unknown_index_at_a_person, "fairness.unknown_idx_matches"),
+    ("target index at the unknown option", target_index_at_the_unknown, "fairness.target_idx_range"),
+    ("leftover BBQ slot", bbq_slot, "text.template_slots"),
+    ("SFT noise one item short", sft_noise_one_short, "sft.noise_share.fairness"),
 ]
 
 
@@ -233,7 +266,7 @@ def test_broken_data_is_rejected_with_the_named_rule(tmp_path, clean_rows, defec
     report = assert_rejected(cfg, tmp_path, rule)
     failed = next(r for r in report["rules"] if r["rule"] == rule and not r["success"])
     # Row-level rules point at the offending row (file and line).
-    if failed["expectation"] != "expect_column_mean_to_be_between":
+    if failed["expectation"] not in ("expect_column_mean_to_be_between", "expect_column_sum_to_be_between"):
         assert failed["examples"] and failed["examples"][0]["file"].endswith(".jsonl")
 
 
@@ -271,6 +304,9 @@ def test_clean_data_passes_and_writes_every_report(tmp_path, clean_rows, monkeyp
     monkeypatch.chdir(tmp_path)  # GX must not leave a gx/ folder or anything else behind
     cfg = make_cfg(tmp_path, data_docs=True)
     write_rows(cfg, clean_rows)
+    skipped = {"file": "raw.jsonl", "category": "Age", "reason": "no unknown option", "count": 2}
+    sources = {"fairness": {"source": "bbq", "path": "raw", "skipped": [skipped]}}
+    (tmp_path / "data" / "sources.json").write_text(json.dumps(sources))  # what `grpo prepare` writes beside the splits
     before = hashes(tmp_path)
     assert validate.run(cfg) == 0
     reports = tmp_path / "reports"
@@ -279,7 +315,9 @@ def test_clean_data_passes_and_writes_every_report(tmp_path, clean_rows, monkeyp
     names = {rule["rule"] for rule in report["rules"]}
     assert {"required.id", "leakage.id", "leakage.text", "balance.task_mix.eval", "fairness.one_unknown_option",
             "hallucination.answer_in_context", "sft.noise_share.fairness"} <= names
-    assert "PASSED" in (reports / "validation.md").read_text()
+    markdown = (reports / "validation.md").read_text()
+    assert "PASSED" in markdown
+    assert "## Raw sources" in markdown and "| fairness | raw.jsonl | Age | no unknown option | 2 |" in markdown
     assert (reports / "data_docs" / "index.html").is_file()
     assert sorted(p.name for p in tmp_path.iterdir() if not is_lock(p)) == ["data", "reports"]
     assert sorted(p.name for p in reports.iterdir()) == ["data_docs", "validation.json", "validation.md"]

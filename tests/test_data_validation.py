@@ -36,6 +36,17 @@ def test_the_split_depends_on_seed_and_ids_never_on_order():
     assert ids != {r["id"] for r in validation_split(pool, 6, seed=4)[1]}
 
 
+KINDS = ("ambiguous", "disambiguated", "answerable", "unanswerable")
+
+
+def test_a_count_that_does_not_divide_by_the_kinds_is_set_aside_whole():
+    for n in (6, 7, 9):  # 4 kinds: the remainder goes one each to the first kinds
+        validation = validation_split(records(40), n, seed=3)[1]
+        assert len(validation) == n
+        counts = [sum(record_kind(r) == kind for r in validation) for kind in KINDS]
+        assert max(counts) - min(counts) <= 1, counts
+
+
 def test_a_kind_with_too_few_gives_what_it_has():
     pool = records(40) + [{"id": "x", "task": "fairness", "context_condition": "ambig"}]
     few = [r for r in pool if record_kind(r) != "answerable"][:3] + [r for r in pool if record_kind(r) == "answerable"][:1]

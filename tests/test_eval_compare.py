@@ -161,3 +161,33 @@ def test_saying_unknown_everywhere_is_a_trade_kind_by_kind():
     assert gained["hallucination/accuracy_unanswerable"]["diff"] == 1.0
     assert gained["hallucination/accuracy_answerable"]["diff"] == 0.0
     assert verdicts({"greedy": diffs})["greedy"]["fairness"]["verdict"] == "worse"
+
+
+def test_the_intervals_read_the_size_of_s_amb_and_token_f1():
+    """A bias flipped to the other side is no smaller bias, and a partial answer gains F1 but no exact match."""
+    from grpo.data.schema import biased_option
+
+    records = make_records("eval", 16, 16, seed=3)
+
+    def texts(lean: str, partial: bool) -> list[str]:
+        out = []
+        for r in records:
+            if r["task"] == "fairness":
+                if r["context_condition"] == "ambig":
+                    biased = biased_option(r["question_polarity"], r["unknown_idx"], r["target_idx"])
+                    other = ({0, 1, 2} - {biased, r["unknown_idx"]}).pop()
+                    out.append(f"Answer: {LETTERS[biased if lean == 'stereotype' else other]}")
+                else:
+                    out.append(f"Answer: {LETTERS[r['label']]}")
+            elif not r["answerable"]:
+                out.append(ABSTENTION)
+            else:
+                out.append(f"{r['answer']} and more besides" if partial else r["distractor"])
+        return out
+
+    new = item_outcomes(texts("counter", True), records, WEIGHTS)
+    old = item_outcomes(texts("stereotype", False), records, WEIGHTS)
+    rows = paired_bootstrap(new, old, n_boot=50, seed=0)
+    assert rows["fairness/abs_s_amb"]["diff"] == pytest.approx(0.0)
+    assert rows["hallucination/exact_match"]["diff"] == pytest.approx(0.0)
+    assert rows["hallucination/f1"]["diff"] > 0.2

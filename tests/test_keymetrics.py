@@ -37,7 +37,8 @@ def test_every_stage_with_a_report_keeps_only_scalars(tmp_path):
         "validate": {"success": True, "n_rows": 24, "n_rules": 74, "n_failed": 0, "rules": [{"rule": "x"}] * 74},
         "sft": {"loss_first": 5.7, "loss_final": 5.6, "token_accuracy_final": 0.0, "steps": 2, "examples": 16,
                 "wall_time_s": 2.3},
-        "preflight": {"passed": True, "checks": [{"name": "I1", "passed": True}, {"name": "I7", "passed": False}],
+        "preflight": {"passed": False, "checks": [{"name": "I1", "passed": True}, {"name": "I5", "passed": True},
+                                                 {"name": "I7", "passed": False}],
                       "lineage": {"code_fingerprint": "abc"}},
         "grpo": {"reward": -1.0, "reward_std": 0.0, "frac_reward_zero_std": 1.0, "entropy": 5.7, "kl": 0.0,
                  "steps": 2, "reward_first": -1.0, "process_weight_digests": ["f" * 64], "selected_step": 2,
@@ -50,7 +51,7 @@ def test_every_stage_with_a_report_keeps_only_scalars(tmp_path):
         (folder / name).write_text(json.dumps(report))
         key = read_key_metrics(write_key_metrics(cfg, stage))
         assert key and all(isinstance(v, int | float | bool) for v in key.values()), (stage, key)
-    assert read_key_metrics(key_metrics_path(cfg, "preflight")) == {"passed": True, "checks": 2, "failed": 1}
+    assert read_key_metrics(key_metrics_path(cfg, "preflight")) == {"passed": False, "checks": 3, "failed": 1}
     assert json.loads((key_metrics_path(cfg, "grpo") / "reward.json").read_text()) == {"value": -1.0}
     assert write_key_metrics(cfg, "prepare") is None  # no report, no key file
     assert read_key_metrics(key_metrics_path(cfg, "grpo"))["selected_step"] == 2  # the step models/grpo holds
