@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from grpo.checks.gated import Gated, gated
 from grpo.config import config_from_dict
+from grpo.data.prepare import build_records
 from grpo.model.lora import wrap_lora
 from grpo.model.precision import fp32_head
 from grpo.train.policy import Policy
@@ -52,3 +53,9 @@ def subject_for(cfg, model, tokenizer, records, sft=None, base=None, reference=N
     sft = copy.deepcopy(model) if sft is None else sft
     step = build_step(cfg, policy_for(cfg, model, tokenizer, reference), Accelerator(cpu=True))
     return gated(cfg, step, records, sft.eval(), base)
+
+
+def train_records() -> list[dict]:
+    """Twelve generated train records of both tasks, as the gate's probes read them."""
+    cfg = config_from_dict({"data": {"n_train": 12, "n_eval": 4}})
+    return [r.model_dump(mode="json") for r in build_records(cfg)["train"]]

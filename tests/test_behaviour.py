@@ -16,16 +16,14 @@ from grpo.checks.behaviour import (
     check_sft_supervises_stop,
 )
 from grpo.config import config_from_dict
-from grpo.data.prepare import build_records
 from grpo.model import rollout as rollout_module
 from grpo.train import causal_lm
-from tests.gate_subjects import CFG, FULL, random_model_for, subject_for
+from tests.gate_subjects import CFG, FULL, random_model_for, subject_for, train_records
 
 
 @pytest.fixture(scope="module")
 def records():
-    cfg = config_from_dict({"data": {"n_train": 12, "n_eval": 4}})
-    return [r.model_dump(mode="json") for r in build_records(cfg)["train"]]
+    return train_records()
 
 
 @pytest.fixture
@@ -54,6 +52,13 @@ def test_an_sft_model_that_stops_passes_and_one_that_never_does_fails(subject):
     with biased(subject.sft, [subject.eos_ids[0]]):
         ends = check_sft_ends_answers(subject)
     assert ends.status == "pass" and ends.value == 1.0
+
+
+def test_the_ended_share_is_held_to_preflight_min_ended_share(tiny_tokenizer, records):
+    """At ``min_ended_share: 0`` (the check as a report only) a model that never stops passes."""
+    cfg = config_from_dict({**CFG.model_dump(mode="json"), "preflight": {"min_ended_share": 0.0}})
+    check = check_sft_ends_answers(subject_for(cfg, random_model_for(tiny_tokenizer), tiny_tokenizer, records))
+    assert check.status == "pass" and check.value == 0.0 and check.bound == ">= 0.0 (preflight.min_ended_share)"
 
 
 def test_the_processors_check_sees_a_rollout_built_with_another_prompt_width(subject, monkeypatch):

@@ -165,6 +165,21 @@ def test_i1_template_drift_raises_error_naming_tokenizer(tiny_tokenizer):
         chat.render_sft(drifted, messages, "Answer: C")
 
 
+def test_i1_template_drift_in_the_prompts_last_token_alone_raises(tiny_tokenizer):
+    """The generation prompt ends its header with a newline and a space where the trained turns have two
+    newlines: the prompts are one id apart, at the end."""
+    drifted = copy.deepcopy(tiny_tokenizer)
+    drifted.chat_template = LLAMA3_CHAT_TEMPLATE.replace(
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}",
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\n ' }}",
+    )
+    messages = prompts.example_messages(FAIRNESS)
+    prompt, right = chat.render_prompt(drifted, messages), chat.render_prompt(tiny_tokenizer, messages)
+    assert len(prompt) == len(right) and prompt[:-1] == right[:-1] and prompt[-1] != right[-1]
+    with pytest.raises(GrpoError, match="drift"):
+        chat.render_sft(drifted, messages, "Answer: C")
+
+
 # --------------------------------------------------------------------------- I2
 
 

@@ -75,3 +75,20 @@ def test_nothing_is_exchanged_on_one_process_or_under_fsdp(case):
     assert {t: g.tolist() for t, g in summed.tasks.items()} == {"fairness": [1.0, 2.0], "hallucination": [0.0, 1.0]}
     assert summed.regulariser.tolist() == [0.25, 0.5]
     assert collectives.sum_gradient(accelerator, space, torch.ones(2)).tolist() == [1.0, 1.0]
+
+
+def test_counts_and_the_reward_std_are_those_of_every_processs_rows():
+    """A NaN count on the other process reaches this one; the batch std is the sample std of all rewards."""
+    assert collectives.count_anywhere(TwoProcesses([torch.tensor([2.0])]), 0.0) == 2.0
+    other = torch.tensor([2.0, 3.0 + 4.0, 9.0 + 16.0], dtype=torch.float64)  # count, sum, sum of squares of [3, 4]
+    std = collectives.global_reward_std(TwoProcesses([other]), torch.tensor([1.0, 2.0]))
+    assert std == pytest.approx(float(torch.tensor([1.0, 2.0, 3.0, 4.0]).std()))  # Bessel's correction, n - 1
+
+
+def test_task_statistics_and_losses_are_summed_over_the_processes(monkeypatch):
+    mine = ({"fairness": {"entropy": 0.25, "kl": 0.5}}, {"loss/fairness": 1.0})
+    theirs = ({"fairness": {"entropy": 0.5, "kl": 0.25}, "hallucination": {"entropy": 0.5}}, {"loss/fairness": 2.0})
+    monkeypatch.setattr(collectives, "gather_object", lambda objects: [*objects, theirs])
+    stats, losses = collectives.sum_task_statistics(TwoProcesses([]), *mine)
+    assert stats == {"fairness": {"entropy": 0.75, "kl": 0.75}, "hallucination": {"entropy": 0.5}}
+    assert losses == {"loss/fairness": 3.0}

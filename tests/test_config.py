@@ -58,6 +58,10 @@ def test_every_field_is_documented():
         ({"grpo": {"lossx": {}}}, ["unknown key grpo.lossx", "remove it"]),
         ({"grpo": {"loss": {"loss_type": "bogus"}}}, ["grpo.loss.loss_type", "bogus"]),
         ({"model": {"name_or_path": "/nonexistent/model"}}, ["model.name_or_path", "/nonexistent/model", "does not exist"]),
+        ({"grpo": {"loss": {"entropy_coef": float("nan")}}}, ["grpo.loss.entropy_coef", "nan", "finite number"]),
+        ({"rewards": {"weights": {"fairness": float("inf")}}}, ["rewards.weights.fairness", "inf", "finite number"]),
+        ({"grpo": {"rollout": {"tis_cap": 0.5}}}, ["grpo.rollout.tis_cap", "0.5", "greater than or equal to 1"]),
+        ({"data": {"fairness_path": "/raw/bbq"}}, ["data.fairness_path is set but data.fairness_source is 'synthetic'"]),
     ],
 )
 def test_bad_config_names_key_value_and_fix(tmp_path, tree, must_name):

@@ -225,3 +225,61 @@ def test_target_kind_and_unknown_folder(project, tmp_path):
         target_kind(tmp_path)
     with pytest.raises(DiagnoseError, match="no such folder"):
         load_target(project, tmp_path / "missing")
+
+
+def test_a_nan_gradient_fails(project, fresh, monkeypatch):
+    from grpo.checks import diagnose as diagnose_module
+
+    target, probe = fresh
+    advantages = torch.ones(probe.completion_mask.shape[0])
+    assert diagnose_module.check_gradients(project, target, probe, advantages).status == "pass"
+    monkeypatch.setattr(diagnose_module, "_grad_norm", lambda params: float("nan"))
+    check = diagnose_module.check_gradients(project, target, probe, advantages)
+    assert check.status == "fail" and check.value != check.value  # NaN
+
+
+def test_a_fresh_adapter_is_held_to_kl_init_tol_not_kl_warn(project, fresh, monkeypatch):
+    from grpo.checks import diagnose as diagnose_module
+
+    target, probe = fresh
+    d = project.eval.diagnose
+    assert target.fresh and d.kl_init_tol < 0.5 < d.kl_warn
+    monkeypatch.setattr(diagnose_module, "reference_kl", lambda *args: 0.5)  # a reference that is not the start
+    assert diagnose_module.check_kl_init(project, target, probe).status == "fail"
+
+
+def test_temperatures_listed_high_to_low_are_compared_in_order(project, fresh):
+    from grpo.checks.diagnose import check_temperature
+
+    target, probe = fresh
+    temps = sorted(project.eval.diagnose.temperatures, reverse=True)
+    backwards = project.model_copy(update={"eval": project.eval.model_copy(
+        update={"diagnose": project.eval.diagnose.model_copy(update={"temperatures": temps})})})
+    check = check_temperature(backwards, target, probe)
+    assert check.status == "pass" and check.detail.startswith(f"T={temps[-1]}:")
+
+
+def test_diagnose_exits_1_on_a_failed_check_only(project, tmp_path, monkeypatch, capsys):
+    from grpo.checks import diagnose as diagnose_module
+    from grpo.checks.diagnosis_target import Target
+
+    target = Target(None, None, "model", tmp_path, True, [])
+    calm = [Check("kl_init", "warn", 0.0, "moved nothing"), Check("lineage", "skip", None, "no lineage"),
+            Check("gradients", "pass", 1.0, "fine")]
+    monkeypatch.setattr(diagnose_module, "diagnose", lambda cfg, path: (target, calm))
+    assert diagnose_module.run(project, str(tmp_path)) == 0
+    assert "diagnose: no check failed" in capsys.readouterr().out
+    monkeypatch.setattr(diagnose_module, "diagnose", lambda cfg, path: (target, [*calm, Check("x", "fail", 1, "")]))
+    assert diagnose_module.run(project, str(tmp_path)) == 1
+
+
+def test_a_stage_folder_is_known_however_its_path_is_written(project, collapsed_checkpoint, monkeypatch):
+    """models/sft given by another spelling of its path, and a checkpoint on it, are checked against the
+    current params: a stale SFT model is named either way."""
+    changed = project.model_copy(update={"seed": project.seed + 1})
+    sft = paths.model_dir(project, "sft")
+    monkeypatch.chdir(sft.parent)
+    for spelling in (sft, Path("sft"), sft / ".." / "sft"):
+        stale = load_target(changed, spelling).stale
+        assert any("models/sft is stale" in line for line in stale), (spelling, stale)
+    assert any("models/sft is stale" in line for line in load_target(changed, collapsed_checkpoint).stale)

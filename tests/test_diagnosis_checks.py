@@ -23,7 +23,8 @@ def project(tmp_path) -> Config:
 
 @pytest.mark.parametrize(
     ("policy", "reference", "status"),
-    [(5.0, 6.0, "pass"), (2.0, 6.0, "warn"), (1.0, 6.0, "fail"), (0.01, 0.011, "fail")],
+    [(5.0, 6.0, "pass"), (2.0, 6.0, "warn"), (1.0, 6.0, "fail"), (0.01, 0.011, "fail"),
+     (0.04, 0.06, "fail"), (0.06, 0.04, "pass")],  # the floor is the policy's, not the reference's
 )
 def test_collapse_thresholds(project, policy, reference, status):
     """ratio >= 0.5 pass; 0.2 <= ratio < 0.5 warn; ratio < 0.2 or entropy < 0.05 fail."""

@@ -10,9 +10,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from grpo.checks import fast_paths
 from grpo.checks.fast_paths import check_fast_paths, interleaved
 from grpo.config import config_from_dict
 from grpo.model import generation
@@ -88,6 +91,32 @@ def test_a_decode_that_writes_another_id_than_it_drew_fails(tiny_model, tiny_tok
     monkeypatch.setattr(loop, "decode", forced)
     check = check_fast_paths(_subject(tiny_model, tiny_tokenizer))
     assert check.status == "fail" and "recorded draws are not their ids" in check.detail, check.detail
+
+
+def test_a_mask_that_does_not_end_at_the_drawn_stop_fails(tiny_model, tiny_tokenizer):
+    """``_recorded`` holds the mask to the stop token the loop drew, not only the ids to the draws."""
+    subject = _subject(tiny_model, tiny_tokenizer)
+    fast, _ = fast_paths._step_rollouts(subject, interleaved(subject.records))
+    assert fast_paths._recorded(fast, subject.eos_ids) == []
+    mask = fast.completion_mask.clone()
+    mask[1, int(fast.lengths[1]) - 1] = False  # the mask ends a token before the stop the loop drew
+    assert fast_paths._recorded(dataclasses.replace(fast, completion_mask=mask), subject.eos_ids) == [1]
+
+
+def test_sample_entropies_off_the_librarys_fail_on_the_same_tokens(tiny_model, tiny_tokenizer, monkeypatch):
+    """A wrong cache may draw the very tokens from other logits: the entropies of equal samples are compared."""
+    evaluation = fast_paths._evaluation
+
+    def drifted(s, records, fast):
+        greedy, sampled = evaluation(s, records, fast)
+        if fast.setting == "off":
+            return greedy, sampled
+        return greedy, dataclasses.replace(sampled, entropy=sampled.entropy + 10 * fast_paths.ENTROPY_BOUND)
+
+    monkeypatch.setattr(fast_paths, "_evaluation", drifted)
+    check = check_fast_paths(_subject(tiny_model, tiny_tokenizer))
+    assert check.status == "fail" and "sample entropies off the library's" in check.detail, check.detail
+    assert "evaluation's samples unlike the library's" not in check.detail
 
 
 def test_generate_at_the_squared_temperature_fails(tiny_model, tiny_tokenizer, monkeypatch):

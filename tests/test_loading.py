@@ -10,6 +10,7 @@ from grpo.cli import main
 from grpo.config import ModelConfig, config_from_dict
 from grpo.model import stage_models
 from grpo.model.loading import ModelLoadError, load_model, save_model
+from grpo.model.precision import Fp32Head, output_head
 from tests.tiny_project import run_stages, tiny_params, write_params
 
 WRITE_AGAIN = "write it again: rerun the stage that wrote it"
@@ -82,3 +83,17 @@ def test_a_stage_reading_a_truncated_model_exits_1_with_one_error_line(tmp_path,
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith(f"error: {weights}: not a whole safetensors file, cut short")
     assert not (tmp_path / "models" / "sft").exists()
+
+
+def test_pickled_weights_are_never_loaded(tmp_path, tiny_model):
+    """A folder with ``pytorch_model.bin`` only: a pickle runs code as it loads, and carries no whole-file check."""
+    tiny_model.save_pretrained(tmp_path / "pickled", safe_serialization=False)
+    assert (tmp_path / "pickled" / "pytorch_model.bin").is_file()
+    with pytest.raises(ModelLoadError, match=r"no file named model.safetensors .*safetensors weights"):
+        load_model(tmp_path / "pickled", ModelConfig())
+
+
+@pytest.mark.parametrize("setting", ["off", "auto"])
+def test_the_loaded_head_follows_model_fast_paths(saved, setting):
+    head = output_head(load_model(saved.parent, ModelConfig(fast_paths=setting)))
+    assert isinstance(head, Fp32Head) and head.fast_paths.setting == setting

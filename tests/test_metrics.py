@@ -76,6 +76,11 @@ def test_wandb_mode_is_the_stricter_of_params_and_env(configured, env, expected)
     assert effective_wandb_mode(configured, env) == expected
 
 
+def test_a_mistyped_wandb_mode_is_refused():
+    with pytest.raises(MetricsError, match="WANDB_MODE='ofline' is not one of"):
+        effective_wandb_mode("online", "ofline")
+
+
 def test_writer_appends_one_json_line_per_step(tmp_path):
     with MetricsWriter(tmp_path, "exp", DISABLED, {}) as writer:
         for step in (1, 2, 3):
@@ -244,3 +249,15 @@ def test_an_offline_wandb_run_makes_no_network_attempt(tmp_path):
 )
 def test_the_network_trace_counts_lookups_and_remote_connects(line, reaches):
     assert attempts(f"4242  {line}") == ([f"4242  {line}"] if reaches else [])
+
+
+def test_a_whole_record_cut_before_its_newline_is_restored_not_continued(tmp_path):
+    """A kill between a record's last byte and its newline: the resume must not append the next step to that line."""
+    with MetricsWriter(tmp_path, "exp", DISABLED, {}) as writer:
+        for step in range(1, 7):
+            writer.log(step, step_metrics(step))
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(path.read_bytes().removesuffix(b"\n"))
+    with MetricsWriter(tmp_path, "exp", DISABLED, {}, resume_step=6, restored=_checkpoint_history(6)) as writer:
+        writer.log(7, step_metrics(7))
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == list(range(1, 8))

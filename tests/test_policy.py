@@ -35,3 +35,12 @@ def test_policy_is_in_train_mode_and_checkpoints_its_layers(tmp_path, tiny_model
     ids = tiny_tokenizer("a short text", return_tensors="pt").input_ids
     model(input_ids=ids).logits.float().sum().backward()
     assert len(calls) == tiny_model.config.num_hidden_layers
+
+
+def test_the_adapter_drops_out_at_model_lora_dropout(tiny_model):
+    from grpo.config import LoraConfig
+    from grpo.model.lora import wrap_lora
+
+    wrapped = wrap_lora(tiny_model, LoraConfig(dropout=0.25, target_modules=["v_proj"]))
+    dropouts = [m for name, m in wrapped.named_modules() if name.endswith("lora_dropout.default")]
+    assert dropouts and all(isinstance(m, torch.nn.Dropout) and m.p == 0.25 for m in dropouts)

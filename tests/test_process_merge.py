@@ -11,18 +11,20 @@ from grpo.health.process_merge import merge_process_metrics
 
 def test_merged_metrics_are_those_of_the_concatenated_rows():
     """Two processes' reward and length statistics merge into the statistics of all rows together."""
-    rewards = [torch.tensor([0.1, 0.2, 0.7, 0.7]), torch.tensor([1.0, 0.0])]  # one task per process here
-    lengths = [torch.tensor([3.0, 5.0, 8.0, 2.0]), torch.tensor([4.0, 9.0])]
+    rewards = [torch.tensor([0.1, 0.2, 0.7, 0.7]), torch.tensor([1.0, 0.0])]  # the fairness rows of each process
+    lengths = [torch.tensor([3.0, 5.0, 8.0, 2.0, 6.0, 7.0]), torch.tensor([4.0, 9.0])]  # process 0: 2 more rows
     per_process = [{"rewards/fairness/mean": float(r.mean()), "rewards/fairness/std": float(r.std(correction=0)),
                     "completions/mean_length": float(n.mean()), "completions/min_length": float(n.min()),
                     "completions/max_length": float(n.max()), "step_time": t, "tokens_per_s": float(n.sum()) / t,
-                    "grad_norm": 0.5} for r, n, t in zip(rewards, lengths, (2.0, 4.0), strict=True)]
-    counts = [{"rows": 4.0, "rows/fairness": 4.0}, {"rows": 2.0, "rows/fairness": 2.0}]
+                    "dynamic/kept_groups": kept, "dynamic/draws": draws, "grad_norm": 0.5}
+                   for r, n, t, kept, draws in zip(rewards, lengths, (2.0, 4.0), (3.0, 2.0), (1.0, 2.0), strict=True)]
+    counts = [{"rows": 6.0, "rows/fairness": 4.0, "rows/hallucination": 2.0}, {"rows": 2.0, "rows/fairness": 2.0}]
     merged = merge_process_metrics(per_process, counts)
     every_reward, every_length = torch.cat(rewards), torch.cat(lengths)
     assert math.isclose(merged["rewards/fairness/mean"], float(every_reward.mean()), rel_tol=1e-6)
     assert math.isclose(merged["rewards/fairness/std"], float(every_reward.std(correction=0)), rel_tol=1e-6)
     assert math.isclose(merged["completions/mean_length"], float(every_length.mean()), rel_tol=1e-6)
     assert (merged["completions/min_length"], merged["completions/max_length"]) == (2.0, 9.0)
-    assert merged["step_time"] == 4.0 and math.isclose(merged["tokens_per_s"], 31.0 / 4.0)
+    assert merged["step_time"] == 4.0 and math.isclose(merged["tokens_per_s"], 44.0 / 4.0)
+    assert (merged["dynamic/kept_groups"], merged["dynamic/draws"]) == (5.0, 2.0)  # groups kept in all; most draws
     assert merged["grad_norm"] == 0.5  # computed from all-reduced gradients: the same everywhere

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from grpo import paths
 from grpo.config import config_from_dict
@@ -44,3 +45,29 @@ def test_a_stale_base_is_refused_by_sft_and_under_a_current_looking_sft(tmp_path
         check_sft(changed)
     write_lineage(paths.model_dir(built, "sft"), make_lineage("sft", built, paths.stage_inputs(built, "sft")))
     check_sft(built)
+
+
+def _weights(cfg, stage):
+    from safetensors.torch import load_file
+
+    return load_file(paths.model_dir(cfg, stage) / "model.safetensors")
+
+
+def test_sft_trains_every_weight_or_a_seeded_merged_adapter_as_sft_lora_says(tmp_path):
+    """``sft.lora`` alone decides (``model.lora.enabled`` is GRPO's switch): without it every weight moves;
+    with it only the adapted projections (``model.lora.target_modules``) move, the same way on every run."""
+    def cfg(name, lora):
+        built = _cfg(tmp_path / name, 32)
+        return built.model_copy(update={"sft": built.sft.model_copy(update={"lora": lora})})
+
+    full, merged, again = cfg("full", False), cfg("merged", True), cfg("again", True)
+    assert full.model.lora.enabled
+    for run in (full, merged, again):
+        assert prepare.run(run) == 0 and pretrain.run(run) == 0 and sft.run(run) == 0
+    base = _weights(full, "base")
+    moved = {run: {k for k, v in _weights(cfg_, "sft").items() if not torch.equal(v, base[k])}
+             for run, cfg_ in (("full", full), ("merged", merged))}
+    assert any(".mlp." in k for k in moved["full"]) and any("q_proj" in k for k in moved["full"])
+    targets = tuple(merged.model.lora.target_modules)
+    assert moved["merged"] and all(k.split(".")[-2] in targets for k in moved["merged"]), moved["merged"]
+    assert all(torch.equal(v, _weights(again, "sft")[k]) for k, v in _weights(merged, "sft").items())

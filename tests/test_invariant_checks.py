@@ -1,0 +1,82 @@
+"""grpo/checks/invariants.py: each token-boundary check passes on the stage code and fails on the bug it is
+about, planted in the stage function it drives, including where the bug hides from a lax comparison (the
+loss on the prompt's last token only, the stop token dropped from the supervised ids alone, a wrong score on
+the padded rows only)."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo.checks import invariants
+from grpo.checks.gated import pad_not_stop
+from tests.gate_subjects import CFG, random_model_for, subject_for, train_records
+
+
+@pytest.fixture(scope="module")
+def records():
+    return train_records()
+
+
+@pytest.fixture
+def subject(tiny_tokenizer, records):
+    return subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, records)
+
+
+def _examples_changed(monkeypatch, change):
+    """``sft.build_examples`` as the check calls it, each example passed through ``change(example, prompt_len)``."""
+    build = invariants.build_examples
+
+    def changed(records, tokenizer, max_length, template_kwargs):
+        examples = build(records, tokenizer, max_length, template_kwargs)
+        return [change(example, example.loss_mask.index(True)) for example in examples]  # index: the prompt's length
+
+    monkeypatch.setattr(invariants, "build_examples", changed)
+
+
+def test_render_parity_sees_loss_on_the_prompts_last_token(subject, monkeypatch):
+    assert invariants.check_render_parity(subject).status == "pass"
+
+    def loss_on_the_header(example, prompt_len):  # the assistant header's last token supervised
+        mask = list(example.loss_mask)
+        mask[prompt_len - 1] = True
+        return example._replace(loss_mask=mask)
+
+    _examples_changed(monkeypatch, loss_on_the_header)
+    check = invariants.check_render_parity(subject)
+    assert check.status == "fail" and check.value == len(subject.records) and "prompt tokens carry loss" in check.detail
+
+
+def test_render_parity_reads_the_supervised_ids_not_the_ids(subject, monkeypatch):
+    def stop_unsupervised(example, prompt_len):  # the ids still end with the stop token; the loss no longer sees it
+        return example._replace(loss_mask=[*example.loss_mask[:-1], False])
+
+    _examples_changed(monkeypatch, stop_unsupervised)
+    check = invariants.check_render_parity(subject)
+    assert check.status == "fail" and "do not end with a stop token (I2)" in check.detail
+
+
+def test_left_padded_extraction_compares_every_row(subject, monkeypatch):
+    """A scorer wrong on every row but the last (the longest prompt, the one without padding) is caught."""
+    assert invariants.check_left_padded_extraction(subject).status == "pass"
+    score = invariants.score_inputs
+
+    def wrong_on_padded_rows(model, inputs, **kwargs):
+        scored = score(model, inputs, **kwargs)
+        logprobs = scored.logprobs.clone()
+        logprobs[:-1] += 0.5
+        return scored._replace(logprobs=logprobs)
+
+    monkeypatch.setattr(invariants, "score_inputs", wrong_on_padded_rows)
+    check = invariants.check_left_padded_extraction(subject)
+    assert check.status == "fail" and check.value == pytest.approx(0.5, abs=1e-4)
+
+
+def test_the_cut_and_mask_check_also_runs_with_a_pad_that_is_no_stop_token(subject):
+    """The embedded tokenizer's pad is its end-of-turn token (as Llama-3's): the check adds a copy whose pad
+    ends nothing, where a mask that reads ids instead of positions runs past the stop."""
+    assert subject.tokenizer.pad_token_id in subject.eos_ids
+    other = pad_not_stop(subject.tokenizer, subject.eos_ids)
+    assert other is not None and other.pad_token_id not in subject.eos_ids
+    assert pad_not_stop(other, subject.eos_ids) is None  # already no stop token: nothing to add
+    check = invariants.check_rollout_cut_and_mask(subject)
+    assert check.status == "pass" and "pad == a stop id" in check.detail and "pad != a stop id" in check.detail
