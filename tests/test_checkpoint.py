@@ -18,6 +18,7 @@ from grpo.train.checkpoint import (
     WEIGHTS,
     CheckpointError,
     checkpoint_path,
+    checkpoint_steps,
     is_complete,
     latest_checkpoint,
     load_checkpoint,
@@ -189,3 +190,32 @@ def test_history_tensors_are_stored_as_numbers(tmp_path, tiny_model):
     path = quick_save(tmp_path, 1, tiny_model, history=history)
     restored = load_checkpoint(path, model=tiny_model, optimizer=None, scheduler=None)
     assert restored.history == [{"step": 1, "cagrad/weights": [0.25, 0.75], "reward": 0.5}]
+
+
+def test_the_same_step_saved_again_replaces_the_old_checkpoint(tmp_path, tiny_model):
+    """A resume that skipped a corrupt newest checkpoint saves that step again over the corrupt folder."""
+    quick_save(tmp_path, 3, tiny_model, history=[{"step": 3, "run": 1}])
+    (checkpoint_path(tmp_path, 3) / WEIGHTS).write_bytes(b"corrupt")
+    path = quick_save(tmp_path, 3, tiny_model, history=[{"step": 3, "run": 2}])
+    assert latest_checkpoint(tmp_path) == path and is_complete(path)
+    assert json.loads((path / "history.json").read_text()) == [{"step": 3, "run": 2}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+@pytest.mark.parametrize("name", [OPTIMIZER, "history.json", "rng.json"])
+def test_every_file_of_a_checkpoint_is_verified_not_only_the_weights(tmp_path, tiny_model, name):
+    good = quick_save(tmp_path, 1, tiny_model)
+    bad = quick_save(tmp_path, 2, tiny_model)
+    data = (bad / name).read_bytes()
+    (bad / name).write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # same size, flipped bits
+    assert latest_checkpoint(tmp_path) == good
+    (bad / name).write_bytes(data[:-1])  # one byte short: the quick check by size sees it too
+    assert checkpoint_steps(tmp_path) == [1]
+
+
+def test_a_checkpoint_saved_without_an_optimizer_cannot_restore_one(tmp_path, tiny_model):
+    path = save_checkpoint(tmp_path, 1, model=tiny_model, optimizer=None, scheduler=None, rng=capture_rng(),
+                           history=[], lineage=LINEAGE, keep_last=2)
+    optimizer, _ = make_training(tiny_model)
+    with pytest.raises(CheckpointError, match=f"has no {OPTIMIZER}: it was saved without one"):
+        load_checkpoint(path, model=tiny_model, optimizer=optimizer, scheduler=None)

@@ -45,6 +45,13 @@ def test_memo_by_stat_reads_an_aged_file_once_and_again_after_any_change(tmp_pat
     os.replace(replacement, path)  # replaced as write_atomically does: a new inode, the same size
     assert memo_by_stat("t", path, compute) == b"cccc()"
     assert len(reads) == 4
+    kept = path.stat().st_mtime_ns
+    copy = tmp_path / "copy.bin"
+    copy.write_bytes(b"dddd")
+    os.utime(copy, ns=(kept, kept))  # `cp -p`, `rsync -t`: the same size and mtime, only the inode differs
+    os.replace(copy, path)
+    assert memo_by_stat("t", path, compute) == b"dddd()"
+    assert len(reads) == 5
 
 
 def test_memo_by_stat_reads_a_racily_fresh_file_every_time(tmp_path):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +31,33 @@ def test_text_json_and_bytes_land_whole_with_parents_created(tmp_path):
     write_atomically({tmp_path / "p.png": b"\x89PNG\x00"})
     assert (tmp_path / "p.png").read_bytes() == b"\x89PNG\x00"
     assert not [p for p in tmp_path.rglob("*.tmp")]
+
+
+def test_each_file_is_staged_beside_its_target_and_on_disk_before_the_rename(tmp_path, monkeypatch):
+    """A sibling, so the rename stays on one file system (atomic; across file systems it fails with EXDEV),
+    and fsynced first, so a crash after the rename never leaves an empty file under the final name."""
+    events: list[tuple[str, object]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def spied_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))  # the staged file's path
+        fsync(fd)
+
+    def spied_replace(src, dst):
+        events.append(("replace", (str(src), str(dst))))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", spied_fsync)
+    monkeypatch.setattr(os, "replace", spied_replace)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "elsewhere"))
+    targets = [tmp_path / "metrics" / "grpo.json", tmp_path / "reports" / "grpo.md"]
+    write_atomically(dict.fromkeys(targets, "x\n"))
+    synced = [what for kind, what in events if kind == "fsync"]
+    renames = [what for kind, what in events if kind == "replace"]
+    assert [Path(dst) for _, dst in renames] == targets
+    for src, dst in renames:
+        assert Path(src).parent == Path(dst).parent and src in synced
+    assert events.index(("replace", renames[0])) > max(i for i, (kind, _) in enumerate(events) if kind == "fsync")
 
 
 def test_file_sha256_is_the_sha256_of_the_bytes(tmp_path):

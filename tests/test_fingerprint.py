@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import textwrap
@@ -13,7 +14,9 @@ from grpo.cli import COMMANDS
 from grpo.config import Config, GrpoConfig, ModelConfig, config_from_dict
 from grpo.provenance import fingerprint, stages
 from grpo.provenance.fingerprint import (
+    HISTORY_DIR,
     FingerprintError,
+    history_path,
     import_closure,
     semantic_hash,
     stage_fingerprint,
@@ -77,6 +80,14 @@ def test_layout_only_edit_keeps_the_hash(edit):
 @pytest.mark.parametrize("edit", sorted(NEW_MEANING))
 def test_semantic_edit_changes_the_hash(edit):
     assert semantic_hash(NEW_MEANING[edit]) != semantic_hash(ORIGINAL)
+
+
+@pytest.mark.parametrize("falsy", ["0", "0.0", "False", "''", "()"])
+def test_a_falsy_constant_is_not_none(falsy):
+    """``t[:, 0]`` is not ``t[:, None]``, nor ``beta = 0.0`` ``beta = None``: only None and empty lists are
+    left out of the dump (the fields Python versions print differently)."""
+    assert semantic_hash(f"x = t[:, {falsy}]\n") != semantic_hash("x = t[:, None]\n")
+    assert semantic_hash(f"beta = {falsy}\n") != semantic_hash("beta = None\n")
 
 
 def test_a_string_that_is_not_a_docstring_counts():
@@ -178,6 +189,8 @@ def test_every_real_stage_has_a_fingerprint_of_its_own_code():
         assert len(fp["fingerprint"]) == 64
     assert "grpo/core/multitask.py" in stage_fingerprint("grpo")["modules"]
     assert "grpo/core/multitask.py" not in stage_fingerprint("sft")["modules"]
+    # The gate's report goes stale when the trainer's wiring of the step changes, which no check runs.
+    assert {"grpo/train/trainer.py", "grpo/train/policy.py"} <= set(stage_fingerprint("preflight")["modules"])
     # A change to the monitor or the step reruns training, never evaluation.
     for module in (
         "grpo/health/monitor.py",
@@ -308,6 +321,15 @@ def test_written_file_is_deterministic_sorted_json(two_stages, tmp_path):
     assert text == json.dumps(data, indent=2, sort_keys=True) + "\n"
     assert sorted(data["modules"]) == ["pkg/__init__.py", "pkg/a_only.py", "pkg/shared.py"]
     assert data == stage_fingerprint("a", two_stages)
+
+
+def test_the_history_copy_is_named_by_the_md5_dvc_lock_records(two_stages, tmp_path):
+    """``grpo status`` finds the last run's fingerprint through the md5 dvc.lock holds for it."""
+    out = tmp_path / "fingerprints"
+    write_fingerprints(config_from_dict({}), out, two_stages)
+    text = (out / "a.json").read_text()
+    assert history_path(out, text) == out / HISTORY_DIR / f"{hashlib.md5(text.encode()).hexdigest()}.json"
+    assert history_path(out, text).read_text() == text
 
 
 def test_writer_rewrites_a_tampered_file(two_stages, tmp_path):

@@ -101,6 +101,10 @@ def test_a_named_source_is_found_through_its_package_metadata(monkeypatch, tmp_p
         gguf_file(str(tmp_path / "missing.gguf"))
     monkeypatch.setitem(NAMED_SOURCES, "pytest-file", NamedSource("pytest", "8", "pytest/__init__.py", "pip"))
     assert gguf_file("pytest-file").name == "__init__.py"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "x.gguf").write_bytes(b"GGUF")
+    assert gguf_file("~/models/x.gguf") == tmp_path / "models" / "x.gguf"  # as a shell would expand it
 
 
 def test_the_base_stage_converts_a_gguf_file_once_with_lineage(tmp_path, tiny_model, tiny_tokenizer):

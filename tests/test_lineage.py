@@ -136,6 +136,22 @@ def test_vanished_input_names_the_input(toy):
         _check(toy)
 
 
+def test_an_input_the_lineage_never_recorded_is_named(toy, tmp_path):
+    inputs = {**toy["inputs"], "eval": _write(tmp_path / "data/eval.jsonl", '{"q": 3}\n')}
+    with pytest.raises(StaleArtifactError, match=r"input eval \(.*eval.jsonl\) was not recorded when"):
+        check_lineage(toy["artifact"], "toy", Config(), inputs, root=toy["code"])
+
+
+def test_a_param_the_lineage_never_recorded_is_named(toy):
+    """A setting the stage reads now but did not when the artifact was built (a newer field) makes it stale."""
+    path = toy["artifact"] / LINEAGE_FILE
+    lineage = json.loads(path.read_text())
+    del lineage["params"]["seed"]
+    path.write_text(json.dumps(lineage))
+    with pytest.raises(StaleArtifactError, match=r"params seed: .* -> 1234"):
+        _check(toy)
+
+
 def test_missing_lineage_raises(toy):
     (toy["artifact"] / LINEAGE_FILE).unlink()
     with pytest.raises(StaleArtifactError, match="has no readable lineage.json"):

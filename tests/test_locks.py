@@ -69,6 +69,30 @@ def test_every_writing_stage_takes_the_lock_of_its_folder(holder, tmp_path, caps
     assert f"is being written by PID {proc.pid}" in capsys.readouterr().err
 
 
+def test_a_stage_that_fails_leaves_its_folder_unlocked_for_this_process_too(tmp_path):
+    """After a failed stage (a Prefect retry runs the next attempt in the same process) the folder is no
+    longer counted as held here: the next writer takes the lock again, and is refused when another has it."""
+    folder = tmp_path / "models" / "sft"
+    with pytest.raises(RuntimeError), folder_lock(folder):
+        raise RuntimeError("the stage failed")
+    proc = _hold(folder)
+    try:
+        with pytest.raises(FolderLockedError, match=f"PID {proc.pid}"), folder_lock(folder):
+            pass
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_holder_line_replaces_a_longer_earlier_one(tmp_path):
+    folder = tmp_path / "data" / "processed"
+    lock_path(folder).parent.mkdir(parents=True)
+    lock_path(folder).write_text("PID 1 on a-host-with-a-very-long-name (`" + "x" * 300 + "`)\n")
+    with folder_lock(folder):
+        text = lock_path(folder).read_text()
+    assert text.startswith(f"PID {os.getpid()} on ") and text.count("\n") == 1 and "x" * 10 not in text
+
+
 def test_the_lock_lives_beside_its_folder_never_in_it_and_a_stage_can_reenter(tmp_path, monkeypatch):
     """Beside: a DVC output folder hashes all it holds, so the lock file must not be in it."""
     folder = tmp_path / "models" / "grpo"

@@ -98,3 +98,22 @@ def test_seeds_command_takes_a_list_of_seeds():
     args = build_parser().parse_args(["seeds", "--seeds", "4", "5", "6"])
     assert args.seeds == [4, 5, 6]
     assert build_parser().parse_args(["seeds"]).seeds == [1, 2, 3]
+
+
+def test_each_seeds_row_holds_that_seeds_own_run(tmp_path, monkeypatch):
+    from grpo import seed_sweep
+
+    cfg = project_cfg(tmp_path)
+
+    def pipeline(seeded):  # the seed's run: its GRPO reward is a tenth of its seed
+        _write_seed_run(seeded, sampled=False)
+        path = Path(seeded.paths.metrics_dir) / "eval.json"
+        results = json.loads(path.read_text())
+        results["grpo"]["greedy"]["reward"] = seeded.seed / 10
+        path.write_text(json.dumps(results))
+        return 0
+
+    monkeypatch.setattr(seed_sweep.pipeline, "run", pipeline)
+    assert seed_sweep.run(cfg, seeds=(1, 2)) == 0
+    report = (Path(cfg.paths.reports_dir) / "seeds.md").read_text()
+    assert "| 1 | traded | improved | 0.300 | 0.100 |" in report and "| 2 | traded | improved | 0.300 | 0.200 |" in report
