@@ -23,6 +23,7 @@ from grpo.config import load_config
 from grpo.data.jsonl import read_records
 from grpo.data.select import train_records
 from grpo.health.metrics import HEALTH_METRICS
+from grpo.train import checkpoint as ckpt
 from grpo.train import trainer
 from tests.tiny_project import copy_prepared as copy_project
 from tests.tiny_project import prepared_project, run_stages
@@ -44,7 +45,7 @@ def adapter_weights(params: Path) -> dict[str, torch.Tensor]:
 def test_sft_then_train_end_to_end(project, tmp_path):
     params = copy_project(project, tmp_path / "p")
     cfg = load_config(params)
-    run_stages(params, "train")
+    assert main(["train", "--params", str(params), "--max-steps", "10"]) == 0  # never past grpo.steps (4)
     run_dir = Path(cfg.paths.runs_dir) / cfg.experiment
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
@@ -145,6 +146,7 @@ def test_resume_refuses_a_checkpoint_of_other_params_or_code_and_starts_fresh(pr
     policy = build_policy(cfg, make_accelerator().device)
     start, history = trainer.resume(cfg, policy)
     assert start == 4 and [h["step"] for h in history] == [1, 2, 3, 4]
+    assert trainer.resume(load_config(params, ["checkpoint.resume=false"]), policy) == (0, [])  # asked to start over
 
     assert trainer.resume(load_config(params, ["grpo.loss.beta=0.5"]), policy) == (0, [])
     said = capsys.readouterr().out
@@ -292,13 +294,16 @@ def test_an_offline_run_opens_no_socket_and_max_steps_says_what_it_wrote(project
 
     params = copy_project(project, tmp_path / "p")
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"PYTHONUNBUFFERED": "1"}
-    done, reached = traced([GRPO, "train", "--params", str(params), "--max-steps", "1"], tmp_path / "trace.log",
-                           env=env, capture_output=True, text=True, timeout=600, cwd=params.parent)
+    # checkpoint.every 3: step 1, where --max-steps stops the run, is off the cadence and still saved
+    command = [GRPO, "train", "--params", str(params), "--max-steps", "1", "--set", "checkpoint.every=3"]
+    done, reached = traced(command, tmp_path / "trace.log", env=env, capture_output=True, text=True, timeout=600,
+                           cwd=params.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = params.parent / "runs" / "tiny"
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb")), "no offline W&B run written"
     assert reached == [], "network attempts of an offline training run:\n" + "\n".join(reached)
     assert "policy in" not in done.stdout and not (params.parent / "models" / "grpo").exists()
+    assert ckpt.is_complete(run_dir / "checkpoint-00000001")
     assert ("grpo: 1 new step in " in done.stdout and f"no policy written yet: step 1 of grpo.steps=4 is a "
             f"checkpoint in {run_dir}, from which `grpo train` continues" in done.stdout), done.stdout[-2000:]
 
@@ -333,3 +338,14 @@ def test_a_killed_run_resumes_with_every_step_once_even_when_its_metrics_lost_li
     assert [h["step"] for h in entropy] == [1, 2, 3, 4, 5, 6]
     assert "grpo: 2 new steps after 4 restored from its checkpoint in " in output, output[-2000:]
     assert f"policy in {params.parent / 'models' / 'grpo'}" in output
+
+
+def test_a_step_the_monitor_stops_never_becomes_a_checkpoint(project, tmp_path, capsys):
+    """The monitor looks at each step before it is saved: a run the monitor stops at step 2 (a rule whose
+    window of 2 steps holds from step 1) ends with step 1's checkpoint as its last."""
+    params = copy_project(project, tmp_path / "p")
+    rule = ["threshold=100", "window=2", "action=stop"]  # entropy below 100 nats: from the first step on
+    sets = [arg for setting in rule for arg in ("--set", f"monitor.entropy_floor.{setting}")]
+    assert main(["train", "--params", str(params), *sets]) == 1
+    assert ckpt.checkpoint_steps(params.parent / "runs" / "tiny") == [1]
+    assert "monitor.entropy_floor.action: warn" in capsys.readouterr().err  # the stop says which rule
