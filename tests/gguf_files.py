@@ -41,9 +41,10 @@ def _write_tokenizer(
     vocab_size: int,
     eos_token: str | None,
     pad_token: str | None,
-    add_bos_token: bool,
+    add_bos_token: bool | None,
+    omit: Collection[str],
 ) -> None:
-    """The ``tokenizer.*`` keys convert_hf_to_gguf.py writes for a GPT-2-style BPE vocab."""
+    """The ``tokenizer.*`` keys convert_hf_to_gguf.py writes for a GPT-2-style BPE vocab (but ``omit``'s)."""
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     special = {i for i, added in tokenizer.added_tokens_decoder.items() if added.special}
     types = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(tokens))]
@@ -62,11 +63,13 @@ def _write_tokenizer(
     writer.add_token_types(types)
     writer.add_token_merges(merges)
     writer.add_bos_token_id(tokenizer.convert_tokens_to_ids(tokenizer.bos_token))
-    writer.add_eos_token_id(tokenizer.convert_tokens_to_ids(eos_token or tokenizer.eos_token))
+    if "eos_token_id" not in omit:
+        writer.add_eos_token_id(tokenizer.convert_tokens_to_ids(eos_token or tokenizer.eos_token))
     pad = pad_token or tokenizer.pad_token
     if pad is not None:
         writer.add_pad_token_id(tokenizer.convert_tokens_to_ids(pad))
-    writer.add_add_bos_token(add_bos_token)
+    if "add_bos_token" not in omit:
+        writer.add_add_bos_token(add_bos_token)
     if tokenizer.chat_template:
         writer.add_chat_template(tokenizer.chat_template)
 
@@ -81,12 +84,14 @@ def write_gguf(
     pad_token: str | None = None,
     add_bos_token: bool = False,
     drop: Collection[str] = (),
+    omit: Collection[str] = (),
 ) -> Path:
     """Write ``model`` (a Llama) and ``tokenizer`` (byte-level BPE) to the GGUF file ``path``; return it.
 
     F32 tensors, or with ``quantize`` the 2D weights as Q8_0 (norms stay F32). ``eos_token``/``pad_token``
     override the tokenizer's; ``add_bos_token`` sets ``tokenizer.ggml.add_bos_token``. ``drop``: names
-    (Hugging Face's) of weights left out of the file, as an incomplete conversion would.
+    (Hugging Face's) of weights left out of the file, as an incomplete conversion would; ``omit``: keys of
+    ``tokenizer.ggml.*`` left out (``eos_token_id``, ``add_bos_token``), as older or broken converters do.
     """
     cfg = model.config
     path = Path(path)
@@ -108,7 +113,7 @@ def write_gguf(
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quantize else gguf.LlamaFileType.ALL_F32)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_vocab_size(cfg.vocab_size)
-    _write_tokenizer(writer, tokenizer, cfg.vocab_size, eos_token, pad_token, add_bos_token)
+    _write_tokenizer(writer, tokenizer, cfg.vocab_size, eos_token, pad_token, add_bos_token, omit)
 
     names = gguf.get_tensor_name_map(ARCH, cfg.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():

@@ -273,3 +273,13 @@ def test_reserved_layer_holds_the_dynamic_layers_values_without_a_copy_per_token
         buffers.append(reserved._buffers[0].data_ptr())
     assert buffers[0] == buffers[1] == buffers[2] != buffers[3]
     assert reserved.get_seq_length() == plain.get_seq_length() == 10
+
+
+def test_generate_ignores_the_checkpoints_own_sampling_defaults(policy, tiny_tokenizer):
+    """A checkpoint's generation_config (Qwen's repetition_penalty 1.05, top_k 20, ...) never fills the fields
+    the project leaves at their defaults: the library path samples exactly as the scorer assumes (I10)."""
+    batch, eos = _prompts(tiny_tokenizer), chat.end_of_turn_ids(tiny_tokenizer)
+    plain = _generate(policy, tiny_tokenizer, batch, SAMPLINGS["plain"], eos, greedy=True, seed=0)
+    config = policy.generation_config
+    config.repetition_penalty, config.no_repeat_ngram_size = 50.0, 1  # would change any repeating greedy reply
+    assert torch.equal(_generate(policy, tiny_tokenizer, batch, SAMPLINGS["plain"], eos, greedy=True, seed=0), plain)

@@ -259,6 +259,8 @@ def test_distinct_n_hand_examples(texts, n, expected):
         ("a b", ["a b c", "a b c d"], 1, math.exp(1 - 3 / 2)),  # closest reference length 3
         ("a b c d", ["x a b c d y", "a b c"], 2, 1.0),  # closest r = 3 < c = 4: no penalty
         ("a b c", ["x y z"], 4, 0.0),  # no shared word
+        ("the the the the", ["the cat", "the dog"], 1, 1 / 4),  # clipped at one reference's count, not the sum
+        ("a b c", ["a b", "a b c d"], 1, 1.0),  # lengths 2 and 4 tie at distance 1: the shorter, no penalty
     ],
 )
 def test_sentence_bleu_hand_cases(hypothesis, references, max_n, expected):

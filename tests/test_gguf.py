@@ -4,6 +4,7 @@ the slow test at the end converts the real SmolLM2 file when its package is inst
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
@@ -71,6 +72,35 @@ def test_add_bos_token_from_the_file_is_kept(tmp_path, tiny_model, tiny_tokenize
     _, tokenizer = convert_gguf(path)
     assert tokenizer("hello").input_ids[0] == tiny_tokenizer.bos_token_id
     assert tokenizer("hello", add_special_tokens=False).input_ids[0] != tiny_tokenizer.bos_token_id
+
+
+def test_a_file_without_add_bos_token_prepends_no_bos(tmp_path, tiny_model, tiny_tokenizer):
+    """Older converters write no ``add_bos_token``: llama.cpp then adds none for a GPT-2 vocab, and neither
+    does the repaired tokenizer (a bos the chat template also writes would start every text twice)."""
+    path = write_gguf(tiny_model, tiny_tokenizer, tmp_path / "nobos.gguf", omit={"add_bos_token"})
+    _, tokenizer = convert_gguf(path)
+    assert tokenizer("hello").input_ids == tokenizer("hello", add_special_tokens=False).input_ids
+
+
+def test_the_files_own_pad_token_is_kept_when_it_is_not_eos(tmp_path, tiny_model, tiny_tokenizer):
+    path = write_gguf(tiny_model, tiny_tokenizer, tmp_path / "pad.gguf", pad_token="<|end_of_text|>")
+    model, tokenizer = convert_gguf(path)
+    pad = tiny_tokenizer.convert_tokens_to_ids("<|end_of_text|>")
+    assert tokenizer.pad_token_id == pad != tokenizer.eos_token_id
+    assert model.generation_config.pad_token_id == pad
+
+
+def test_only_a_gpt2_vocabulary_gets_the_byte_level_decoder(tmp_path, tiny_model, tiny_tokenizer):
+    from tokenizers import decoders
+
+    from grpo.model.gguf import repair_tokenizer
+
+    specials = read_specials(write_gguf(tiny_model, tiny_tokenizer, tmp_path / "t.gguf"))
+    spm = copy.deepcopy(tiny_tokenizer)
+    spm.backend_tokenizer.decoder = decoders.Metaspace()  # a sentencepiece vocabulary's own decoder
+    kept = repair_tokenizer(spm, specials._replace(model="llama")).backend_tokenizer.decoder
+    assert isinstance(kept, decoders.Metaspace)
+    assert isinstance(repair_tokenizer(copy.deepcopy(spm), specials).backend_tokenizer.decoder, decoders.ByteLevel)
 
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -194,6 +224,8 @@ def _broken(kind: str, tmp_path, model, tokenizer):
     data, path = whole.read_bytes(), tmp_path / f"{kind}.gguf"
     if kind == "tensor_missing":
         return write_gguf(model, tokenizer, path, drop={"model.layers.0.self_attn.q_proj.weight"})
+    if kind == "no_eos":
+        return write_gguf(model, tokenizer, path, omit={"eos_token_id"})
     if kind == "no_tensor":
         return write_gguf(model, tokenizer, path, drop=set(model.state_dict()))
     if kind == "wrong_magic":  # a safetensors file under a .gguf name
@@ -216,6 +248,7 @@ BROKEN = {
     "cut_in_last_tensor": TRUNCATED,
     "wrong_magic": "not a GGUF file: it begins with b'",
     "no_tensor": "a GGUF file without any tensor",
+    "no_eos": "no tokenizer.ggml.tokens or tokenizer.ggml.eos_token_id in its metadata",
     "tensor_missing": "lacks 1 of the model's weights or holds them in another shape "
                       "(model.layers.0.self_attn.q_proj.weight): they would start from random values",
 }
@@ -231,7 +264,8 @@ def test_every_broken_gguf_file_is_named_with_what_is_wrong_and_what_to_do(kind,
         convert_gguf(path)
     message = str(err.value)
     assert message.startswith(f"{path}: ") and BROKEN[kind] in message, message
-    assert AGAIN in message or "give model.name_or_path the path of a .gguf file" in message, message
+    fixes = (AGAIN, "give model.name_or_path the path of a .gguf file", "convert the model again with llama.cpp")
+    assert any(fix in message for fix in fixes), message
 
 
 @pytest.mark.parametrize("kind", ["cut_in_half", "wrong_magic", "tensor_missing"])

@@ -119,6 +119,14 @@ def test_abstention_rise_reads_only_the_kinds_whose_context_answers():
     assert abstention_rise(ambiguous_rising, 0.25) == (False, "no answered kind measured")
 
 
+def test_a_change_of_exactly_the_threshold_is_a_move():
+    """"By at least threshold": abstention moves in steps of 1/rows, so a rise of exactly 0.25 (2 of 8 rows)
+    with no noise must fire."""
+    exactly = stream([0.0] * 6, [0.0] * 6, [0.0] * 3 + [0.25] * 3)
+    assert abstention_rise(exactly, 0.25)[0]
+    assert kind_trade(stream([0.0] * 3 + [0.3] * 3, [0.3] * 3 + [0.0] * 3), 0.3)[0]
+
+
 def monitor_cfg(action: str = "warn", window: int = 6) -> MonitorConfig:
     return MonitorConfig(kind_trade=RuleConfig(threshold=0.3, window=window, action=action),
                          abstention_rise=RuleConfig(threshold=0.25, window=window, action=action))
@@ -143,6 +151,12 @@ def test_the_monitor_names_a_trade_at_the_step_it_starts_and_once():
     )
     assert expected == 6
     assert observed(Monitor(monitor_cfg()), history) == [("kind_trade", 6, 1)]
+
+
+def test_a_trade_rule_turned_off_never_reports():
+    history = stream([-0.5] * 6 + [0.5] * 6, [0.4] * 6 + [-0.2] * 6, [0.0] * 6 + [0.8] * 6)
+    assert observed(Monitor(monitor_cfg()), history)  # the rules fire on this stream when on
+    assert observed(Monitor(monitor_cfg(action="off")), history) == []
 
 
 def test_a_steady_or_improving_run_never_fires(caplog):

@@ -101,3 +101,42 @@ def test_the_mismatch_is_measured_in_the_steps_precision(tiny_model, tiny_tokeni
     assert sampled.stats["sampling/sampling_logp_difference/max"] == 0.0
     mask = sampled.rollout.completion_mask
     assert torch.equal(sampled.is_weights[mask], torch.ones(int(mask.sum())))
+
+
+def _rollout(step, one_per_task):
+    from grpo.data.prompts import render_records
+
+    prompts = render_records(step.tokenizer, one_per_task, step.cfg.model.chat_template_kwargs)
+    return step.engine.generate(prompts, 2, step.cfg.grpo.sampling, step.eos_ids, 3).rollout
+
+
+def test_the_logged_weight_mean_is_over_the_completion_tokens(tiny_model, tiny_tokenizer, one_per_task):
+    """Rows that stop early leave padding: weights of 1.5 on every sampled token have a mean of 1.5."""
+    from grpo.config import RolloutConfig
+    from grpo.train.mismatch import sampler_correction
+
+    step = make_step(copy.deepcopy(tiny_model), tiny_tokenizer)
+    rollout = _rollout(step, one_per_task)
+    mask = rollout.completion_mask.clone()
+    mask[0, 2:] = False  # the first row stopped after two tokens
+    rollout = dataclasses.replace(rollout, completion_mask=mask)
+    sampler = (trainer_logprobs(step.model, rollout) - math.log(1.5)) * mask
+    stats, weights = sampler_correction(step.model, rollout, sampler, RolloutConfig(tis_cap=2.0, tis_threshold=0.0))
+    assert not mask.all() and stats["sampling/importance_sampling_weight/mean"] == pytest.approx(1.5, abs=1e-5)
+
+
+def test_the_trainers_side_is_the_policy_with_its_adapter(tiny_model, tiny_tokenizer, one_per_task):
+    """Once the adapter has moved, the trainer's log-probs are the policy's, not the reference's (adapter off)."""
+    from grpo.model.scoring import rollout_inputs, score_inputs
+
+    step = make_step(copy.deepcopy(tiny_model), tiny_tokenizer)
+    with torch.no_grad():
+        for name, param in step.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(0))
+    rollout = _rollout(step, one_per_task)
+    inputs = rollout_inputs(rollout, torch.device("cpu"))
+    with torch.no_grad():
+        policy, reference = (score_inputs(step.model, inputs, adapter=on).logprobs for on in (True, False))
+    assert (policy - reference).abs().max() > 1e-3  # the adapter moved the policy
+    torch.testing.assert_close(trainer_logprobs(step.model, rollout), policy, rtol=0, atol=1e-6)

@@ -72,6 +72,7 @@ def test_autocast_on_cpu_exactly_where_the_cpu_has_native_bf16(tiny_model, tiny_
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert not autocast_enabled(CPU, bf16=True)  # an older CPU: bf16 is emulated, slower; fp32 it is
+    assert autocast_enabled(torch.device("cuda"), bf16=True)  # a GPU's bf16 does not depend on its host's CPU
     with bf16_autocast(CPU, bf16=True):
         assert _compute_dtypes(tiny_model, ids) == (torch.float32, torch.float32)
     with bf16_autocast(CPU, bf16=True, force=True):
@@ -349,6 +350,17 @@ def test_off_cuda_the_head_scores_with_the_fp32_product():
     weight = torch.randn(8, 4)
     assert not split_product_available(torch.device("cpu"))
     assert isinstance(head_product(weight, None, torch.bfloat16), Fp32Product)
+
+
+def test_the_split_product_serves_bf16_autocast_only(monkeypatch):
+    """Where it is available (CUDA), bf16x3 stands in for the fp32 product under bf16 autocast only: an fp32
+    run scores with the fp32 product, as its sampler does."""
+    from grpo.model import precision
+
+    monkeypatch.setattr(precision, "split_product_available", lambda device: True)
+    weight = torch.randn(8, 4)
+    assert isinstance(head_product(weight, None, torch.bfloat16), precision.SplitProduct)
+    assert isinstance(head_product(weight, None, torch.float32), Fp32Product)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

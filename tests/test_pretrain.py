@@ -57,6 +57,8 @@ def test_pretrain_fairness_fraction_sets_the_corpus_mix_and_defaults_to_the_data
     mixed = config_from_dict({**_cfg(tmp_path, 40, fairness_fraction=0.75).model_dump(),
                               "pretrain": {"records": 40, "fairness_fraction": 0.3}})
     assert fair(mixed) == 12 and len(pretrain_records(mixed)) == 40
+    grounded_only = config_from_dict({**mixed.model_dump(), "pretrain": {"records": 40, "fairness_fraction": 0.0}})
+    assert fair(grounded_only) == 0  # 0 is a share, not "unset"
 
 
 def test_corpus_differs_from_the_prepared_train_split_and_is_reproducible(tmp_path):

@@ -56,7 +56,9 @@ def test_preflight_leads_with_the_overall_line_and_one_narrow_row_per_check():
     assert why[1] == "- **left_padded_extraction** (pass): max |logp alone - logp batched| over prompt widths […"
     assert why[-1].startswith("- **first_step** (fail): at the start the policy is its reference")  # the hint
     assert why[-1].endswith("…")  # cut to one line: the whole hint is below
-    assert "(I8, I10)" in text.split("## Not passed")[1] and "render_parity" not in text.split("## Not passed")[1]
+    not_passed = text.split("## Not passed")[1]
+    assert "(I8, I10)" in not_passed and "render_parity" not in not_passed
+    assert "**sampling_processors** (warn" in not_passed  # a warning's whole detail and hint too, not only failures
     published = fit(text)
     assert width_problems(published) == [] and [r for r in published.splitlines() if r.startswith("| ")] == rows
     assert published.rstrip().endswith("Details: `reports/preflight.md`.")

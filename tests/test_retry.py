@@ -96,3 +96,15 @@ def test_the_reason_is_one_line_the_clis_error_or_the_exception_or_the_exit(dvc_
         "kill": "the stage command was killed by signal 9 (SIGKILL)",
     }
     assert not any("Traceback" in reason or "\n" in reason for reason in reasons.values())
+
+
+def test_a_chained_traceback_gives_the_exception_the_stage_died_of():
+    chained = [
+        "Traceback (most recent call last):", '  File "grpo/data/loaders.py", line 9, in read',
+        "KeyError: 'knowledge'", "",
+        "During handling of the above exception, another exception occurred:", "",
+        "Traceback (most recent call last):", '  File "grpo/data/prepare.py", line 4, in run',
+        "grpo.data.errors.DataSourceError: qa.json:3: not a HaluEval QA record",
+    ]
+    reason = failure_reason(chained, exit_cause(1, chained))
+    assert reason == "grpo.data.errors.DataSourceError: qa.json:3: not a HaluEval QA record"

@@ -3,6 +3,7 @@ the planted best checkpoint and picks it again after a kill and resume."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -58,6 +59,17 @@ def test_ties_go_to_the_larger_mean_then_the_later_step():
 def test_evaluations_are_read_from_the_run_history():
     history = [{"step": 1, "reward": 0.1}, {"step": 2, score_key("ambiguous"): 0.5, score_key("answerable"): 1.0}]
     assert evaluations(history) == [(2, {"ambiguous": 0.5, "answerable": 1.0})]
+
+
+def test_pruning_spares_the_best_step_so_far():
+    """``Selector.keep``: the step the choice would take now (CURVE's 20), not the last one."""
+    from grpo.train.selection import Selector
+
+    selector = Selector.__new__(Selector)  # the scores are given: no model to score with
+    selector.validation, selector.sft = [{"id": "v"}], SFT
+    history = [{"step": step, **{score_key(kind): value for kind, value in scores.items()}} for step, scores in CURVE]
+    assert selector.keep(history) == (20,) and selector.keep(history[:1]) == (10,)
+    assert selector.keep([{"step": 1, "reward": 0.0}]) == ()  # nothing evaluated yet
 
 
 def test_carve_and_due_follow_the_params():
@@ -178,3 +190,51 @@ def test_select_last_keeps_the_last_step_and_every_prompt(project, tmp_path):
     summary = json.loads((params.parent / "metrics" / "grpo.json").read_text())
     assert summary["selected_step"] == 6 and summary["selection"] is None
     assert not (params.parent / "runs" / "tiny" / "selection.json").exists()
+
+
+def _moved_step(tiny_model, tiny_tokenizer):
+    from tests.steps import make_step
+    from tests.weights import fill_adapter, spread_weights
+
+    generator = torch.Generator().manual_seed(0)
+    spread_weights(tiny_model, generator)
+    step = make_step(tiny_model, tiny_tokenizer)
+    fill_adapter(step.model, generator)  # an adapter trained away from the SFT weights
+    return step
+
+
+def test_the_sft_baseline_is_scored_with_the_adapter_off_and_the_policy_with_it_on(tiny_model, tiny_tokenizer,
+                                                                                    monkeypatch):
+    """The SFT scores a resumed run compares with come from the SFT weights, not the resumed adapter."""
+    from grpo.model.lora import adapter_disabled
+    from grpo.train import selection
+    from tests.steps import step_records
+
+    step = _moved_step(tiny_model, tiny_tokenizer)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    seen = []
+
+    def replies(step_, model, records):  # what the replies would be drawn from
+        seen.append(model(input_ids=ids).logits)
+        return ["x"] * len(records)
+
+    monkeypatch.setattr(selection, "_replies", replies)
+    with torch.no_grad():
+        selection.kind_accuracy(step, step_records(), reference=True)
+        selection.kind_accuracy(step, step_records())
+        with adapter_disabled(step.model):
+            sft = step.model(input_ids=ids).logits
+        policy = step.model(input_ids=ids).logits
+    assert (sft - policy).abs().max() > 1e-3
+    assert torch.equal(seen[0], sft) and torch.equal(seen[1], policy)
+
+
+def test_the_validation_replies_are_greedy(tiny_model, tiny_tokenizer):
+    """The same replies under another seed: the choice follows the checkpoints, not sampling luck."""
+    from grpo.train import selection
+    from tests.steps import step_records
+
+    step = _moved_step(tiny_model, tiny_tokenizer)
+    reseeded = step.cfg.model_copy(update={"seed": step.cfg.seed + 1})
+    first = selection._replies(step, step.model, step_records())
+    assert selection._replies(dataclasses.replace(step, cfg=reseeded), step.model, step_records()) == first

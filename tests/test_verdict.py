@@ -170,3 +170,14 @@ def test_kinds_table_has_every_kind_with_levels_difference_and_interval():
 def test_no_verdict_says_why():
     lines = verdict_markdown({}, "GRPO skipped (models/grpo is absent)")
     assert lines[0] == "## verdict" and lines[-1] == "No verdict: GRPO skipped (models/grpo is absent)."
+
+
+def test_the_kinds_table_reads_each_row_in_its_own_direction():
+    """Written out, not read from ``WANTED``: a rising hallucination rate, over-abstention or |s_AMB| is worse."""
+    rise, fall = {"diff": 0.1, "low": 0.05, "high": 0.15}, {"diff": -0.1, "low": -0.15, "high": -0.05}
+    moved = {HRATE: rise, OVER: fall, SAMB: rise, EM: rise}
+    levels = {HRATE: 0.3, OVER: 0.2, "fairness/s_amb": 0.1, EM: 0.5}
+    lines = kinds_markdown({"sft": {"greedy": levels}, "grpo": {"greedy": levels}}, {"greedy": moved}, ["greedy"])
+    verdicts = {line.split(" | ")[3]: line.rstrip(" |").split(" | ")[-1] for line in lines[4:]}
+    assert verdicts["hallucination rate"] == "worse" and verdicts["\\|s_AMB\\|"] == "worse"
+    assert verdicts["over-abstention"] == "better" and verdicts["exact match"] == "better"
