@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from accelerate import Accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -59,3 +60,15 @@ def train_records() -> list[dict]:
     """Twelve generated train records of both tasks, as the gate's probes read them."""
     cfg = config_from_dict({"data": {"n_train": 12, "n_eval": 4}})
     return [r.model_dump(mode="json") for r in build_records(cfg)["train"]]
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict]:
+    """``train_records()`` once per test module (the gate tests import it as their ``records`` fixture)."""
+    return train_records()
+
+
+@pytest.fixture
+def subject(tiny_tokenizer, records) -> Gated:
+    """The gate's view of a fresh random model over ``records`` (a fixture the gate tests import)."""
+    return subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, records)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 
 from grpo.checks.behaviour import (
@@ -18,17 +17,10 @@ from grpo.checks.behaviour import (
 from grpo.config import config_from_dict
 from grpo.model import rollout as rollout_module
 from grpo.train import causal_lm
-from tests.gate_subjects import CFG, FULL, random_model_for, subject_for, train_records
+from tests import gate_subjects
+from tests.gate_subjects import CFG, FULL, random_model_for, subject_for
 
-
-@pytest.fixture(scope="module")
-def records():
-    return train_records()
-
-
-@pytest.fixture
-def subject(tiny_tokenizer, records):
-    return subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, records)
+records, subject = gate_subjects.records, gate_subjects.subject  # the gate's fixtures, defined once
 
 
 def test_the_sft_batch_check_sees_the_loop_drop_the_stop_token(subject, monkeypatch):

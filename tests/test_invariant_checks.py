@@ -9,17 +9,9 @@ import pytest
 
 from grpo.checks import invariants
 from grpo.checks.gated import pad_not_stop
-from tests.gate_subjects import CFG, random_model_for, subject_for, train_records
+from tests import gate_subjects
 
-
-@pytest.fixture(scope="module")
-def records():
-    return train_records()
-
-
-@pytest.fixture
-def subject(tiny_tokenizer, records):
-    return subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, records)
+records, subject = gate_subjects.records, gate_subjects.subject  # the gate's fixtures, defined once
 
 
 def _examples_changed(monkeypatch, change):
