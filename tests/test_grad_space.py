@@ -101,6 +101,9 @@ def test_a_nan_or_a_nonzero_in_one_shard_is_seen_by_every_shard():
     that raised alone would leave the other waiting in the next collective)."""
     shards = [torch.zeros(3), torch.tensor([0.0, float("nan"), 0.0])]
     assert on_shards(2, lambda rank, space: space.is_finite(shards[rank])) == [False, False]
+    shards = [torch.tensor([float("-inf"), 0.0, 0.0]), torch.zeros(3)]
+    assert on_shards(2, lambda rank, space: space.is_finite(shards[rank])) == [False, False]
+    assert on_shards(2, lambda rank, space: space.is_finite(torch.ones(3))) == [True, True]
     shards = [torch.zeros(3), torch.tensor([0.0, 1e-30, 0.0])]
     assert on_shards(2, lambda rank, space: space.any(shards[rank])) == [True, True]
     assert on_shards(2, lambda rank, space: space.any(torch.zeros(3))) == [False, False]
@@ -116,3 +119,20 @@ def _clipped(grad: torch.Tensor, max_norm: float) -> torch.Tensor:
     param = _with_grad(grad.clone())
     torch.nn.utils.clip_grad_norm_([param], max_norm)
     return param.grad
+
+
+def test_a_sharded_flat_gradient_is_each_losss_own_and_leaves_no_grad_behind():
+    """Under FSDP the gradient is taken by ``backward`` into ``.grad``: each task's flat gradient must be its
+    loss's alone (the previous task's cleared), and nothing may be left in ``.grad`` for the write that adds
+    the combined direction. (One process: the parameters are whole; the slicing of real shards is
+    tests/test_distributed.py's.)"""
+    weight = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    bias = torch.nn.Parameter(torch.tensor([0.5]))
+    space = ShardedGradSpace(lambda tensor: tensor)
+    first = space.flat_grad((weight * weight).sum() + 2 * bias.sum(), [weight, bias], retain=False)
+    second = space.flat_grad((3 * weight).sum(), [weight, bias], retain=False)
+    torch.testing.assert_close(first, torch.tensor([2.0, 4.0, 6.0, 2.0]))
+    torch.testing.assert_close(second, torch.tensor([3.0, 3.0, 3.0, 0.0]))
+    assert weight.grad is None and bias.grad is None
+    space.write([weight, bias], first + second)
+    torch.testing.assert_close(torch.cat([weight.grad, bias.grad]), torch.tensor([5.0, 7.0, 9.0, 2.0]))

@@ -160,3 +160,31 @@ def test_cuda_decode_replays_a_graph_and_gives_generates_tokens(policy, tiny_tok
             got = _decode(policy, tiny_tokenizer, batch, sampling, eos, greedy, seed, prefilled=seed == 1)
             assert torch.equal(got, expected), f"seed {seed}: the graph's tokens are not generate's"
     assert built and all(s is not None and s.graph is not None and s.failed is None for s in built)
+
+
+def _checked(policy, tiny_tokenizer, got, expected, bf16):
+    batch = _prompts(tiny_tokenizer)
+    out = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=True)
+    step = GraphStep.over(policy, out.past_key_values, *batch.input_ids.shape, capture=False)
+    step.logits = got
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        return step.check(expected), step
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_the_check_bounds_the_gap_by_the_model_forwards_scale(policy, tiny_tokenizer, bf16):
+    """The bound is ``STATIC_BOUND`` (1e-4 in fp32, 5e-2 under bf16 autocast) times the scale of the model's own
+    logits: a gap just inside passes, just outside fails, also where the graph's logits (inflated by the slip)
+    would widen their own bound; a NaN in the graph's logits fails."""
+    expected = torch.zeros(2, 1, 8)
+    expected[0, 0, 3] = 100.0
+    bound = (5e-2 if bf16 else 1e-4) * 100.0
+    for gap, ok in ((0.98 * bound, True), (1.02 * bound, False)):
+        got = expected.clone()
+        got[0, 0, 3] += gap  # the largest logit inflated: its own scale would allow 1.02 x the bound
+        passed, step = _checked(policy, tiny_tokenizer, got, expected, bf16)
+        assert passed is ok and (step.failed is None) is ok and step.gap == pytest.approx(gap, rel=1e-3)
+    got = expected.clone()
+    got[1, 0, 5] = float("nan")
+    passed, step = _checked(policy, tiny_tokenizer, got, expected, bf16)
+    assert not passed and "differ" in step.failed

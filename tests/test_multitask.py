@@ -10,6 +10,7 @@ from grpo.core.batching import left_pad
 from grpo.core.logprobs import score_completions
 from grpo.core.losses import masked_mean, policy_loss_terms, total_loss
 from grpo.core.multitask import (
+    BatchGradients,
     MultitaskError,
     accumulate,
     batch_gradients,
@@ -124,6 +125,28 @@ def test_pcgrad_removes_the_conflicting_component():
     assert d @ g1 >= 0 and d @ g2 >= 0
     agreeing = torch.tensor([[1.0, 0.5], [0.5, 1.0]])  # no conflict: plain sum
     assert torch.equal(pcgrad(agreeing), agreeing.sum(0))
+
+
+@pytest.mark.parametrize("c", [0.3, 0.5, 2.0])
+def test_cagrad_rescalings_divide_by_one_plus_c_squared_and_by_one_plus_c(c):
+    """``cagrad_rescale`` 1 divides the direction by 1 + c^2, 2 by 1 + c (the CAGrad authors' code), 0 not."""
+    grads = torch.tensor([[1.0, 0.2, -0.5], [-0.8, 1.0, 0.3]])
+    plain, _ = combine(grads, "cagrad", c=c, rescale=0)
+    for rescale, divisor in ((1, 1 + c * c), (2, 1 + c)):
+        torch.testing.assert_close(combine(grads, "cagrad", c=c, rescale=rescale)[0], plain / divisor)
+
+
+def test_a_task_with_an_exactly_zero_gradient_takes_no_part():
+    """A task with nothing to learn is left out of the combination (it would halve CAGrad's mean), reports a
+    norm of 0, and with one task left the cosine is reported as 0, not as agreement."""
+    g = torch.tensor([1.0, -2.0, 0.5])
+    grads = BatchGradients({"fairness": g, "hallucination": torch.zeros(3)}, None)
+    for mode in ("sum", "pcgrad", "cagrad"):
+        direction, stats = combine_task_gradients(grads, ("fairness", "hallucination"), torch.zeros(3), mode=mode,
+                                                  c=0.5, rescale=1)
+        torch.testing.assert_close(direction, combine(g[None], mode, c=0.5, rescale=1)[0])
+        assert stats["multitask/tasks_combined"] == 1.0 and stats["grad_norm/hallucination"] == 0.0
+        assert stats["grad_cos"] == 0.0
 
 
 @pytest.mark.parametrize("rescale", [0, 1, 2])

@@ -62,6 +62,7 @@ def test_a_doubled_start_token_and_a_turn_start_extra_stop_are_refused(tiny_toke
     assert len(problems) == 1 and "begin with '<|begin_of_text|>' (id 0) twice" in problems[0]
     problems = boundary_problems(tiny_tokenizer, tiny_model, ("<|start_header_id|>",), {})
     assert len(problems) == 1 and "extra stop token '<|start_header_id|>'" in problems[0]
+    assert problems[0].endswith("set model.extra_stop_tokens without it")  # the fix is the user's setting
 
 
 def test_an_eos_the_model_does_not_declare_is_refused(tiny_tokenizer):
