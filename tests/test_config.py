@@ -62,6 +62,16 @@ def test_every_field_is_documented():
         ({"rewards": {"weights": {"fairness": float("inf")}}}, ["rewards.weights.fairness", "inf", "finite number"]),
         ({"grpo": {"rollout": {"tis_cap": 0.5}}}, ["grpo.rollout.tis_cap", "0.5", "greater than or equal to 1"]),
         ({"data": {"fairness_path": "/raw/bbq"}}, ["data.fairness_path is set but data.fairness_source is 'synthetic'"]),
+        ({"model": {"lora": {"dropout": 1.0}}}, ["model.lora.dropout", "1.0", "less than 1"]),
+        ({"model": {"tiny": {"num_attention_heads": 4, "num_key_value_heads": 3}}},
+         ["model.tiny", "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"]),
+        ({"model": {"architecture": "qwen2.5-0.5b", "tokenizers_dir": None}},
+         ["model", "'qwen2.5-0.5b'", "model.tokenizers_dir", "set it to a folder"]),
+        ({"eval": {"diagnose": {"zero_std_fail": 95}}}, ["eval.diagnose.zero_std_fail", "95", "less than or equal to 1"]),
+        ({"eval": {"bootstrap": 10}}, ["eval.bootstrap", "10", "greater than or equal to 100"]),
+        ({"monitor": {"entropy_floor": {"threshold": 0.1, "window": 0}}},
+         ["monitor.entropy_floor.window", "got 0", "greater than or equal to 1"]),
+        ({"seed": "x", "grpo": {"group_size": 1}}, ["seed", "'x'", "grpo.group_size", "got 1"]),  # every error
     ],
 )
 def test_bad_config_names_key_value_and_fix(tmp_path, tree, must_name):
@@ -82,6 +92,25 @@ def test_set_override_applies_and_is_validated(tmp_path):
         load_config(path, ["grpo.loss.betaa=1"])
     with pytest.raises(ConfigError, match="expected section.key=value"):
         load_config(path, ["grpo.loss.beta"])
+
+
+def test_set_values_are_yaml_and_reach_sections_the_file_leaves_out(tmp_path):
+    """``--set`` reads its value as YAML (null, lists, ``off``) and sets keys of sections the params file does
+    not write (their defaults otherwise)."""
+    path = write_params(tmp_path, {"seed": 3})
+    cfg = load_config(path, ["grpo.loss.beta=0.5", "model.lora.target_modules=[q_proj, v_proj]",
+                             "eval.max_examples=null", "model.fast_paths=off"])
+    assert cfg.grpo.loss.beta == 0.5 and cfg.model.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.eval.max_examples is None and cfg.model.fast_paths == "off"
+    with pytest.raises(ConfigError, match="--set seed.x: 'seed' is a value, not a section"):
+        load_config(path, ["seed.x=1"])
+
+
+def test_a_bare_off_in_yaml_is_the_word_off(tmp_path):
+    """YAML reads ``fast_paths: off`` as false; the config takes the word the user wrote."""
+    path = tmp_path / "params.yaml"
+    path.write_text("model:\n  fast_paths: off\n")
+    assert load_config(path).model.fast_paths == "off"
 
 
 def test_missing_params_file_says_how_to_fix(tmp_path):

@@ -17,9 +17,9 @@ ROW = {"task": "hallucination", "source": "synthetic", "context": "Kelby makes i
 
 def test_read_rows_names_each_bad_line(tmp_path):
     path = tmp_path / "train.jsonl"
-    path.write_bytes(b'{"a": 1}\n{broken\n"a string"\n\xff\xfe{"a": 2}\n\n{"b": 3}\n')
+    path.write_bytes(b'{"a": 1}\n{broken\n"a string"\n\xff\xfe{"a": 2}\n  \t\n{"b": 3}\n')
     rows, problems = read_rows(path)
-    assert [row.line for row in rows] == [1, 6]
+    assert [row.line for row in rows] == [1, 6]  # line 5, blanks only, is no row and no problem
     assert [(p.rule, p.line) for p in problems] == [("read.json", 2), ("read.not_object", 3), ("read.utf8", 4)]
     assert all(p.file == str(path) for p in problems)
     _, missing = read_rows(tmp_path / "none.jsonl")
@@ -34,6 +34,9 @@ def test_load_records_round_trip_and_errors(tmp_path):
     assert read_records(path) == [record.model_dump(mode="json")] * 2
     path.write_text(path.read_text() + json.dumps({**record.model_dump(), "label": "x"}) + "\n")
     with pytest.raises(DataValidationError, match=r"train.jsonl:3: field label"):
+        load_records(path)
+    path.write_text("\n\n" + path.read_text())  # two blank lines first: the bad record is on line 5
+    with pytest.raises(DataValidationError, match=r"train.jsonl:5: field label"):
         load_records(path)
     with pytest.raises(DataValidationError, match="grpo prepare"):
         read_records(tmp_path / "missing.jsonl")

@@ -13,7 +13,7 @@ from grpo.config import config_from_dict
 from grpo.data import prepare
 from grpo.data.errors import DataSourceError
 from grpo.data.loaders import load_bbq, load_halueval, load_squad2
-from grpo.data.raw import skip_lines
+from grpo.data.raw import files, skip_lines
 from grpo.data.report import ValidationReport, to_markdown
 from grpo.data.schema import ABSTENTION
 
@@ -203,3 +203,15 @@ def test_skip_lines_lead_with_the_largest_reasons_and_count_the_rest():
     lines = skip_lines(skipped, limit=3)
     assert lines == ["15 x a.jsonl [Age]: reason 15", "14 x a.jsonl [Age]: reason 14", "13 x a.jsonl [Age]: reason 13",
                      "... and 12 more kinds (see reports/validation.md)"]
+
+
+def test_a_dataset_folder_gives_its_own_files_in_sorted_order(tmp_path):
+    """The files of a folder load in name order on any file system (the same data and seed give the same
+    records), and only the folder's own: a backup in a subfolder is no extra data."""
+    names = [f"part-{index:02d}.jsonl" for index in (7, 3, 11, 0, 9, 5, 1, 10, 4, 8, 2, 6)]
+    for name in names:
+        (tmp_path / name).write_text("{}\n")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "part-00.jsonl").write_text("{}\n")
+    assert files(tmp_path, "*.jsonl") == [tmp_path / name for name in sorted(names)]
+    assert files(tmp_path / "part-03.jsonl", "*.jsonl") == [tmp_path / "part-03.jsonl"]

@@ -32,6 +32,8 @@ def test_content_id_is_stable_and_ignores_split():
                                                    FAIR["choices"], FAIR["answer"])
     assert len(train.id) == 16 and train.split == "train"
     assert make_record({**FAIR, "question": "Who was early?"}, "train").id != train.id
+    swapped = {**FAIR, "choices": ["The Brasken nurse", "Unknown", "The Velorian nurse"], "target_idx": 0}
+    assert make_record(swapped, "train").id != train.id, "options in another order: another item"
 
 
 def test_record_rejects_unknown_fields_and_bad_values():
@@ -39,6 +41,8 @@ def test_record_rejects_unknown_fields_and_bad_values():
         make_record({**FAIR, "lable": 1}, "train")
     with pytest.raises(ValidationError):
         make_record({**FAIR, "task": "sentiment"}, "train")
+    with pytest.raises(ValidationError, match="label"):
+        make_record({**FAIR, "label": 3}, "train")  # three options: 0, 1, 2
 
 
 @pytest.mark.parametrize(

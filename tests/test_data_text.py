@@ -26,6 +26,8 @@ def test_every_unknown_phrasing_is_recognised_and_people_are_not():
     assert all(is_unknown_phrase(p) for p in UNKNOWN_PHRASES)
     assert is_unknown_phrase("can't be determined.") and is_unknown_phrase("CANNOT ANSWER")
     assert not is_unknown_phrase("The Velorian nurse")
+    assert not is_unknown_phrase("The man not known to the others")  # a phrase inside an option is no unknown
+    assert not is_unknown_phrase("Unknown to me, the nurse")
 
 
 def test_text_key_ignores_case_and_punctuation_but_not_words():

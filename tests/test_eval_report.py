@@ -25,3 +25,13 @@ def test_setup_then_one_table_per_decoded_mode_with_integer_deltas(tmp_path):
     assert text.index("## setup") < text.index("## greedy") and "## sampled" not in text
     assert "| n | 2 | 3 | 7 | +4 | +1 |" in text
     assert "| rate | 0.250 | 0.375 | 0.875 | +0.500 | +0.125 |" in text
+
+
+def test_the_setup_counts_the_eval_samples_and_the_verdict_names_a_skipped_sft(tmp_path):
+    """The sampled metrics' replies per item are ``eval.samples_per_prompt`` (not the training group); with
+    SFT not evaluated the verdict says which model is missing and why, not merely that nothing was compared."""
+    cfg = project_cfg(Path(tmp_path), eval={"samples_per_prompt": 3}, grpo={"group_size": 2})
+    results = {name: {"greedy": {"m": 0.5}, "sampled": {"m": 0.5}} for name in ("base", "grpo")}
+    text = markdown_report(results, {"sft": "models/sft is absent"}, 8, cfg)
+    assert "greedy decoding, and 3 samples per prompt at temperature" in text
+    assert "No verdict: SFT skipped (models/sft is absent)." in text

@@ -52,6 +52,8 @@ def test_every_stage_with_a_report_keeps_only_scalars(tmp_path):
         key = read_key_metrics(write_key_metrics(cfg, stage))
         assert key and all(isinstance(v, int | float | bool) for v in key.values()), (stage, key)
     assert read_key_metrics(key_metrics_path(cfg, "preflight")) == {"passed": False, "checks": 3, "failed": 1}
+    assert read_key_metrics(key_metrics_path(cfg, "validate")) == {"passed": True, "rows": 24, "rules": 74,
+                                                                    "failed_rules": 0}
     assert json.loads((key_metrics_path(cfg, "grpo") / "reward.json").read_text()) == {"value": -1.0}
     assert write_key_metrics(cfg, "prepare") is None  # no report, no key file
     assert read_key_metrics(key_metrics_path(cfg, "grpo"))["selected_step"] == 2  # the step models/grpo holds
@@ -67,3 +69,13 @@ def test_eval_key_file_carries_each_verdict_as_a_short_string(tmp_path):
     key = read_key_metrics(write_key_metrics(cfg, "evaluate"))
     assert key["verdict/greedy/fairness"] == "traded" and key["verdict/greedy/hallucination"] == "improved"
     assert key["fairness/accuracy_ambig"] == {"grpo": 0.5}
+
+
+def test_a_failed_validation_reads_failed(tmp_path):
+    cfg = _cfg(tmp_path)
+    field, name, _ = KEY_METRICS["validate"]
+    folder = tmp_path / field.removesuffix("_dir")
+    folder.mkdir()
+    (folder / name).write_text(json.dumps({"success": False, "n_rows": 24, "n_rules": 74, "n_failed": 2}))
+    assert read_key_metrics(write_key_metrics(cfg, "validate")) == {"passed": False, "rows": 24, "rules": 74,
+                                                                     "failed_rules": 2}

@@ -11,6 +11,7 @@ from grpo.rewards import (
     UnknownTaskError,
     fairness_outcome,
     fairness_reward,
+    group_rewards,
     hallucination_outcome,
     hallucination_reward,
     parse_choice,
@@ -265,6 +266,23 @@ def test_weighted_reward_scales_by_task_weight():
     assert weighted_reward("fairness", "Answer: A", bbq("ambig"), weights) == -2.0
     assert weighted_reward("hallucination", "Mara Venn", qa(True), weights) == 0.5
     assert weighted_reward("hallucination", "Mara Venn", qa(True), {"hallucination": 3.0}) == 3.0
+
+
+def test_group_rewards_score_each_completion_against_its_own_prompt():
+    """Row ``i`` of a rollout answers prompt ``i // group_size``: two prompts of two completions each, every
+    completion right for its own prompt and wrong for the other."""
+    examples = [bbq("ambig"), bbq("disambig", label=0), qa(True)]
+    completions = ["Answer: C", "Answer: C", "Answer: A", "Answer: A", "Mara Venn", "I don't know."]
+    weights = RewardWeights(fairness=1.0, hallucination=2.0)
+    assert group_rewards(completions, examples, 2, weights) == [1.0, 1.0, 1.0, 1.0, 2.0, -1.0]
+    assert group_rewards(completions[:3], examples, 1, weights) == [1.0, -0.5, -2.0]
+
+
+def test_a_zero_weight_turns_a_task_off_and_a_missing_one_is_an_error():
+    assert weighted_reward("fairness", "Answer: C", bbq("ambig"), {"fairness": 0.0}) == 0.0
+    assert weighted_reward("fairness", "Answer: C", bbq("ambig"), RewardWeights(fairness=0.0)) == 0.0
+    with pytest.raises(UnknownTaskError, match="no weight for task 'hallucination'"):
+        weighted_reward("hallucination", "Mara Venn", qa(True), {"fairness": 1.0})
 
 
 def test_weighted_reward_unknown_task_is_an_error():
