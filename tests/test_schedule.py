@@ -1,4 +1,5 @@
-"""flows/schedule.py: the nightly cron of params.yaml, refused with the key, the value and the fix."""
+"""flows/schedule.py: the nightly cron of params.yaml, refused with the key, the value and the fix; what
+flows/deploy.py and flows/serve.py hand Prefect."""
 
 from __future__ import annotations
 
@@ -35,3 +36,30 @@ def test_deploy_refuses_a_bad_cron_before_touching_the_server(tmp_path, monkeypa
     monkeypatch.setattr("flows.deploy.ensure_work_pool", lambda *_: pytest.fail("the server was contacted"))
     with pytest.raises(ConfigError, match=r"schedule\.cron 'every night'"):
         deploy(tmp_path)
+
+
+def test_the_deployment_and_the_served_runner_carry_the_schedules_force_and_one_run_at_a_time(tmp_path,
+                                                                                              monkeypatch):
+    """What ``deploy`` and ``serve`` hand Prefect (the server's side stood in for; tests/test_serve.py runs a
+    real one): the cron, the run's parameters with ``schedule.force``, one run at a time."""
+    import flows.deploy as deploy_module
+    import flows.serve as serve_module
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text(encoding="utf-8"))
+    params["schedule"]["force"] = True
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params), encoding="utf-8")
+    handed = {}
+    for module in (deploy_module, serve_module):
+        monkeypatch.setattr(module, "drop_other_schedules", lambda *args: None)
+    monkeypatch.setattr(deploy_module, "ensure_work_pool", lambda *args: None)
+    monkeypatch.setattr(serve_module, "release", lambda *args: True)
+    deployable = type("Deployable", (), {"deploy": lambda self, **kwargs: handed.setdefault("deploy", kwargs)})
+    monkeypatch.setattr(deploy_module.full_retrain, "from_source", lambda **kwargs: deployable())
+    monkeypatch.setattr(serve_module.full_retrain, "serve", lambda **kwargs: handed.setdefault("serve", kwargs))
+    deploy(tmp_path)
+    serve_module.serve(tmp_path)
+    want = {"force": True, "params_path": "params.yaml", "project_dir": str(tmp_path.resolve())}
+    assert handed["deploy"]["parameters"] == want and handed["serve"]["parameters"] == want
+    assert handed["deploy"]["concurrency_limit"] == 1 and handed["serve"]["limit"] == 1
+    cron = params["schedule"]["cron"]
+    assert [s.cron for s in handed["deploy"]["schedules"]] == [cron] == [s.cron for s in handed["serve"]["schedules"]]

@@ -1,16 +1,24 @@
-"""tasks/dvc_stage.py, tasks/states.py, tasks/train.py and tasks/notify.py outside a Prefect run (fast): how a
-task runs its DVC stage, reads why it failed, carries that to the retry rule, starts over when forced, and
-says how to start the run again. ``tests/test_flows.py`` runs them in real flows (slow)."""
+"""tasks/dvc_stage.py, tasks/states.py, tasks/train.py, tasks/notify.py, tasks/params.py, tasks/evaluate.py and
+tasks/artifacts.py outside a Prefect run (fast): how a task runs its DVC stage, reads why it failed, carries that
+to the retry rule, starts over when forced, says how to start the run again, picks the folder the stages run in,
+and publishes what its stage wrote (nothing when the stage failed). ``tests/test_flows.py`` runs them in real
+flows (slow)."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
+from prefect.states import Completed
 
-from tasks import dvc_stage, notify, states
+from grpo.config import config_from_dict
+from grpo.eval.keymetrics import key_metrics_path
+from tasks import artifacts, dvc_stage, notify, states
+from tasks import evaluate as evaluate_task
+from tasks import params as params_task
 from tasks import train as train_task
 from tasks.retry import StageFailed, retry_transient
 
@@ -21,7 +29,7 @@ KILLED = "ERROR: failed to reproduce 'grpo': failed to run: grpo train, exited w
 def outside_a_run(monkeypatch):
     """The Prefect run context the tasks read, stood in for: a plain logger and the first attempt."""
     logger = logging.getLogger("tasks-under-test")
-    for module in (dvc_stage, states, train_task):
+    for module in (dvc_stage, states, train_task, params_task, artifacts):
         monkeypatch.setattr(module, "get_run_logger", lambda: logger, raising=False)
         monkeypatch.setattr(module, "task_run", SimpleNamespace(run_count=1, id="run-1"), raising=False)
     monkeypatch.setattr(states, "label_task_run", lambda stage, name: None)
@@ -80,3 +88,57 @@ def test_the_relaunch_line_keeps_the_runs_params_file():
     assert notify.relaunch(from_deployment).endswith(" -p params_path=configs/one-off.yaml`")
     plain = SimpleNamespace(parameters={}, deployment_id=None)
     assert notify.relaunch(plain) == "`python -m flows.full_retrain`"
+
+
+def test_the_params_task_validates_the_file_and_names_the_folder_the_stages_run_in(tmp_path, outside_a_run):
+    """The project's params.yaml: the project; another file: its workspace; a bad file fails naming the key."""
+    project = tmp_path / "project"
+    (project / "configs").mkdir(parents=True)
+    (project / "params.yaml").write_text("seed: 1\n")
+    (project / "configs" / "p.yaml").write_text("extends: ../params.yaml\nseed: 2\n")
+    (project / "configs" / "bad.yaml").write_text("extends: ../params.yaml\ngrpo:\n  group_size: 1\n")
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the project"]):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=project, check=True)
+    own = params_task.use_params.fn(str(project), "params.yaml")
+    assert own.is_completed() and own.data == str(project.resolve())
+    other = params_task.use_params.fn(str(project), "configs/p.yaml")
+    assert other.is_completed() and other.data == str(project.resolve() / ".workspaces" / "p")
+    bad = params_task.use_params.fn(str(project), "configs/bad.yaml")
+    assert bad.is_failed() and "grpo.group_size" in bad.message and "configs/bad.yaml" in bad.message
+    assert not (project / ".workspaces" / "bad").exists(), "a bad file gets no workspace"
+
+
+@pytest.fixture
+def published(monkeypatch):
+    """Every artifact the tasks publish, recorded instead of sent to a Prefect server."""
+    out = []
+    for module in (artifacts, evaluate_task):
+        for name in ("create_markdown_artifact", "create_table_artifact"):
+            monkeypatch.setattr(module, name, lambda name=name, **kwargs: out.append((name, kwargs)), raising=False)
+    return out
+
+
+def test_evaluate_publishes_its_stages_key_rows_and_nothing_when_the_stage_failed(tmp_path, monkeypatch,
+                                                                                   outside_a_run, published):
+    cfg = config_from_dict({})
+    (tmp_path / "params.yaml").write_text("seed: 1\n")
+    rows = tmp_path / key_metrics_path(cfg, "evaluate")
+    rows.mkdir(parents=True)
+    (rows / "accuracy.json").write_text('{"sft": 0.5, "grpo": 0.75}')
+    failed = states.failed_state("evaluate", StageFailed("the stage failed", "evaluate", 1))
+    monkeypatch.setattr(evaluate_task, "stage_result", lambda *args: failed)
+    assert evaluate_task.evaluate.fn(str(tmp_path)) is failed and published == []
+    monkeypatch.setattr(evaluate_task, "stage_result", lambda *args: Completed())
+    assert evaluate_task.evaluate.fn(str(tmp_path)).is_completed()
+    tables = [kwargs for name, kwargs in published if kwargs.get("key") == "eval-metrics"]
+    assert tables == [{"table": [{"metric": "accuracy", "sft": 0.5, "grpo": 0.75}], "key": "eval-metrics",
+                       "description": "Key evaluation rows, greedy (metrics/key/evaluate/)"}]
+
+
+def test_a_missing_figure_is_skipped_and_the_others_published(tmp_path, outside_a_run, published):
+    (tmp_path / "eval.png").write_bytes(b"\x89PNG")
+    artifacts.publish_figures({"absent": tmp_path / "entropy.png", "present": tmp_path / "eval.png"}, "curves", "d")
+    assert len(published) == 1 and "### present" in published[0][1]["markdown"]
+    assert "absent" not in published[0][1]["markdown"]
+    artifacts.publish_figures({"absent": tmp_path / "entropy.png"}, "curves", "d")
+    assert len(published) == 1, "no figure: no artifact"

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from flows.schedule import nightly_cron, schedule_label
 from grpo.config import ConfigError, ScheduleConfig, load_config
@@ -56,6 +57,18 @@ def test_wide_tables_become_lists_that_wrap_and_narrow_ones_stay():
     assert "| balance.ambig.train" not in out and NARROW in out and out.startswith("# Report\n\n")
     assert out.rstrip().endswith("| loss | 0.5 |") and "\nafter\n" in out
     assert width_problems(out) == [] and fit(out) == out
+    assert "---" not in out.split("after")[0], "the separator row is no item"
+
+
+def test_a_long_heading_is_cut_on_its_line_and_a_lone_pipe_line_is_kept():
+    """A heading (any level) cannot continue on the next line: it is cut with an ellipsis. A single line that
+    starts with a pipe is no table (no header, no separator) and is left as written, not dropped."""
+    for level in ("#", "##", "###"):
+        out = fit(f"{level} " + "word " * 30 + "\n")
+        assert out.count("\n") == 1 and out.startswith(f"{level} word") and out.rstrip().endswith("…")
+        assert len(out.rstrip()) <= 90
+    lone = "| " + "x" * 100 + "\n"
+    assert fit(lone) == lone
 
 
 @pytest.mark.parametrize("markdown, problem", [
@@ -138,6 +151,27 @@ def test_a_workspace_is_its_own_git_repository_with_the_last_run_committed(tmp_p
     assert "models/weights.bin" not in git("ls-files")  # git-ignored outputs stay out
     assert run_folder(project, project / "configs" / "p.yaml") == workspace
     assert len(git("log", "--format=%s").splitlines()) == 3  # the code change is the third commit's
+
+
+def test_a_workspace_holds_the_committed_code_the_resolved_params_and_the_projects_cache(tmp_path, monkeypatch):
+    """What a workspace starts from: the project's code as git has it (the project's ``dvc.lock`` and a tracked
+    file deleted since not among it), the profile's params with ``extends`` resolved, and the project's DVC
+    cache; the project's own ``params.yaml``, named relatively from the project, runs in the project."""
+    project = tmp_path / "project"
+    (project / "configs").mkdir(parents=True)
+    (project / "params.yaml").write_text("seed: 1\ndata:\n  n_train: 40\n", encoding="utf-8")
+    (project / "configs" / "p.yaml").write_text("extends: ../params.yaml\nseed: 2\n", encoding="utf-8")
+    (project / "dvc.lock").write_text("schema: '2.0'\n", encoding="utf-8")
+    (project / "gone.py").write_text("y = 1\n", encoding="utf-8")
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the project"]):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=project, check=True)
+    (project / "gone.py").unlink()  # deleted, the deletion not committed
+    workspace = run_folder(project, project / "configs" / "p.yaml")
+    assert not (workspace / "dvc.lock").exists() and not (workspace / "gone.py").exists()
+    assert yaml.safe_load((workspace / "params.yaml").read_text()) == {"seed": 2, "data": {"n_train": 40}}
+    assert f"dir = {project.resolve() / '.dvc' / 'cache'}" in (workspace / ".dvc" / "config.local").read_text()
+    monkeypatch.chdir(project)
+    assert run_folder(Path("."), Path("params.yaml")) == project.resolve()
 
 
 def test_every_retried_task_waits_a_number_of_seconds():
