@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from grpo.config import ConfigError, ModelConfig, config_from_dict
 from grpo.data.prompts import example_messages
-from grpo.model.architectures import PRESETS, build_architecture, count_parameters, meta_model
+from grpo.model.architectures import (
+    PRESETS,
+    build_architecture,
+    count_parameters,
+    meta_model,
+    tokenizer_folder,
+)
 from grpo.model.chat import render_prompt
 from grpo.model.loading import ModelLoadError, load_model, load_tokenizer
 from tests.conftest import real_tokenizer_path
@@ -45,8 +53,8 @@ def _tokenizers_dir(name: str) -> str:
     return str(real_tokenizer_path(PRESETS[name].tokenizer).parent)
 
 
-def _cfg(name: str) -> ModelConfig:
-    overrides = LLAMA_SHRINK if name.startswith("llama") else SHRINK
+def _cfg(name: str, **extra: int) -> ModelConfig:
+    overrides = (LLAMA_SHRINK if name.startswith("llama") else SHRINK) | extra
     return ModelConfig(architecture=name, architecture_overrides=overrides, tokenizers_dir=_tokenizers_dir(name))
 
 
@@ -61,6 +69,8 @@ def test_shrunk_preset_builds_with_the_real_tokenizer(name, model_class, end_of_
     assert model.config._attn_implementation == "sdpa_grouped"  # model.attn_implementation: sdpa
     assert tokenizer.padding_side == "left" and len(tokenizer) > 100_000
     assert tokenizer.convert_tokens_to_ids(end_of_turn) in model.generation_config.eos_token_id
+    published = list(PRESETS[name].generation_eos)  # the model's own generation_config eos ids, every one
+    assert model.generation_config.eos_token_id[: len(published)] == published
     record = {"task": "hallucination", "context": "Elbrook was founded in 1821.", "question": "When?",
               "answer": "1821", "answerable": True}
     ids = render_prompt(tokenizer, example_messages(record))
@@ -94,6 +104,21 @@ def test_unknown_override_names_the_key_and_the_choices(tmp_path):
                           tokenizers_dir=tokenizers_dir)
         with pytest.raises(ModelLoadError, match=r"architecture_overrides: \['num_layers'\].*num_hidden_layers"):
             build_architecture(cfg, seed=0)
+
+
+def test_the_vocabulary_may_shrink_to_the_tokenizers_size_and_no_further():
+    from grpo.model.architectures import architecture_tokenizer
+
+    size = len(architecture_tokenizer("qwen2.5-0.5b", _cfg("qwen2.5-0.5b")))
+    model, _ = build_architecture(_cfg("qwen2.5-0.5b", vocab_size=size), seed=0)
+    assert model.config.vocab_size == size
+    with pytest.raises(ModelLoadError, match=f"vocab_size {size - 1} is smaller than the qwen2.5-0.5b tokenizer"):
+        build_architecture(_cfg("qwen2.5-0.5b", vocab_size=size - 1), seed=0)
+
+
+def test_a_tokenizers_dir_under_home_is_expanded():
+    cfg = ModelConfig(architecture="qwen2.5-0.5b", tokenizers_dir="~/tokenizers")
+    assert tokenizer_folder("qwen2.5-0.5b", cfg) == Path.home() / "tokenizers" / "qwen2.5-0.5b-instruct"
 
 
 def test_missing_tokenizers_dir_names_the_folder_and_the_fix(tmp_path):

@@ -175,3 +175,21 @@ def test_the_adapter_settings_leave_the_base_stage_alone(tmp_path):
     assert lineages[0]["params_hash"] == lineages[1]["params_hash"], (lineages[0]["params"], lineages[1]["params"])
     assert not any(key.startswith("model.lora") for key in lineages[0]["params"]), lineages[0]["params"]
     assert lineages[0]["params"]["model.tiny"]["vocab_size"] == TINY["vocab_size"]
+
+
+def test_a_real_models_base_is_loaded_once_and_a_presets_is_made_from_its_tokenizer(tmp_path, tiny_tokenizer):
+    """``grpo base`` on a local folder loads its weights then (a folder whose weights do not load fails there,
+    writing no pointer, not later in SFT); a preset's base records its real tokenizer folder as its input."""
+    from grpo.model.architectures import tokenizer_folder
+    from grpo.model.base_model import base_inputs, build_base
+    from grpo.model.loading import ModelLoadError
+
+    folder = tmp_path / "model"
+    tiny_tokenizer.save_pretrained(folder)  # a tokenizer, no weights
+    cfg = config_from_dict({"model": {"name_or_path": str(folder)}})
+    out = tmp_path / "models" / "base"
+    with pytest.raises(ModelLoadError):
+        build_base(cfg, out)
+    assert not out.exists() or not any(out.iterdir())
+    preset = config_from_dict({"model": {"architecture": "qwen2.5-0.5b", "tokenizers_dir": str(tmp_path)}})
+    assert base_inputs(preset) == {"tokenizer": tokenizer_folder("qwen2.5-0.5b", preset.model)}

@@ -71,3 +71,31 @@ def test_sft_trains_every_weight_or_a_seeded_merged_adapter_as_sft_lora_says(tmp
     targets = tuple(merged.model.lora.target_modules)
     assert moved["merged"] and all(k.split(".")[-2] in targets for k in moved["merged"]), moved["merged"]
     assert all(torch.equal(v, _weights(again, "sft")[k]) for k, v in _weights(merged, "sft").items())
+
+
+def test_the_grpo_adapter_sits_on_the_sft_weights_and_a_stale_base_under_it_is_refused(tmp_path):
+    """``load_grpo`` puts the adapter on the SFT model (here SFT differs from base), and ``check_grpo`` refuses
+    a GRPO model whose own lineage is current when the SFT model under it is not (its base is stale)."""
+    from grpo.model.loading import load_model, load_tokenizer, save_model
+    from grpo.model.lora import adapter_disabled
+    from grpo.model.stage_models import check_grpo, load_grpo
+    from tests.eval_project import add_grpo_adapter, build_project
+
+    cfg = build_project(tmp_path)
+    sft_dir = paths.model_dir(cfg, "sft")
+    sft_model = load_model(sft_dir, cfg.model)
+    with torch.no_grad():
+        for param in sft_model.parameters():
+            param.add_(0.01)
+    save_model(sft_model, load_tokenizer(sft_dir, cfg.model), sft_dir)
+    write_lineage(sft_dir, make_lineage("sft", cfg, paths.stage_inputs(cfg, "sft")))
+    add_grpo_adapter(cfg)
+    policy, _ = load_grpo(cfg)
+    ids = torch.tensor([[1, 5, 9, 12]])
+    with torch.no_grad(), adapter_disabled(policy):
+        torch.testing.assert_close(policy(ids).logits, sft_model(ids).logits, rtol=0, atol=1e-6)
+    check_grpo(cfg)
+    changed = cfg.model_copy(update={"seed": cfg.seed + 1})
+    write_lineage(paths.model_dir(cfg, "base"), make_lineage("base", changed, paths.stage_inputs(changed, "base")))
+    with pytest.raises(StaleArtifactError):
+        check_grpo(cfg)

@@ -8,7 +8,7 @@ import torch
 from grpo.config import LoraConfig, ModelConfig
 from grpo.model.loading import ModelLoadError, load_model, load_tokenizer
 from grpo.model.lora import wrap_lora
-from grpo.model.tiny import EOT, SPECIAL_TOKENS, build_tiny
+from grpo.model.tiny import EOS, EOT, SPECIAL_TOKENS, build_tiny
 
 
 def test_tiny_tokenizer_has_llama3_specials_and_pad_equal_eot(tiny_tokenizer):
@@ -24,8 +24,8 @@ def test_tiny_tokenizer_has_llama3_specials_and_pad_equal_eot(tiny_tokenizer):
 
 
 def test_tiny_tokenizer_round_trips_any_text(tiny_tokenizer):
-    text = "Zürich's café — 42 ünïcödé words never seen in training!"
-    assert tiny_tokenizer.decode(tiny_tokenizer.encode(text, add_special_tokens=False)) == text
+    for text in ("Zürich's café — 42 ünïcödé words never seen in training!", "Hello , world . It 's do n't"):
+        assert tiny_tokenizer.decode(tiny_tokenizer.encode(text, add_special_tokens=False)) == text
 
 
 def test_build_save_load_round_trip(tmp_path, tiny_sizes):
@@ -47,6 +47,17 @@ def test_same_seed_same_weights(tiny_tokenizer, tiny_sizes):
     c = build_tiny_model(tiny_tokenizer, tiny_sizes, seed=6)
     pa, pb, pc = (torch.cat([p.flatten() for p in m.parameters()]) for m in (a, b, c))
     assert torch.equal(pa, pb) and not torch.equal(pa, pc)
+
+
+
+def test_the_tiny_model_has_its_configured_heads_and_stops_at_end_of_turn_and_end_of_text(tiny_tokenizer, tiny_sizes):
+    from grpo.model.tiny import build_tiny_model
+
+    model = build_tiny_model(tiny_tokenizer, tiny_sizes, seed=5)
+    assert model.config.num_key_value_heads == tiny_sizes.num_key_value_heads == 2
+    assert model.config.num_attention_heads == tiny_sizes.num_attention_heads == 4
+    stops = [tiny_tokenizer.convert_tokens_to_ids(t) for t in (EOT, EOS)]
+    assert model.generation_config.eos_token_id == stops == model.config.eos_token_id
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):
