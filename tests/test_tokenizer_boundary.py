@@ -69,3 +69,4 @@ def test_an_eos_the_model_does_not_declare_is_refused(tiny_tokenizer):
     problems = boundary_problems(tiny_tokenizer, _model([1]), (), {})
     assert len(problems) == 1 and "'<|eot_id|>' (id 4) is not among" in problems[0]
     assert boundary_problems(tiny_tokenizer, _model(None), (), {}) == []  # nothing declared: nothing to compare
+    assert boundary_problems(tiny_tokenizer, _model([1, 4]), (), {}) == []  # any declared id, not only the first
