@@ -362,3 +362,23 @@ def test_evaluate_greedy_only_when_no_samples_are_asked(evaluated, tmp_path):
     assert "| policy | greedy |\n" in report
     assert f"| GRPO | {results['grpo']['greedy']['reward']:.3f} |\n" in report
     assert "| metric | greedy Δ | greedy 95 % CI |\n" in report
+
+
+def test_a_sampled_item_is_resampled_with_all_its_samples(tmp_path):
+    """The bootstrap's unit is the eval item: a record's samples are drawn together, not as independent items
+    (which would shrink the intervals by about the square root of the samples per prompt). With every sample
+    equal to the greedy reply, the sampled intervals are the greedy ones exactly."""
+    from grpo.core.advantages import per_row
+    from grpo.eval.evaluate import grpo_intervals
+    from tests.test_eval_compare import _right, _wrong
+
+    records = make_records("eval", 8, 8, seed=4)
+    cfg = project_cfg(tmp_path, eval={"samples_per_prompt": 4, "bootstrap": 200})
+    right, wrong = _right(records), _wrong(records)
+    grpo = [r if i % 3 else w for i, (r, w) in enumerate(zip(right, wrong, strict=True))]
+    sft = [w if i % 2 else r for i, (r, w) in enumerate(zip(right, wrong, strict=True))]
+    texts = {name: {"greedy": replies, "sampled": per_row(replies, 4)} for name, replies in (("grpo", grpo),
+                                                                                            ("sft", sft))}
+    intervals = grpo_intervals(texts, records, cfg)
+    assert intervals["sampled"] == intervals["greedy"]
+    assert intervals["greedy"]["reward"]["low"] < intervals["greedy"]["reward"]["high"]  # a real spread

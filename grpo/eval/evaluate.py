@@ -290,18 +290,22 @@ def baseline_metrics(records: Sequence[dict], cfg: Config) -> dict[str, dict[str
 
 
 def grpo_intervals(texts: dict[str, dict], records: Sequence[dict], cfg: Config) -> dict[str, dict] | None:
-    """``{mode: {metric: {diff, low, high}}}`` of GRPO − SFT; None unless both models were evaluated."""
+    """``{mode: {metric: {diff, low, high}}}`` of GRPO − SFT; None unless both models were evaluated.
+
+    The bootstrap's unit is the eval item in both decodings: ``item_outcomes`` keeps a record's
+    ``eval.samples_per_prompt`` sampled replies together, so a resample draws items, each with all its
+    samples (drawing samples one by one would treat a record's correlated replies as independent items and
+    narrow every interval)."""
     if not {"sft", "grpo"} <= set(texts):
         return None
-    rows = {"greedy": records, "sampled": per_row(records, cfg.eval.samples_per_prompt)}
     return {
         mode: paired_bootstrap(
-            item_outcomes(texts["grpo"][mode], rows[mode], cfg.rewards),
-            item_outcomes(texts["sft"][mode], rows[mode], cfg.rewards),
+            item_outcomes(texts["grpo"][mode], records, cfg.rewards),
+            item_outcomes(texts["sft"][mode], records, cfg.rewards),
             cfg.eval.bootstrap,
             cfg.seed,
         )
-        for mode in rows
+        for mode in ("greedy", "sampled")
         if mode in texts["grpo"]
     }
 
