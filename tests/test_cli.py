@@ -76,6 +76,22 @@ def test_options_reach_the_stage_function_typed(params, monkeypatch):
     assert seen["select"] is None
     assert main(["train", "--params", str(params), "--select", "last"]) == 0
     assert seen["select"] == "last"
+    assert main(["train", "--params", str(params), "--max-steps", "1"]) == 0 and seen["max_steps"] == 1
+
+
+def test_a_stage_command_writes_its_stages_key_metrics(params, monkeypatch):
+    """``grpo train`` is the ``grpo`` stage: its key metrics go to metrics/key/grpo/, where DVC reads them."""
+    written = []
+    monkeypatch.setattr("grpo.train.trainer.run", lambda cfg, max_steps=None, select=None: 0)
+    monkeypatch.setattr("grpo.cli.write_key_metrics", lambda cfg, stage: written.append(stage))
+    assert main(["train", "--params", str(params)]) == 0
+    assert written == ["grpo"]
+
+
+def test_no_command_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as done:
+        main([])
+    assert done.value.code == 2 and "usage: grpo" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("steps", ["0", "-3"])

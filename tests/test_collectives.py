@@ -83,6 +83,23 @@ def test_counts_and_the_reward_std_are_those_of_every_processs_rows():
     other = torch.tensor([2.0, 3.0 + 4.0, 9.0 + 16.0], dtype=torch.float64)  # count, sum, sum of squares of [3, 4]
     std = collectives.global_reward_std(TwoProcesses([other]), torch.tensor([1.0, 2.0]))
     assert std == pytest.approx(float(torch.tensor([1.0, 2.0, 3.0, 4.0]).std()))  # Bessel's correction, n - 1
+    equal = torch.full((3,), 0.1, dtype=torch.float64)  # sums whose variance rounds just below 0
+    totals = torch.stack([torch.tensor(3.0, dtype=torch.float64), equal.sum(), (equal * equal).sum()])
+    assert collectives.global_reward_std(TwoProcesses([totals]), equal) == 0.0
+
+
+def test_a_steps_metrics_completions_and_prompts_are_every_processs(monkeypatch):
+    """On several processes each process gets the merged metrics and every process's completions with their
+    prompts, in the same process order (the monitor and the logs read the global batch)."""
+    from grpo.health.process_merge import merge_process_metrics
+
+    parts = [({"reward": 1.0}, {"groups": 1.0, "rows": 2.0}, ["a1", "a2"], ["p1", "p1"]),
+             ({"reward": 0.0}, {"groups": 1.0, "rows": 6.0}, ["b1", "b2"], ["p2", "p2"])]
+    monkeypatch.setattr(collectives, "gather_object", lambda mine: parts)
+    metrics, texts, prompts = collectives.gather_step(TwoProcesses([]), *parts[0])
+    assert texts == ["a1", "a2", "b1", "b2"] and prompts == ["p1", "p1", "p2", "p2"]
+    assert metrics == merge_process_metrics([p[0] for p in parts], [p[1] for p in parts])
+    assert metrics["reward"] == pytest.approx(0.5)  # not this process's own 1.0
 
 
 def test_task_statistics_and_losses_are_summed_over_the_processes(monkeypatch):

@@ -97,3 +97,41 @@ def test_pickled_weights_are_never_loaded(tmp_path, tiny_model):
 def test_the_loaded_head_follows_model_fast_paths(saved, setting):
     head = output_head(load_model(saved.parent, ModelConfig(fast_paths=setting)))
     assert isinstance(head, Fp32Head) and head.fast_paths.setting == setting
+
+
+def test_weights_load_in_model_dtype_whatever_the_checkpoint_stores(tmp_path, tiny_model, tiny_tokenizer):
+    """A bf16 checkpoint trains with the fp32 master weights params ask for (``model.dtype``), not the file's."""
+    import torch
+
+    save_model(tiny_model.to(torch.bfloat16), tiny_tokenizer, tmp_path / "bf16")
+    loaded = load_model(tmp_path / "bf16", ModelConfig())
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    assert {p.dtype for p in load_model(tmp_path / "bf16", ModelConfig(dtype="bfloat16")).parameters()} == {
+        torch.bfloat16}
+
+
+def test_a_cut_shard_of_a_sharded_checkpoint_is_named(tmp_path, tiny_model, tiny_tokenizer):
+    folder = tmp_path / "sharded"
+    tiny_model.save_pretrained(folder, max_shard_size="100KB")
+    tiny_tokenizer.save_pretrained(folder)
+    shards = sorted(folder.glob("model-*-of-*.safetensors"))
+    assert len(shards) >= 2
+    shards[1].write_bytes(shards[1].read_bytes()[:-1])
+    with pytest.raises(ModelLoadError, match=rf"^{shards[1]}: not a whole safetensors file"):
+        load_model(folder, ModelConfig())
+
+
+def test_remote_code_runs_only_when_params_allow_it(saved, monkeypatch):
+    from grpo.model import loading
+
+    asked = []
+
+    def from_pretrained(source, **kwargs):
+        asked.append(kwargs["trust_remote_code"])
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    for trust in (False, True):
+        with pytest.raises(ModelLoadError):
+            load_model(saved.parent, ModelConfig(trust_remote_code=trust))
+    assert asked == [False, True]

@@ -59,6 +59,9 @@ def test_pretrain_fairness_fraction_sets_the_corpus_mix_and_defaults_to_the_data
     assert fair(mixed) == 12 and len(pretrain_records(mixed)) == 40
     grounded_only = config_from_dict({**mixed.model_dump(), "pretrain": {"records": 40, "fairness_fraction": 0.0}})
     assert fair(grounded_only) == 0  # 0 is a share, not "unset"
+    answerable = _cfg(tmp_path, 40, fairness_fraction=0.5, answerable_fraction=0.75)
+    grounded = [r for r in pretrain_records(answerable) if r.task == "hallucination"]
+    assert sum(r.answerable for r in grounded) == 15, "data.answerable_fraction of the grounded records"
 
 
 def test_corpus_differs_from_the_prepared_train_split_and_is_reproducible(tmp_path):
@@ -136,6 +139,11 @@ def test_a_text_longer_than_the_model_is_an_error_that_names_the_key(tmp_path, t
     cfg = config_from_dict({"model": {"tiny": {**TINY, "max_position_embeddings": 64}}, "pretrain": {"records": 4}})
     with pytest.raises(GrpoError, match=r"model.tiny.max_position_embeddings=64"):
         pretrain_examples([r.model_dump() for r in pretrain_records(cfg)], tiny_tokenizer, cfg)
+    records = [r.model_dump() for r in pretrain_records(cfg)]
+    longest = max(len(example.ids) for example in pretrain_examples(records, tiny_tokenizer, config_from_dict(
+        {"model": {"tiny": TINY}, "pretrain": {"records": 4}})))
+    exact = config_from_dict({"model": {"tiny": {**TINY, "max_position_embeddings": longest}}, "pretrain": {"records": 4}})
+    assert len(pretrain_examples(records, tiny_tokenizer, exact)) == 4  # a record of exactly the limit fits
 
 
 def test_base_stage_pretrains_the_embedded_model_only_when_asked(tmp_path):

@@ -56,6 +56,10 @@ def test_preflight_leads_with_the_overall_line_and_one_narrow_row_per_check():
     assert why[1] == "- **left_padded_extraction** (pass): max |logp alone - logp batched| over prompt widths […"
     assert why[-1].startswith("- **first_step** (fail): at the start the policy is its reference")  # the hint
     assert why[-1].endswith("…")  # cut to one line: the whole hint is below
+    assert why[0] == "- **render_parity** (pass): 2 records through sft.build_examples"  # its first clause
+    assert why[4].startswith("- **sampling_processors** (warn): set top_p: 1.0")  # a warning's hint, too
+    folded = preflight_markdown({"passed": True, "checks": [CHECKS[0] | {"detail": "two\nlines;  of\ttext"}]}, "")
+    assert "- **render_parity** (pass): two lines\n" in folded  # one line, whatever the detail's breaks
     not_passed = text.split("## Not passed")[1]
     assert "(I8, I10)" in not_passed and "render_parity" not in not_passed
     assert "**sampling_processors** (warn" in not_passed  # a warning's whole detail and hint too, not only failures

@@ -60,6 +60,8 @@ def test_a_shells_128_plus_n_status_is_signal_n():
     assert exit_cause(255, [line.format(137)]).describe() == "the stage command was killed by signal 9 (SIGKILL)"
     assert exit_cause(255, [line.format(2)]).code == 2  # an ordinary exit status stays what it is
     assert exit_cause(137, ["ERROR: bad dvc.yaml"]).code == 137  # only the stage command's status is a shell's
+    beyond = exit_cause(255, [line.format(255)])  # above 128 + the last signal: a plain exit status
+    assert (beyond.code, beyond.transient) == (255, False)
 
 
 def test_deterministic_failures_are_not_transient(dvc_failures):
@@ -74,6 +76,21 @@ def test_deterministic_failures_are_not_transient(dvc_failures):
 def test_device_errors_are_transient(dvc_failures):
     cause = exit_cause(*dvc_failures["oom"])
     assert (cause.code, cause.transient) == (1, True)
+
+
+def test_a_collective_that_timed_out_is_transient():
+    line = "ERROR: failed to reproduce 'grpo': failed to run: grpo train, exited with 1"
+    nccl = "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"
+    assert exit_cause(255, [nccl, line]).transient
+    assert not exit_cause(255, ["ValueError: a bug", line]).transient
+
+
+def test_the_clis_error_line_wins_over_a_traceback():
+    """A stage that logged a traceback and then failed with the CLI's ``error:`` line: the CLI's line (the
+    file, the key, the fix) is the reason."""
+    lines = ["Traceback (most recent call last):", '  File "grpo/cli.py", line 3, in main',
+             "grpo.config.ConfigError: bad", "error: params.yaml: grpo.lr must be > 0 (got 0); fix it in params.yaml"]
+    assert failure_reason(lines, exit_cause(2, lines)) == "params.yaml: grpo.lr must be > 0 (got 0); fix it in params.yaml"
 
 
 def test_retry_condition_retries_only_transient_failures():

@@ -50,6 +50,14 @@ def test_seeds_table_counts_seeds_improved_beyond_noise(tmp_path):
     assert [c.strip() for c in counts] == ["1/2" if sign > 0 else "0/2" for sign in COLUMNS.values()]
 
 
+def test_a_zero_is_a_figure_and_not_a_missing_one():
+    """A reward, a rate or a difference of exactly 0 is written as 0 (a common value for rates), not as "—"."""
+    row = {"seed": 3, "sft_reward": 0.0, "grpo_reward": 0.25, "abstain_reward": 0.25, "over_abstention_grpo": 0.0,
+           "diffs": _diffs(0.0, -0.1, 0.1), "verdicts": {"fairness": "no change"}}
+    line = next(line for line in seeds_table([row]).splitlines() if line.startswith("| 3 |"))
+    assert "| 0.000 | 0.250 | 0.250 | 0.000 | +0.000 [-0.10, +0.10] |" in line
+
+
 def _write_seed_run(cfg, sampled: bool) -> None:
     metrics = Path(cfg.paths.metrics_dir)
     metrics.mkdir(parents=True)

@@ -142,3 +142,28 @@ def test_a_missing_figure_is_skipped_and_the_others_published(tmp_path, outside_
     assert "absent" not in published[0][1]["markdown"]
     artifacts.publish_figures({"absent": tmp_path / "entropy.png"}, "curves", "d")
     assert len(published) == 1, "no figure: no artifact"
+
+
+def test_a_stopped_flow_names_its_stage_and_the_failure_file_carries_the_details(tmp_path, monkeypatch,
+                                                                                 outside_a_run):
+    """The flow's final state is ``<stage> failed: <reason>``; the failure hook finds what ``stopped`` recorded
+    for this run (by its id) and writes the stage, the reason and the stage's details; a clean run's hook
+    removes the failure file, and finds nothing to remove without complaint."""
+    monkeypatch.setattr(notify, "current_flow_run", SimpleNamespace(id="run-7"))
+    monkeypatch.setattr(notify, "get_run_logger", lambda: logging.getLogger("tasks-under-test"))
+    killed = StageFailed("the stage command was killed by signal 9 (SIGKILL)", "grpo", -9, transient=True,
+                         details="command: grpo train\nstderr tail: Killed")
+    final = notify.stopped("grpo", states.failed_state("grpo", killed), "params.yaml")
+    assert final.message == "grpo failed: the stage command was killed by signal 9 (SIGKILL)"
+    flow_run = SimpleNamespace(id="run-7", name="brave-fox", deployment_id=None,
+                               parameters={"project_dir": str(tmp_path), "params_path": "params.yaml"})
+    report = notify.failure_report(flow_run, final)
+    assert report.startswith("# full-retrain failed at grpo\n")
+    assert "**Why:** the stage command was killed by signal 9 (SIGKILL)" in report
+    assert "## Details" in report and "stderr tail: Killed" in report
+    path = notify.failure_file(flow_run)
+    notify.clear_failure(None, flow_run, final)  # no failure file yet: nothing to do
+    path.parent.mkdir(parents=True)
+    path.write_text(report)
+    notify.clear_failure(None, flow_run, final)
+    assert not path.exists()
