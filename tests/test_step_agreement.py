@@ -129,3 +129,49 @@ def test_the_reference_step_agrees_on_the_real_model_profile(tmp_path):
     torch.manual_seed(0)
     check = check_step_agreement(subject_for(cfg, model, tokenizer, step_records()))
     assert check.status == "pass", check.detail
+
+
+def test_a_nan_in_the_step_fails_the_comparison(tiny_tokenizer, monkeypatch):
+    original = update_module.policy_loss_terms
+
+    def nan_kl(*args, **kwargs):
+        terms, stats = original(*args, **kwargs)
+        return terms, stats | {"kl": float("nan")}
+
+    monkeypatch.setattr(update_module, "policy_loss_terms", nan_kl)
+    check = check_step_agreement(subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, step_records()))
+    assert check.status == "fail" and "configured: kl nan" in _failures(check), check.detail
+
+
+def test_a_wrong_entropy_beside_right_log_probs_is_caught(tiny_tokenizer, monkeypatch):
+    """The step's per-token entropy a little off (its log-probs right): the entropy is compared for itself."""
+    original = update_module.score_inputs
+
+    def shifted(*args, **kwargs):
+        scored = original(*args, **kwargs)
+        return scored if scored.entropy is None else scored._replace(entropy=scored.entropy + 0.01)
+
+    monkeypatch.setattr(update_module, "score_inputs", shifted)
+    check = check_step_agreement(subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, step_records()))
+    failures = _failures(check)
+    assert check.status == "fail" and "configured: entropy " in failures and "configured: logprobs" not in failures
+
+
+def test_the_variants_switch_the_entropy_bonus_on_and_make_group_means_inexact(tiny_tokenizer):
+    """With the configured entropy_coef 0 the variants use 0.01 (else every entropy gradient compared is zero),
+    and the near-greedy variant's reward weights make equal-reward groups' fp32 means inexact (I12)."""
+    from grpo.checks.scoring_checks import OVERFLOWING
+
+    s = subject_for(CFG, random_model_for(tiny_tokenizer), tiny_tokenizer, step_records())
+    assert CFG.grpo.loss.entropy_coef == 0.0 and CFG.grpo.group_size == 2  # a power of two: an overflowing weight
+    out = step_agreement_module.variants(s)
+    assert all(step.cfg.grpo.loss.entropy_coef == 0.01 for step in out.values())
+    weights = out[step_agreement_module.NEAR_GREEDY].cfg.rewards.weights
+    assert weights.fairness == weights.hallucination == OVERFLOWING
+
+
+def test_the_cosine_gap_of_a_vanished_gradient_is_the_largest():
+    gap = step_agreement_module._cosine_gap
+    x = torch.tensor([1.0, -2.0])
+    assert gap(torch.zeros(2), x) == gap(x, torch.zeros(2)) == 2.0
+    assert gap(torch.zeros(2), torch.zeros(2)) == 0.0 and gap(x, 3 * x) == pytest.approx(0.0)
