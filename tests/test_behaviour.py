@@ -4,7 +4,10 @@ and failing on a bug written where the function-level checks do not look."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from grpo.checks.behaviour import (
@@ -82,3 +85,45 @@ def test_the_first_step_check_sees_a_reference_that_is_not_the_policy(tiny_token
     assert check.status == "fail" and "I9" in check.invariant and "I9" in check.detail, check
     assert all(torch.equal(a, b) for a, b in zip(before, wrong.step.params, strict=True))  # the gate trains nothing
     assert not wrong.step.optimizer.state
+
+
+def test_the_ended_share_is_of_the_eval_questions_decoded_greedily(subject, monkeypatch):
+    """The SFT model answers the eval questions (not the training probes it was taught on), greedily: the
+    verdict must not depend on sampling luck."""
+    from grpo.checks import behaviour
+
+    questions = subject.records[:1]
+    assert len(subject.records) > 1
+    asked = dataclasses.replace(subject, questions=questions)
+    assert check_sft_ends_answers(asked).detail.startswith("1 prompts, greedy:")
+    seen = []
+    generate = behaviour.generate_rollout
+    monkeypatch.setattr(behaviour, "generate_rollout",
+                        lambda *args, **kwargs: seen.append(kwargs["greedy"]) or generate(*args, **kwargs))
+    check_sft_ends_answers(asked)
+    assert seen == [True]
+
+
+def test_the_first_step_metrics_must_be_ratio_one_and_kl_zero_both_ways(subject, monkeypatch):
+    """A first step whose mean ratio is below 1 fails as one above it does (|ratio - 1|); the metrics are read
+    whenever the step makes one update."""
+    from grpo.checks import behaviour
+
+    assert subject.cfg.grpo.num_iterations == 1
+    for ratio in (0.9, 1.1):
+        metrics = {"ratio/mean": ratio, "kl": 0.0, "clip_ratio/region_mean": 0.0}
+        monkeypatch.setattr(behaviour, "grpo_step", lambda *args, m=metrics, **kwargs: SimpleNamespace(metrics=m))
+        check = check_first_step(subject)
+        assert check.status == "fail" and check.value == pytest.approx(0.1), ratio
+
+
+def test_the_first_step_check_leaves_the_policy_and_the_optimizer_as_it_found_them(subject, monkeypatch):
+    """Rewards that differ within each group, so the step's update moves the weights: the check undoes it."""
+    from grpo.train import step as step_module
+
+    monkeypatch.setattr(step_module, "group_rewards",
+                        lambda texts, records, group, rewards: [float((-1) ** i) for i in range(len(texts))])
+    before = [p.detach().clone() for p in subject.step.params]
+    assert check_first_step(subject).status == "pass"
+    assert all(torch.equal(a, b) for a, b in zip(before, subject.step.params, strict=True))
+    assert not subject.step.optimizer.state

@@ -43,6 +43,7 @@ def test_reward_degeneracy_thresholds(project, share, status):
 def test_advantages_nan_and_all_zero_fail():
     assert check_advantages(torch.tensor([0.5, -0.5])).status == "pass"
     assert check_advantages(torch.tensor([float("nan"), 0.0])).status == "fail"
+    assert check_advantages(torch.tensor([float("inf"), 0.0])).status == "fail"
     zero = check_advantages(torch.zeros(4))
     assert zero.status == "fail" and zero.value == 0.0
 
@@ -63,3 +64,29 @@ def test_a_stale_target_names_every_code_and_params_change(project, tmp_path):
     for module in changed:  # all of them, not the first few
         assert f"{module} changed since {folder} was built" in check.detail
     assert f"params seed: {old.seed} -> {project.seed}" in check.detail
+
+
+def test_a_model_folder_without_lineage_is_skipped_unless_a_stage_under_it_is_stale(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    assert check_target_lineage(Target(None, None, "model", folder, True, [])).status == "skip"
+    stale = ["models/base is stale: params seed: 1 -> 2"]
+    check = check_target_lineage(Target(None, None, "model", folder, True, stale))
+    assert check.status == "warn" and "models/base is stale" in check.detail
+
+
+def test_the_targets_staleness_reaches_the_base_and_judges_a_grpo_adapter_by_its_own_inputs(tmp_path):
+    """A current GRPO adapter is not stale (its lineage holds the grpo stage's inputs, not SFT's); a stale base
+    under a current-looking SFT model is named when the SFT model is diagnosed."""
+    from grpo import paths
+    from grpo.checks.diagnosis_target import _sft_stale, load_target
+    from grpo.provenance.lineage import make_lineage, write_lineage
+    from tests.eval_project import add_grpo_adapter, build_project
+
+    cfg = build_project(tmp_path)
+    add_grpo_adapter(cfg)
+    assert load_target(cfg, paths.model_dir(cfg, "grpo")).stale == []
+    assert _sft_stale(cfg) == []
+    changed = cfg.model_copy(update={"seed": cfg.seed + 1})
+    write_lineage(paths.model_dir(cfg, "base"), make_lineage("base", changed, paths.stage_inputs(changed, "base")))
+    assert any("base" in line for line in _sft_stale(cfg))

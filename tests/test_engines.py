@@ -81,6 +81,26 @@ def test_engine_token_lists_become_the_hf_rollout(tiny_tokenizer):
     assert rollout.lengths.tolist() == [3, 4] and rollout.truncated.tolist() == [False, True]
     torch.testing.assert_close(out.sampler_logprobs, torch.tensor([[-0.1, -0.2, -0.3, 0.0], [-1.0, -1.1, -1.2, -1.3]]))
     assert rollout.texts[0] == tiny_tokenizer.decode([20, 21], skip_special_tokens=True)
+    grouped = assemble(tiny_tokenizer, prompts[:1] * 2 + prompts[1:] * 2, completions * 2, logprobs * 2, eos,
+                       SAMPLING, group_size=2).rollout
+    assert grouped.group_size == 2  # dynamic sampling and the per-row tasks read the groups from it
+
+
+def test_the_merged_context_merges_the_adapter_inside_and_unmerges_after(tiny_model):
+    """The weights vLLM reads inside; after it the adapter is apart again, so training goes on through it."""
+    from grpo.model.vllm_engine import _merged
+
+    torch.manual_seed(0)
+    policy = wrap_lora(tiny_model, LoraConfig(r=2, alpha=4, target_modules=["q_proj"]))
+    layer = policy.base_model.model.model.layers[0].self_attn.q_proj
+    torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.5)
+    before = layer.base_layer.weight.detach().clone()
+    with _merged(policy):
+        assert layer.merged and not torch.equal(layer.base_layer.weight, before)
+    assert not layer.merged
+    torch.testing.assert_close(layer.base_layer.weight, before)
+    with _merged(tiny_model.__class__(tiny_model.config)):  # a model without an adapter: nothing to merge
+        pass
 
 
 def test_merged_weights_are_the_plain_names_with_the_adapter_folded_in(tiny_model):

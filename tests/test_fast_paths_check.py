@@ -103,6 +103,18 @@ def test_a_mask_that_does_not_end_at_the_drawn_stop_fails(tiny_model, tiny_token
     assert fast_paths._recorded(dataclasses.replace(fast, completion_mask=mask), subject.eos_ids) == [1]
 
 
+def test_a_rollout_without_its_record_or_its_entropies_fails_every_row(tiny_model, tiny_tokenizer):
+    """Nothing to compare is no agreement: a rollout with no sampler record (the run-time agreement, I10, would
+    have nothing either) or no sample entropies fails every row."""
+    subject = _subject(tiny_model, tiny_tokenizer)
+    fast, plain = fast_paths._step_rollouts(subject, interleaved(subject.records))
+    rows = list(range(len(fast.texts)))
+    assert fast_paths._recorded(dataclasses.replace(fast, sampler=None), subject.eos_ids) == rows
+    with_entropy = dataclasses.replace(fast, entropy=torch.zeros(fast.completion_ids.shape))
+    assert fast_paths._entropy_differs(with_entropy, with_entropy) == []
+    assert fast_paths._entropy_differs(dataclasses.replace(fast, entropy=None), with_entropy) == rows
+
+
 def test_sample_entropies_off_the_librarys_fail_on_the_same_tokens(tiny_model, tiny_tokenizer, monkeypatch):
     """A wrong cache may draw the very tokens from other logits: the entropies of equal samples are compared."""
     evaluation = fast_paths._evaluation
