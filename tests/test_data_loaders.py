@@ -99,6 +99,8 @@ def test_halueval_keeps_spans_and_borrows_knowledge_for_unanswerables():
         assert item["answer"] == ABSTENTION
         assert item["context"] != raw[item["question"]]["knowledge"]
         assert item["distractor"] == raw[item["question"]]["hallucinated_answer"]
+    assert {i["template_id"] for i in answerable} == {"halueval.answerable"}  # the by-kind table's two kinds
+    assert {i["template_id"] for i in unanswerable} == {"halueval.swapped_knowledge"}
     for split, pool in loaded.pools.items():  # knowledge is borrowed within the split only
         own = {raw[i["question"]]["knowledge"] for i in pool}
         assert all(i["context"] in own for i in pool), split
@@ -115,6 +117,50 @@ def test_halueval_borrows_no_knowledge_that_holds_the_right_answer(tmp_path):
     items = loaded.pools["train"] + loaded.pools["eval"]
     assert len(items) == 4 and all(i["answerable"] for i in items)  # every other knowledge names each answer
     assert sum(n for (_, _, reason), n in loaded.skipped.items() if reason.startswith("borrowed")) == 4
+
+
+def _halueval_file(tmp_path, rows: list[dict]) -> Path:
+    path = tmp_path / "qa_data.json"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_halueval_copies_of_a_question_share_a_split_and_no_context_states_a_distractor(tmp_path):
+    """The same question written twice (case, punctuation) lands in one split, as the leak check reads it; an
+    unanswerable item never borrows knowledge that states its hallucinated answer, and an answerable item's
+    distractor is never one its own knowledge states."""
+    towns = ["Lyon", "Porto", "Graz", "Turku", "Ghent", "Bergen", "Split", "Tartu", "Cork", "Brno"]
+    rows = []
+    for i, town in enumerate(towns):
+        wrong = f"Zork{i}"
+        knowledge = f"{town} was founded by Mara{i}." + (f" Nobody there knows {towns[(i + 1) % 10]}'s Zork{i - 1}."
+                                                          if i % 2 else "")
+        question = f"Who founded {town}?"
+        rows += [{"knowledge": knowledge, "question": q, "right_answer": f"Mara{i}", "hallucinated_answer": wrong}
+                 for q in (question, question.lower().rstrip("?") + " !")]
+    rows[4]["knowledge"] += " Zork2 is a rumour."  # its own distractor stated in its own knowledge
+    loaded = load_halueval(_halueval_file(tmp_path, rows), eval_share=0.3, seed=0)
+    split_of: dict[str, set[str]] = {}
+    for split, pool in loaded.pools.items():
+        for item in pool:
+            split_of.setdefault(item["question"].lower().strip("?! "), set()).add(split)
+    assert all(len(splits) == 1 for splits in split_of.values()), split_of
+    items = loaded.pools["train"] + loaded.pools["eval"]
+    assert not [i for i in items if not i["answerable"] and contains(i["context"], i["distractor"])]
+    stated = [i for i in items if i["answerable"] and i["context"] == rows[4]["knowledge"]]
+    assert stated and all(i["distractor"] is None for i in stated)
+
+
+def test_a_halueval_file_of_unusable_rows_or_null_fields_names_the_file(tmp_path):
+    """Rows none of which gives an item are an error naming the file and the reasons; a field that is not text
+    (null) is named as a missing text field."""
+    rows = [{"knowledge": "Every town has a river.", "question": f"Who founded town {i}?",
+             "right_answer": f"Mara{i}", "hallucinated_answer": "river"} for i in range(6)]
+    with pytest.raises(DataSourceError, match=r"0 of 6 halueval items usable; skipped: "):
+        load_halueval(_halueval_file(tmp_path, rows), eval_share=0.3, seed=0)
+    rows[0]["knowledge"] = None
+    with pytest.raises(DataSourceError, match=r"qa_data.json:1: not a HaluEval QA record: no text field 'knowledge'"):
+        load_halueval(_halueval_file(tmp_path, rows), eval_share=0.3, seed=0)
 
 
 def test_squad2_answers_aliases_distractors_and_article_split():
@@ -188,6 +234,9 @@ def test_every_file_of_a_folder_must_give_an_item(tmp_path):
         load_squad2(squad, 0.2, 0)
     (squad / "b.json").write_text(json.dumps({"data": [{"title": "Vell", "paragraphs": [{"context": None, "qas": [
         {"id": "1", "question": "Who?", "is_impossible": False, "answers": [{"text": "x", "answer_start": 0}]}]}]}]}))
+    with pytest.raises(DataSourceError, match=r"b\.json: not a SQuAD 2.0 file"):
+        load_squad2(squad, 0.2, 0)
+    (squad / "b.json").write_text(json.dumps({"data": [{"title": "Vell", "paragraphs": None}]}))
     with pytest.raises(DataSourceError, match=r"b\.json: not a SQuAD 2.0 file"):
         load_squad2(squad, 0.2, 0)
     halueval = tmp_path / "halueval"
