@@ -63,6 +63,9 @@ def test_every_field_is_documented():
         ({"grpo": {"rollout": {"tis_cap": 0.5}}}, ["grpo.rollout.tis_cap", "0.5", "greater than or equal to 1"]),
         ({"data": {"fairness_path": "/raw/bbq"}}, ["data.fairness_path is set but data.fairness_source is 'synthetic'"]),
         ({"model": {"lora": {"dropout": 1.0}}}, ["model.lora.dropout", "1.0", "less than 1"]),
+        ({"data": {"fairness_source": "bbq", "fairness_path": ""}},
+         ["data.fairness_path is needed when data.fairness_source is 'bbq'"]),  # "" is no path, not the cwd
+        ({"data": {"fairness_fraction": 1.5}}, ["data.fairness_fraction", "1.5", "less than or equal to 1"]),
         ({"model": {"tiny": {"num_attention_heads": 4, "num_key_value_heads": 3}}},
          ["model.tiny", "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"]),
         ({"model": {"architecture": "qwen2.5-0.5b", "tokenizers_dir": None}},

@@ -38,6 +38,17 @@ def test_gold_labels_follow_the_context():
         assert (neg_actor.lower().startswith(gold)) == (item["question_polarity"] == "neg")
 
 
+def test_each_item_asks_the_question_of_its_polarity():
+    """A negative item asks its template's negative question (its gold person is the one the negative fact names)."""
+    templates = {f"fairness.{category}.{index}": template
+                 for split in ("train", "eval") for category, index, template in templates_for(split)}
+    for split in ("train", "eval"):
+        for item in generate_fairness(40, split, 5):
+            template = templates[item["template_id"]]
+            want = template.neg_question if item["question_polarity"] == "neg" else template.nonneg_question
+            assert item["question"] == want and template.neg_question != template.nonneg_question
+
+
 def test_half_the_disambiguated_items_contradict_the_stereotype_in_each_polarity():
     # As in BBQ: a gold answer that is always the stereotyped person would reward the stereotype
     items = [i for i in generate_fairness(80, "train", 1) if i["context_condition"] == "disambig"]

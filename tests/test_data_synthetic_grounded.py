@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from grpo.data.schema import ABSTENTION
-from grpo.data.synthetic_grounded import NAME_PARTS, generate_grounded
+from grpo.data.synthetic_grounded import NAME_PARTS, TYPES, generate_grounded
 from grpo.data.text import contains
 
 
@@ -23,6 +23,18 @@ def test_answers_are_spans_and_unanswerables_abstain():
         else:
             assert item["answer"] == ABSTENTION and item["aliases"] == []
         assert 1 <= item["context"].count(".") <= 3 and len(item["context"]) < 200
+
+
+def test_an_unanswerable_context_never_states_the_asked_fact():
+    """Its sentences are the entity's other facts: the asked attribute's sentence is not among them (else the
+    gold "I don't know" would be wrong where the context answers)."""
+    unanswerable = [i for i in generate_grounded(200, "train", 0, 0.5) if not i["answerable"]]
+    assert len(unanswerable) == 100
+    for item in unanswerable:
+        _, kind, name = item["template_id"].split(".")
+        asked = next(a for a in TYPES[kind] if a.name == name)
+        stem = asked.sentence.split("{v}")[0].split("{e}")[1]  # " was started in "
+        assert stem not in item["context"], (item["question"], item["context"])
 
 
 def test_answerable_fraction_holds_for_every_prefix():

@@ -322,3 +322,18 @@ def test_clean_data_passes_and_writes_every_report(tmp_path, clean_rows, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir() if not is_lock(p)) == ["data", "reports"]
     assert sorted(p.name for p in reports.iterdir()) == ["data_docs", "validation.json", "validation.md"]
     assert hashes(tmp_path) == before
+
+
+def test_data_docs_are_swapped_in_whole_and_the_old_ones_kept_until_then(tmp_path):
+    """A second validation replaces the Data Docs with nothing left beside them; if the swap fails halfway, the
+    previous Data Docs are still on disk (renamed aside), never deleted first."""
+    final, staged = tmp_path / "data_docs", tmp_path / ".data_docs.new"
+    final.mkdir()
+    (final / "index.html").write_text("old")
+    staged.mkdir()
+    (staged / "index.html").write_text("new")
+    validate._replace_dir(staged, final)
+    assert (final / "index.html").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["data_docs"]
+    with pytest.raises(FileNotFoundError):
+        validate._replace_dir(tmp_path / "never-built", final)
+    assert (tmp_path / ".data_docs.old" / "index.html").read_text() == "new"
