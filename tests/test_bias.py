@@ -109,7 +109,18 @@ def test_bias_report_shows_s_amb_per_category(tmp_path):
     from grpo.eval.bias import report
 
     figures = {"accuracy_ambig": 0.1, "accuracy_disambig": 0.5, "s_amb": 0.25, "s_dis": -0.75}
-    results = {name: {"overall": figures, "by_category": {"Age": figures}} for name in ("sft", "grpo")}
+    age = figures | {"s_amb": 0.625}
+    results = {name: {"overall": figures, "by_category": {"Age": age}} for name in ("sft", "grpo")}
     text = report(results, {}, [{"category": "Age"}], tmp_path, config_from_dict({}))
     per_category = text.split("## s_AMB per category")[1]
-    assert "| Age | 0.250 | 0.250 |" in per_category and "-0.750" not in per_category
+    assert "| Age | 0.625 | 0.625 |" in per_category and "-0.750" not in per_category
+
+
+def test_each_categorys_figures_are_read_from_its_own_metrics():
+    from grpo.eval.bias import model_figures
+
+    greedy = {"fairness/s_amb": 0.25, "fairness/accuracy_ambig": 0.5,
+              "fairness/by_category/Age/s_amb": 0.625, "fairness/by_category/Age/accuracy_ambig": 0.75}
+    figures = model_figures(greedy, ["Age"])
+    assert figures["overall"]["s_amb"] == 0.25 and figures["by_category"]["Age"]["s_amb"] == 0.625
+    assert figures["by_category"]["Age"]["accuracy_ambig"] == 0.75

@@ -141,6 +141,33 @@ def test_intervals_markdown_prints_every_metric_with_its_interval():
     reward = next(line for line in lines if line.startswith("| reward |"))
     assert reward == "| reward | +2.000 | [+2.000, +2.000] |"
     assert sum(line.startswith("| fairness/") or line.startswith("| hallucination/") for line in lines) == 9
+    both = intervals_markdown({"greedy": paired_bootstrap(right, wrong, 100, 0),
+                               "sampled": paired_bootstrap(wrong, right, 100, 0)}, 100)
+    reward = next(line for line in both if line.startswith("| reward |"))
+    assert reward == "| reward | +2.000 | [+2.000, +2.000] | -2.000 | [-2.000, -2.000] |"  # each mode its own
+
+
+def test_the_headline_has_each_decodings_own_reward():
+    from grpo.eval.compare import headline_markdown
+
+    results = {"sft": {"greedy": {"reward": 0.25}, "sampled": {"reward": -0.5}}}
+    lines = headline_markdown(results, {"abstain": {"reward": 0.25}}, {"sft": "SFT"})
+    assert "| SFT | 0.250 | -0.500 |" in lines and "| baseline: always abstain / \"unknown\" | 0.250 | — |" in lines
+
+
+def test_the_pairing_needs_the_same_records_and_a_task_may_be_absent():
+    """Two models scored on other records (same count) are not paired; a set without fairness items has no
+    fairness intervals but every hallucination one."""
+    records = make_records("eval", 4, 4, seed=9)
+    fairness_first = item_outcomes(_right(records), records, WEIGHTS)
+    reordered = records[4:] + records[:4]
+    with pytest.raises(ValueError, match="different eval records"):
+        paired_bootstrap(fairness_first, item_outcomes(_right(reordered), reordered, WEIGHTS), 10, 0)
+    grounded = records[4:]
+    out = paired_bootstrap(item_outcomes(_right(grounded), grounded, WEIGHTS),
+                           item_outcomes(_wrong(grounded), grounded, WEIGHTS), 50, 0)
+    assert out["fairness/accuracy_disambig"] == {"diff": None, "low": None, "high": None}
+    assert out["reward"]["diff"] == pytest.approx(2.0)
 
 
 def test_saying_unknown_everywhere_is_a_trade_kind_by_kind():

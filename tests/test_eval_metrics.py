@@ -134,6 +134,7 @@ def test_empty_items_give_none():
         ({"question_polarity": "negative"}, "question_polarity"),
         ({"target_idx": UNK}, "target_idx"),
         ({"label": 0}, "ambiguous items"),  # ambig item whose label is a person
+        ({"context_condition": "disambig"}, "ambiguous items"),  # a disambiguated item labelled "unknown"
         ({"choice": -1}, "choice"),
     ],
 )
@@ -182,6 +183,7 @@ def test_hallucination_metrics_hand_table():
     assert m["hallucination_rate"] == pytest.approx(2 / 6)
     assert m["accuracy"] == pytest.approx(3 / 6)
     assert m["truthfulness"] == pytest.approx(3 / 6 - 2 / 6)
+    assert m["accuracy_answerable"] == pytest.approx(2 / 4) and m["accuracy_unanswerable"] == pytest.approx(1 / 2)
 
 
 def test_abstained_answerable_scores_zero_em_f1_and_threshold_is_used():
@@ -191,6 +193,7 @@ def test_abstained_answerable_scores_zero_em_f1_and_threshold_is_used():
     item = HallucinationItem(True, False, 0.0, 0.7)
     assert hallucination_metrics([item])["accuracy"] == 0.0
     assert hallucination_metrics([item], f1_threshold=0.7)["accuracy"] == 1.0
+    assert hallucination_metrics([item], f1_threshold=0.7)["accuracy_answerable"] == 1.0
     by_kind = hallucination_metrics([item], f1_threshold=0.7)["by_kind"]["all"]
     assert by_kind["hallucination_rate"] == 0.0, "each kind's rows are scored at the same threshold"
 

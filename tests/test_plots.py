@@ -111,6 +111,10 @@ def test_discovery_keeps_same_name_in_two_folders(tmp_path):
     write_json(tmp_path / "a" / "entropy_history_sum.json", HISTORY_A)
     write_json(tmp_path / "b" / "entropy_history_sum.json", HISTORY_B)
     assert sorted(discover_entropy_files(tmp_path)) == ["sum (a)", "sum (b)"]
+    write_json(tmp_path / "runs" / "a" / "seed1" / "entropy_history_seed.json", HISTORY_A)
+    write_json(tmp_path / "runs" / "b" / "seed1" / "entropy_history_seed.json", HISTORY_B)
+    labels = sorted(discover_entropy_files(tmp_path / "runs"))
+    assert labels == ["seed (a/seed1)", "seed (b/seed1)"]  # folders that end alike: neither replaces the other
 
 
 def test_a_cut_last_line_is_skipped_by_the_plot_and_the_trainer_alike(tmp_path):
@@ -252,7 +256,7 @@ def test_argument_errors(tmp_path):
         entropy_stats([])
 
 
-def test_the_evaluation_bars_are_each_models_greedy_rows(tmp_path):
+def test_the_evaluation_bars_are_each_models_greedy_rows(tmp_path, monkeypatch):
     greedy = {key: 0.1 * (k + 1) for k, key in enumerate(KEY_ROWS)}
     results = {"sft": {"greedy": greedy, "sampled": dict.fromkeys(KEY_ROWS, 0.9)},
                "grpo": {"greedy": {KEY_ROWS[0]: 0.5}}}  # rows it lacks are drawn as 0
@@ -264,3 +268,10 @@ def test_the_evaluation_bars_are_each_models_greedy_rows(tmp_path):
     assert [text.get_text() for text in ax.get_legend().get_texts()] == ["sft", "grpo"]
     out = plot_eval_comparison(results, tmp_path / "reports" / "eval.png")
     assert mpimg.imread(out).shape[2] == 4
+
+    from grpo.eval import plots
+
+    written = {}
+    monkeypatch.setattr(plots, "write_atomically", written.update)  # a kill mid-write leaves the old PNG whole
+    plots.plot_eval_comparison(results, tmp_path / "other" / "eval.png")
+    assert list(written) == [tmp_path / "other" / "eval.png"] and not (tmp_path / "other").exists()

@@ -80,6 +80,14 @@ def fairness_figures(metrics: dict[str, Any], prefix: str = "fairness/") -> dict
     return {key: metrics.get(prefix + key) for key in SHOWN}
 
 
+def model_figures(greedy: dict[str, Any], categories: Sequence[str]) -> dict[str, Any]:
+    """One model's ``SHOWN`` figures from its flat greedy metrics: ``overall`` and ``by_category``."""
+    return {
+        "overall": fairness_figures(greedy),
+        "by_category": {c: fairness_figures(greedy, f"fairness/by_category/{c}/") for c in categories},
+    }
+
+
 def intervals(texts: dict[str, dict], records: Sequence[dict], cfg: Config) -> dict[str, dict]:
     """``{"GRPO − SFT": {metric: {diff, low, high}}, "GRPO − base": ...}`` where both models answered."""
     outcomes = {name: item_outcomes(got["greedy"], records, cfg.rewards) for name, got in texts.items()}
@@ -169,15 +177,7 @@ def run(cfg: Config, bbq: Path, per_category: int = 100) -> int:
     texts: dict[str, dict] = {}
     flat, _ = evaluate(greedy, records, texts=texts)
     categories = sorted({r["category"] for r in records})
-    results = {
-        name: {
-            "overall": fairness_figures(metrics["greedy"]),
-            "by_category": {
-                c: fairness_figures(metrics["greedy"], f"fairness/by_category/{c}/") for c in categories
-            },
-        }
-        for name, metrics in flat.items()
-    }
+    results = {name: model_figures(metrics["greedy"], categories) for name, metrics in flat.items()}
     differences = intervals(texts, records, cfg)
     out, md = paths.metrics_file(cfg, "bias"), paths.report_file(cfg, "bias.md")
     judged = sft_verdicts(differences)
