@@ -113,6 +113,8 @@ def test_a_rollout_without_its_record_or_its_entropies_fails_every_row(tiny_mode
     with_entropy = dataclasses.replace(fast, entropy=torch.zeros(fast.completion_ids.shape))
     assert fast_paths._entropy_differs(with_entropy, with_entropy) == []
     assert fast_paths._entropy_differs(dataclasses.replace(fast, entropy=None), with_entropy) == rows
+    nan = dataclasses.replace(fast, entropy=torch.full(fast.completion_ids.shape, float("nan")))
+    assert fast_paths._entropy_differs(nan, with_entropy) == rows  # a NaN entropy is no agreement
 
 
 def test_sample_entropies_off_the_librarys_fail_on_the_same_tokens(tiny_model, tiny_tokenizer, monkeypatch):

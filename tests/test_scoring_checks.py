@@ -5,6 +5,8 @@ uncounted group). tests/test_preflight.py runs the whole gate on the tiny projec
 
 from __future__ import annotations
 
+import dataclasses
+
 from grpo.checks import scoring_checks as sc
 from grpo.model.scoring import RolloutInputs
 from tests import gate_subjects
@@ -16,6 +18,18 @@ def test_a_nan_kl_to_the_reference_fails(subject, monkeypatch):
     monkeypatch.setattr(sc, "reference_kl", lambda *args, **kwargs: float("nan"))
     check = sc.check_ratio_kl_reference(subject)
     assert check.status == "fail" and "KL to the reference is 0 with a perturbed policy (I9)" in check.detail
+
+
+def test_a_nan_gap_to_the_sft_weights_or_to_the_base_fails(subject, tiny_tokenizer, monkeypatch):
+    """A reference scored as NaN is neither "equal to the SFT weights" nor "different from the base"."""
+    with_base = dataclasses.replace(subject, base=gate_subjects.random_model_for(tiny_tokenizer))
+    nan = float("nan")
+    monkeypatch.setattr(sc, "_fresh_gap", lambda s, model, batch: nan)
+    check = sc.check_ratio_kl_reference(with_base)
+    assert check.status == "fail" and "the reference is not the SFT weights (I9)" in check.detail
+    monkeypatch.setattr(sc, "_fresh_gap", lambda s, model, batch: nan if model is s.base else 0.0)
+    check = sc.check_ratio_kl_reference(with_base)
+    assert check.status == "fail" and "the reference equals the pre-SFT base (I9)" in check.detail
 
 
 def _untempered(field: str):

@@ -60,7 +60,7 @@ def _entropy_differs(a: Rollout, b: Rollout, bound: float = ENTROPY_BOUND) -> li
     drawn from differ (a peaked model can draw the same tokens from a wrong cache)."""
     if a.entropy is None or b.entropy is None or a.entropy.shape != b.entropy.shape:
         return list(range(len(a.texts)))
-    return ((a.entropy - b.entropy).abs().amax(1) > bound).nonzero().flatten().tolist()
+    return (~((a.entropy - b.entropy).abs().amax(1) <= bound)).nonzero().flatten().tolist()  # a NaN differs
 
 
 def _recorded(rollout: Rollout, eos_ids: list[int]) -> list[int]:

@@ -60,8 +60,8 @@ def check_ratio_kl_reference(s: Gated) -> Check:
     failures = [
         name
         for name, bad in (
-            ("the reference is not the SFT weights (I9)", numbers["ref_vs_fresh_sft"] > same),
-            ("the reference equals the pre-SFT base (I9)", base_gap is not None and base_gap <= same),
+            ("the reference is not the SFT weights (I9)", not numbers["ref_vs_fresh_sft"] <= same),  # NaN too
+            ("the reference equals the pre-SFT base (I9)", base_gap is not None and not base_gap > same),
             ("KL to the reference is 0 with a perturbed policy (I9)", not numbers["kl_perturbed"] > 0.0),
             ("a one-token change moved other tokens' ratio or KL (I8)", leak > 1e-6),
             ("the changed token's ratio is not exp(0.1) (I8)", numbers["own_ratio_error"] > 1e-5),
