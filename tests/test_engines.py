@@ -99,8 +99,11 @@ def test_the_merged_context_merges_the_adapter_inside_and_unmerges_after(tiny_mo
         assert layer.merged and not torch.equal(layer.base_layer.weight, before)
     assert not layer.merged
     torch.testing.assert_close(layer.base_layer.weight, before)
-    with _merged(tiny_model.__class__(tiny_model.config)):  # a model without an adapter: nothing to merge
+    plain = tiny_model.__class__(tiny_model.config)  # a model without an adapter: nothing to merge or unmerge
+    weights = [p.detach().clone() for p in plain.parameters()]
+    with _merged(plain):
         pass
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain.parameters(), strict=True))
 
 
 def test_merged_weights_are_the_plain_names_with_the_adapter_folded_in(tiny_model):

@@ -36,6 +36,7 @@ from grpo.data.select import eval_records
 from grpo.errors import GrpoError
 from grpo.eval.compare import (
     BASELINES,
+    MODES,
     baseline_texts,
     fairness_item,
     hallucination_item,
@@ -305,7 +306,7 @@ def grpo_intervals(texts: dict[str, dict], records: Sequence[dict], cfg: Config)
             cfg.eval.bootstrap,
             cfg.seed,
         )
-        for mode in ("greedy", "sampled")
+        for mode in MODES
         if mode in texts["grpo"]
     }
 
