@@ -255,3 +255,57 @@ def test_the_trainers_stop_names_the_checkpoints_on_disk(tiny_tokenizer, tmp_pat
         assert "The checkpoint of step 1, the last before step 2, is the last healthy one." in str(stop.value)
     else:
         assert "No checkpoint was written before step 2" in str(stop.value)
+
+
+def test_a_stop_by_several_rules_goes_back_before_the_earliest_window():
+    """Two rules stop the same step, their windows opened at steps 8 and 10: the run went wrong at 8, so
+    the checkpoint of step 9 (inside the earlier window) is not healthy and the one of step 5 is named."""
+    findings = [Finding("zero_grad", "stop", 12, "frozen", 10), Finding("entropy_floor", "stop", 12, "low", 8)]
+    stop = TrainingStopped(findings, [5, 9])
+    assert stop.since == 8
+    assert "The checkpoint of step 5, the last before step 8, is the last healthy one." in str(stop)
+
+
+def test_a_negative_loss_with_zero_gradients_is_not_a_frozen_step():
+    """The rule reads |loss|: a loss of -0.3 is as far from 0 as +0.3."""
+    monitor = Monitor(only("zero_grad", 0.0, 1))
+    assert monitor.observe(1, {"loss": -0.3, "grad_norm": 0.0, "grad_norm/fairness": 0.0}) == []
+    assert [f.rule for f in monitor.observe(2, {"loss": 0.0, "grad_norm": 0.0})] == ["zero_grad"]
+
+
+def test_the_default_monitor_stops_an_entropy_collapse_within_its_window():
+    """Entropy under the floor from step 11 on, everything else healthy: the default monitor stops the run
+    by ``entropy_floor`` at step 11 + 5 - 1 = 15, not with a warning that lets it train on."""
+    healthy = {"frac_reward_zero_std": 0.2, "loss": 0.05, "grad_norm": 0.4, "completions/min_length": 3.0,
+               "completions/max_length": 12.0, "completions/mean_length": 6.0, "completions/clipped_ratio": 0.0,
+               "step_time": 1.0, "logits/max_prob": 0.8}
+    stream = [(step, healthy | {"entropy": 0.005}) for step in range(11, 30)]
+    stop = first_stop(Monitor(MonitorConfig()), stream)
+    assert [(f.rule, f.step, f.since) for f in stop.findings] == [("entropy_floor", 15, 11)]
+
+
+def findings_of(monitor: Monitor, stream) -> list[Finding]:
+    return [f for step, metrics in stream for f in monitor.observe(step, metrics)]
+
+
+@pytest.mark.parametrize("resumed_at", [3, 12, 16, 23, 25, 30])
+def test_a_resumed_run_finds_what_the_uninterrupted_run_finds_after_its_checkpoint(resumed_at):
+    """A run resumed from the checkpoint of step ``resumed_at`` (its restored history) fires every rule at the
+    step, with the message, the uninterrupted run does: a collapse under way at the checkpoint keeps its
+    streak (stopped at step ``window``, not ``window`` steps after the resume), one that fired before it
+    does not fire again, and ``lengths_frozen`` compares the first new step with the restored last one."""
+    cfg = MonitorConfig()
+    stream = deadlock_timeline()
+    whole = [f for f in findings_of(Monitor(cfg), stream) if f.step > resumed_at]
+    history = [{"step": step, **metrics} for step, metrics in stream[:resumed_at]]
+    resumed = findings_of(Monitor(cfg, history), stream[resumed_at:])
+    assert resumed == whole
+    assert any(f.rule in ("reward_zero_std", "entropy_floor", "zero_grad") for f in whole)
+
+
+def test_replaying_the_history_neither_logs_nor_returns_its_findings(caplog):
+    """The restored steps' findings were the interrupted run's: replaying them says nothing again."""
+    history = [{"step": step, **metrics} for step, metrics in deadlock_timeline()[:30]]
+    with caplog.at_level(logging.WARNING, logger=monitor_module.__name__):
+        Monitor(MonitorConfig(), history)
+    assert caplog.records == []

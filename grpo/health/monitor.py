@@ -238,12 +238,19 @@ class Monitor:
 
     def __init__(self, cfg: MonitorConfig, history: Sequence[Mapping[str, Any]] = ()) -> None:
         """``history``: the steps a resumed run restored (``{"step", **metrics}``), which the trend rules
-        (``grpo/health/kinds.py``) read their window from."""
+        (``grpo/health/kinds.py``) read their window from and the metric rules are replayed over, silently:
+        a collapse under way at the checkpoint keeps its streak, so a resumed run stops at the very step
+        the uninterrupted run would have (and a rule that fired before the checkpoint does not fire again)."""
         self.cfg = cfg
         self._trends = TrendWatch({rule: getattr(cfg, rule) for rule in TRADE_RULES}, history)
         self._streaks: dict[str, list[tuple[int, Any]]] = {}
         self._previous: Mapping[str, Any] | None = None
         self._missing_warned: set[str] = set()
+        self._replaying = True
+        for past in history:
+            metrics = {k: v for k, v in past.items() if k != "step"}
+            self._observe_metrics(int(past["step"]), metrics)
+        self._replaying = False
 
     def in_boundary(self, step: int) -> bool:
         """Whether ``step`` is one of the first steps whose chat boundary is checked."""
@@ -258,6 +265,8 @@ class Monitor:
             return []
         streak.append((step, value))
         if len(streak) != rule_cfg.window:
+            return []
+        if self._replaying:
             return []
         values = ", ".join(_fmt(v) for _, v in streak)
         since = streak[0][0]
@@ -277,7 +286,7 @@ class Monitor:
             result = condition(metrics, getattr(self.cfg, rule).threshold, self._previous)
             if result is None:
                 self._streaks.pop(rule, None)  # unknown is not "holds": never fire on absent data
-                if rule not in self._missing_warned:
+                if rule not in self._missing_warned and not self._replaying:
                     self._missing_warned.add(rule)
                     log.warning("monitor: step %d has no metric for rule %s; it cannot run", step, rule)
                 continue
@@ -287,14 +296,20 @@ class Monitor:
 
     def observe(self, step: int, metrics: Mapping[str, Any]) -> list[Finding]:
         """Apply the collapse and trend rules (and, on the first steps, the boundary metric rules) to one step."""
-        findings = self._run_rules(step, metrics, BOUNDARY_METRIC_RULES) if self.in_boundary(step) else []
-        findings += self._run_rules(step, metrics, COLLAPSE_RULES)
+        findings = self._observe_metrics(step, metrics)
         for found in self._trends.observe(step, metrics):
             finding = Finding(*found)
             (log.error if finding.action == "stop" else log.warning)(
                 "monitor: %s at step %d: %s", finding.rule, step, finding.message
             )
             findings.append(finding)
+        return findings
+
+    def _observe_metrics(self, step: int, metrics: Mapping[str, Any]) -> list[Finding]:
+        """The metric rules' findings of one step (the boundary ones on the first steps); the step becomes
+        the previous one ``lengths_frozen`` compares with."""
+        findings = self._run_rules(step, metrics, BOUNDARY_METRIC_RULES) if self.in_boundary(step) else []
+        findings += self._run_rules(step, metrics, COLLAPSE_RULES)
         self._previous = dict(metrics)
         return findings
 
