@@ -397,3 +397,86 @@ def test_a_changed_raw_dataset_file_reruns_prepare_alone(tmp_path, monkeypatch):
         first = prepare_raw()
     assert fingerprint.run(config_from_dict({})) == 0
     assert "raw_data" not in json.loads((out / "prepare.json").read_text())
+
+
+def test_a_constant_of_another_type_changes_the_hash():
+    """``"2"`` is not ``2``: a value's type is part of its meaning, whatever its printed form."""
+    assert semantic_hash("factor = '2'\n") != semantic_hash("factor = 2\n")
+    assert semantic_hash("name = 'None'\n") != semantic_hash("name = None\n")
+
+
+def test_which_slice_bound_a_value_fills_changes_the_hash():
+    """``t[1:]`` and ``t[:1]`` hold the same one value in different fields: the field names count."""
+    assert semantic_hash("y = t[:, 1:]\n") != semantic_hash("y = t[:, :1]\n")
+    assert semantic_hash("y = t[::2]\n") != semantic_hash("y = t[:2]\n")
+
+
+def test_a_string_a_function_returns_is_not_a_docstring():
+    """Only an expression statement can be a docstring: ``return 'a'`` as a body's first line is code."""
+    assert semantic_hash("def f():\n    return 'a'\n") != semantic_hash("def f():\n    return 'b'\n")
+    assert semantic_hash("class C:\n    x = 'a'\n") != semantic_hash("class C:\n    x = 'b'\n")
+
+
+def test_a_relative_import_in_a_packages_init_is_relative_to_that_package(toy_tree):
+    """``from . import x`` in ``pkg/plug/__init__.py`` names ``pkg.plug.x``, not ``pkg.x``."""
+    _write(toy_tree, "pkg/plug/__init__.py", "from . import only_here\n")
+    _write(toy_tree, "pkg/plug/only_here.py", "Z = 1\n")
+    assert _rel(import_closure(["pkg.plug"], toy_tree), toy_tree) == [
+        "pkg/__init__.py",
+        "pkg/plug/__init__.py",
+        "pkg/plug/only_here.py",
+    ]
+
+
+def test_an_excluded_package_keeps_its_submodules_out(toy_tree):
+    """Excluding ``grpo.config`` must also keep ``grpo.config.train`` out, imported by its full name."""
+    closure = _rel(import_closure(["pkg.main"], toy_tree, exclude=["pkg.sub"]), toy_tree)
+    assert not [path for path in closure if path.startswith("pkg/sub/")]
+    assert "pkg/helper.py" in closure
+
+
+def test_a_published_dataset_is_fingerprinted_when_the_other_task_is_synthetic(tmp_path):
+    """One task synthetic, the other read from a file: the file still reruns prepare when it changes."""
+    import shutil
+
+    from grpo.files import file_sha256
+
+    halueval = tmp_path / "qa_data.json"
+    shutil.copy(ROOT / "tests" / "fixtures" / "halueval_qa.json", halueval)
+    cfg = config_from_dict(
+        {"data": {"hallucination_source": "halueval", "hallucination_path": str(halueval)}}
+    )
+    assert cfg.data.fairness_source == "synthetic"
+    assert fingerprint.raw_data_fingerprint(cfg) == {
+        "data.hallucination_path": {halueval.as_posix(): file_sha256(halueval)}
+    }
+
+
+def test_no_stage_closure_holds_a_bookkeeping_module_as_a_file_or_a_package():
+    """``grpo.config`` is a package (``grpo/config/*.py``): neither its ``__init__.py`` nor any of its
+    modules is in a stage's code, whichever spelling a bookkeeping module has on disk."""
+    for name in stages.STAGES:
+        for module in stage_fingerprint(name)["modules"]:
+            dotted = module.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+            for excluded in stages.BOOKKEEPING_MODULES:
+                assert dotted != excluded and not dotted.startswith(excluded + "."), (name, module)
+
+
+def test_where_a_module_file_and_a_package_share_a_name_the_package_is_the_module(tmp_path):
+    """Python imports ``a/b/__init__.py`` over ``a/b.py`` when both exist: the fingerprint reads the same file."""
+    import importlib
+    import sys
+
+    (tmp_path / "pkgx" / "b").mkdir(parents=True)
+    (tmp_path / "pkgx" / "__init__.py").write_text("")
+    (tmp_path / "pkgx" / "b.py").write_text("WHICH = 'module'\n")
+    (tmp_path / "pkgx" / "b" / "__init__.py").write_text("WHICH = 'package'\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        imported = importlib.import_module("pkgx.b")
+        assert fingerprint.module_file("pkgx.b", tmp_path) == Path(imported.__file__)
+        assert imported.WHICH == "package"
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in ("pkgx", "pkgx.b"):
+            sys.modules.pop(name, None)

@@ -224,6 +224,13 @@ def _broken(kind: str, tmp_path, model, tokenizer):
     data, path = whole.read_bytes(), tmp_path / f"{kind}.gguf"
     if kind == "tensor_missing":
         return write_gguf(model, tokenizer, path, drop={"model.layers.0.self_attn.q_proj.weight"})
+    if kind == "shape_mismatch":  # metadata of one width, tensors of another
+        width = model.config.intermediate_size
+        model.config.intermediate_size = width - 16
+        try:
+            return write_gguf(model, tokenizer, path)
+        finally:
+            model.config.intermediate_size = width
     if kind == "no_eos":
         return write_gguf(model, tokenizer, path, omit={"eos_token_id"})
     if kind == "no_tensor":
@@ -248,6 +255,7 @@ BROKEN = {
     "cut_in_last_tensor": TRUNCATED,
     "wrong_magic": "not a GGUF file: it begins with b'",
     "no_tensor": "a GGUF file without any tensor",
+    "shape_mismatch": "holds weights in another shape than its own metadata gives (size mismatch for weight",
     "no_eos": "no tokenizer.ggml.tokens or tokenizer.ggml.eos_token_id in its metadata",
     "tensor_missing": "lacks 1 of the model's weights or holds them in another shape "
                       "(model.layers.0.self_attn.q_proj.weight): they would start from random values",
@@ -305,3 +313,27 @@ def test_a_cut_copy_of_the_real_smollm2_file_is_named(tmp_path, keep):
         cut.write(whole.read(keep % size))
     with pytest.raises(GgufError, match=rf"^{path}: {TRUNCATED} {keep % size} bytes .*{AGAIN}"):
         read_specials(path)
+
+
+def test_a_default_system_text_that_is_not_the_templates_literal_keeps_the_template(tiny_tokenizer):
+    """The default "You are Smol" is rendered by slicing a longer literal: replacing that text in the source
+    would render a slice of the project's prompt, so the template is kept as it is."""
+    from grpo.model.gguf import with_project_system_prompt
+
+    sliced = CHATML.replace("'<|im_start|>system\nYou are a helpful AI assistant named Smol<|im_end|>\n'",
+                            "'<|im_start|>system\n' + 'You are Smol, and friends'[:12] + '<|im_end|>\n'")
+    assert sliced != CHATML
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tiny_tokenizer.backend_tokenizer, chat_template=sliced,
+                                        bos_token=tiny_tokenizer.bos_token, eos_token=tiny_tokenizer.eos_token)
+    assert template_default_system(tokenizer) == "You are Smol"
+    assert with_project_system_prompt(tokenizer) == sliced and tokenizer.chat_template == sliced
+    assert template_default_system(tokenizer) == "You are Smol"
+
+
+def test_the_converted_models_config_names_the_files_eos_and_pad(tmp_path, tiny_model, tiny_tokenizer):
+    """config.json (saved with models/base) carries the file's eos and pad, as the generation config does."""
+    path = write_gguf(tiny_model, tiny_tokenizer, tmp_path / "pad.gguf", pad_token="<|end_of_text|>")
+    model, tokenizer = convert_gguf(path)
+    pad = tiny_tokenizer.convert_tokens_to_ids("<|end_of_text|>")
+    assert (model.config.eos_token_id, model.config.pad_token_id) == (tiny_tokenizer.eos_token_id, pad)
+    assert model.config.pad_token_id == tokenizer.pad_token_id != tokenizer.eos_token_id

@@ -222,3 +222,59 @@ def test_real_stage_params_hash_follows_only_its_keys():
     assert params_hash(config_from_dict({"grpo": {"group_size": 8}}), "grpo") != params_hash(base, "grpo")
     assert params_hash(config_from_dict({"seed": 1}), "sft") != params_hash(base, "sft")
     assert params_hash(config_from_dict({"experiment": "x"}), "grpo") == params_hash(base, "grpo")
+
+
+def test_dir_hash_sees_a_changed_config_or_tokenizer_file(tmp_path):
+    """Only lineage.json is left out: a model's config.json and tokenizer.json are part of what it is."""
+    folder = tmp_path / "model"
+    _write(folder / "model.safetensors", "w")
+    _write(folder / "config.json", '{"hidden_size": 128}')
+    _write(folder / "tokenizer.json", '{"eos": 1}')
+    before = dir_hash(folder)
+    _write(folder / "config.json", '{"hidden_size": 64}')
+    assert dir_hash(folder) != before
+    _write(folder / "config.json", '{"hidden_size": 128}')
+    assert dir_hash(folder) == before
+    _write(folder / "tokenizer.json", '{"eos": 2}')
+    assert dir_hash(folder) != before
+
+
+def test_dir_hash_sees_a_file_moved_to_another_subfolder(tmp_path):
+    """``checkpoint-2/model.safetensors`` is not ``checkpoint-4/model.safetensors``: the path counts, not the name."""
+    folder = tmp_path / "run"
+    _write(folder / "checkpoint-2/model.safetensors", "w")
+    _write(folder / "checkpoint-4/other.bin", "o")
+    before = dir_hash(folder)
+    (folder / "checkpoint-2/model.safetensors").rename(folder / "checkpoint-4/model.safetensors")
+    assert dir_hash(folder) != before
+
+
+def test_a_param_the_lineage_never_recorded_is_named_even_when_its_value_is_none(toy, monkeypatch):
+    """A newer field whose value is None (``model.name_or_path`` of the embedded model) was still not part of
+    what built the artifact: absent and null are different records."""
+    spec = StageSpec("toy", "toy-cmd", ("toypkg.main",), ("seed", "model.tiny", "model.name_or_path"), ())
+    monkeypatch.setitem(stages.STAGES, "toy", spec)
+    assert params_values(Config(), "toy")["model.name_or_path"] is None
+    with pytest.raises(StaleArtifactError, match=r'params model.name_or_path: "<absent>" -> null'):
+        _check(toy)
+
+
+def test_an_input_that_is_no_longer_one_is_named(toy):
+    """The stage now reads fewer inputs than built the artifact (a real model instead of the embedded one)."""
+    message = is_stale(toy["artifact"], "toy", Config(), {}, root=toy["code"])
+    assert message is not None and "input train was recorded but is no longer an input" in message
+
+
+def test_a_corrupt_lineage_file_is_refused_as_unreadable(toy):
+    """A lineage.json that is not JSON (a copy cut short, an editor's leftovers) is stale, not a crash."""
+    (toy["artifact"] / LINEAGE_FILE).write_text('{"stage": "toy", "code_fin')
+    with pytest.raises(StaleArtifactError, match="has no readable lineage.json"):
+        _check(toy)
+
+
+@pytest.mark.parametrize("text", ["[]", "null", '"toy"', "3"])
+def test_a_lineage_file_that_is_json_but_not_an_object_is_refused_as_unreadable(toy, text):
+    """Valid JSON of another shape (a list, null, a string) records no lineage: stale, not an AttributeError."""
+    (toy["artifact"] / LINEAGE_FILE).write_text(text)
+    with pytest.raises(StaleArtifactError, match="has no readable lineage.json"):
+        _check(toy)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from grpo.provenance.fingerprint import FINGERPRINT_DIR, HISTORY_DIR
-from grpo.provenance.status import changed_modules, report
+from grpo.provenance.status import changed_modules, changed_raw_data, report
 
 
 def test_changed_modules_name_edited_new_and_dropped_modules(tmp_path):
@@ -57,3 +57,54 @@ def test_status_lists_pipeline_stages_only_and_fails_when_dvc_does(tmp_path, mon
     monkeypatch.undo()
     with pytest.raises(status_module.StatusError, match=rf"`dvc status --json` failed in {tmp_path}"):
         status_module.dvc_status(tmp_path)  # no DVC project here
+
+
+def test_status_refreshes_the_fingerprints_before_asking_dvc(tmp_path, monkeypatch):
+    """A code edit is invisible to ``dvc status`` until fingerprints/<stage>.json is rewritten: what DVC is
+    asked about must be the fingerprint of the code as it is now."""
+    from grpo.config import config_from_dict
+    from grpo.provenance import status as status_module
+    from grpo.provenance.fingerprint import stage_fingerprint
+
+    seen = {}
+
+    def dvc_sees(project):
+        seen["sft"] = json.loads((project / FINGERPRINT_DIR / "sft.json").read_text())
+        return {}
+
+    (tmp_path / FINGERPRINT_DIR).mkdir()
+    (tmp_path / FINGERPRINT_DIR / "sft.json").write_text(json.dumps({"stage": "sft", "modules": {}}))
+    monkeypatch.setattr(status_module, "dvc_status", dvc_sees)
+    assert status_module.status(tmp_path, config_from_dict({})) == {}
+    assert seen["sft"] == stage_fingerprint("sft")
+
+
+def test_a_raw_data_change_is_named_as_such_not_as_an_unknown_code_change(tmp_path, monkeypatch):
+    """prepare's fingerprint also holds the published dataset files it reads: when only one of them changed,
+    no module did, and ``grpo status`` names the file (edited, added, removed), not a code change."""
+    from grpo.config import config_from_dict
+    from grpo.provenance import status as status_module
+
+    history = tmp_path / FINGERPRINT_DIR / HISTORY_DIR
+    history.mkdir(parents=True)
+    modules = {"grpo/data/prepare.py": "1"}
+    raw_then = {"data.fairness_path": {"bbq/Age.jsonl": "a", "bbq/Race.jsonl": "r"}}
+    raw_now = {"data.fairness_path": {"bbq/Age.jsonl": "a2", "bbq/SES.jsonl": "s"}}
+    (history / "m1.json").write_text(json.dumps({"modules": modules, "raw_data": raw_then}))
+    (tmp_path / FINGERPRINT_DIR / "prepare.json").write_text(json.dumps({"modules": modules, "raw_data": raw_now}))
+    assert changed_modules(tmp_path, "prepare", "m1") == []
+    assert changed_raw_data(tmp_path, "prepare", "m1") == [
+        "raw data edited: bbq/Age.jsonl (data.fairness_path)",
+        "raw data removed: bbq/Race.jsonl (data.fairness_path)",
+        "raw data added: bbq/SES.jsonl (data.fairness_path)",
+    ]
+    assert changed_raw_data(tmp_path, "prepare", None) is None
+    monkeypatch.setattr(status_module, "write_fingerprints", lambda cfg, folder: None)
+    monkeypatch.setattr(status_module, "recorded_md5", lambda project: {"prepare": "m1"})
+    monkeypatch.setattr(status_module, "dvc_status", lambda project: {
+        "prepare": [{"changed deps": {f"{FINGERPRINT_DIR.as_posix()}/prepare.json": "modified"}}]})
+    reasons = status_module.status(tmp_path, config_from_dict({}))["prepare"]
+    assert reasons == changed_raw_data(tmp_path, "prepare", "m1")  # no "code changed (module list unknown ...)"
+    monkeypatch.setattr(status_module, "recorded_md5", lambda project: {})
+    assert status_module.status(tmp_path, config_from_dict({}))["prepare"] == [
+        "code changed (module list unknown: the last run predates it)"]

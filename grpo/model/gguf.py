@@ -136,6 +136,14 @@ def raw_conversion(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerFast
             f"{path}: transformers cannot convert it ({type(exc).__name__}: {exc}); the pipeline "
             "converts Llama-family GGUF files (general.architecture llama, qwen2, ...)"
         ) from None
+    except RuntimeError as exc:  # torch's load_state_dict: a tensor of another shape than the metadata's
+        if "size mismatch" not in str(exc):
+            raise
+        shapes = "; ".join(line.strip() for line in str(exc).splitlines() if "size mismatch" in line)
+        raise GgufError(
+            f"{path}: the file holds weights in another shape than its own metadata gives ({shapes[:400]}): "
+            f"the file is corrupt or was converted with wrong hyperparameters: {_GET_IT_AGAIN}"
+        ) from None
     # transformers fills a weight the file lacks with random values and only logs it.
     absent = sorted(loaded["missing_keys"]) + sorted(str(key) for key in loaded["mismatched_keys"])
     if absent:

@@ -90,9 +90,10 @@ def semantic_hash(source: str, filename: str = "<string>") -> str:
 
 
 def module_file(name: str, root: Path) -> Path | None:
-    """The file of module ``name`` under ``root`` (``a/b.py`` or ``a/b/__init__.py``), or None."""
+    """The file of module ``name`` under ``root`` (``a/b/__init__.py`` or ``a/b.py``: where both exist, the
+    package, as Python's import does), or None."""
     base = root.joinpath(*name.split("."))
-    for candidate in (base.with_name(base.name + ".py"), base / "__init__.py"):
+    for candidate in (base / "__init__.py", base.with_name(base.name + ".py")):
         if candidate.is_file():
             return candidate
     return None

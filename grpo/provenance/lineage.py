@@ -117,12 +117,14 @@ def write_lineage(directory: Path, lineage: dict[str, Any]) -> Path:
 
 
 def read_lineage(directory: Path) -> dict[str, Any] | None:
-    """The recorded lineage of ``directory``, or None when it has none (or an unreadable one)."""
+    """The recorded lineage of ``directory``, or None when it has none (or an unreadable one: not JSON, or
+    JSON that is not an object)."""
     path = Path(directory) / LINEAGE_FILE
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        found = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None
+    return found if isinstance(found, dict) else None
 
 
 # --------------------------------------------------------------------------- check

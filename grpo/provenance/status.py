@@ -52,18 +52,54 @@ def recorded_md5(project: Path) -> dict[str, str]:
     return out
 
 
-def changed_modules(project: Path, stage: str, md5: str | None) -> list[str] | None:
-    """Modules whose meaning differs from the run recorded as ``md5``; None when that run is unknown."""
+def _fingerprints(project: Path, stage: str, md5: str | None) -> tuple[dict, dict] | None:
+    """The stage's fingerprint as recorded when it last ran (``md5``) and as it is now; None when unknown."""
     old = project / FINGERPRINT_DIR / HISTORY_DIR / f"{md5}.json"
     new = project / FINGERPRINT_DIR / f"{stage}.json"
     if not md5 or not old.is_file() or not new.is_file():
         return None
-    before = json.loads(old.read_text(encoding="utf-8"))["modules"]
-    now = json.loads(new.read_text(encoding="utf-8"))["modules"]
+    return json.loads(old.read_text(encoding="utf-8")), json.loads(new.read_text(encoding="utf-8"))
+
+
+def changed_modules(project: Path, stage: str, md5: str | None) -> list[str] | None:
+    """Modules whose meaning differs from the run recorded as ``md5``; None when that run is unknown."""
+    pair = _fingerprints(project, stage, md5)
+    if pair is None:
+        return None
+    before, now = (found["modules"] for found in pair)
     return sorted(m for m in before.keys() | now.keys() if before.get(m) != now.get(m))
 
 
-def _reasons(entries: list, modules: list[str] | None) -> list[str]:
+def changed_raw_data(project: Path, stage: str, md5: str | None) -> list[str] | None:
+    """The published dataset files (``raw_data``, prepare's fingerprint only) edited, added or removed
+    since the run recorded as ``md5``, one line each; None when that run is unknown."""
+    pair = _fingerprints(project, stage, md5)
+    if pair is None:
+        return None
+    before, now = (found.get("raw_data") or {} for found in pair)
+    lines = []
+    for key in sorted(before.keys() | now.keys()):
+        old, new = before.get(key) or {}, now.get(key) or {}
+        for file in sorted(old.keys() | new.keys()):
+            if old.get(file) != new.get(file):
+                how = "edited" if file in old and file in new else "added" if file in new else "removed"
+                lines.append(f"raw data {how}: {file} ({key})")
+    return lines
+
+
+def _fingerprint_reasons(project: Path, stage: str, md5: str | None) -> list[str]:
+    """Why the stage's fingerprint file changed: the modules behind it, the raw data files behind it."""
+    modules = changed_modules(project, stage, md5)
+    if modules is None:
+        return ["code changed (module list unknown: the last run predates it)"]
+    lines = [f"code changed ({', '.join(modules)})"] if modules else []
+    lines += changed_raw_data(project, stage, md5) or []
+    return lines or [f"the fingerprint of stage {stage} changed (neither a module nor a raw data file did)"]
+
+
+def _reasons(entries: list, fingerprint: list[str]) -> list[str]:
+    """The lines of ``dvc status``'s entries of one stage; a change of its fingerprint file reads as
+    ``fingerprint``, the reasons ``_fingerprint_reasons`` found."""
     lines = []
     for entry in entries:
         if not isinstance(entry, dict):
@@ -72,8 +108,7 @@ def _reasons(entries: list, modules: list[str] | None) -> list[str]:
         for kind, changes in entry.items():
             for path, change in changes.items():
                 if path.startswith(f"{FINGERPRINT_DIR.as_posix()}/"):
-                    named = ", ".join(modules) if modules else "module list unknown: the last run predates it"
-                    lines.append(f"code changed ({named})")
+                    lines += fingerprint
                 elif isinstance(change, dict):
                     lines += [f"{path}: {key} {what}" for key, what in change.items()]
                 else:
@@ -87,7 +122,7 @@ def status(project: Path, cfg: Config) -> dict[str, list[str]]:
     md5 = recorded_md5(project)
     found = dvc_status(project)
     return {
-        name: _reasons(found[name], changed_modules(project, name, md5.get(name)))
+        name: _reasons(found[name], _fingerprint_reasons(project, name, md5.get(name)))
         for name in stages.STAGES
         if name in found
     }
