@@ -188,3 +188,37 @@ def test_first_step_problem_reads_the_reference_then_the_old_logprobs():
     assert first_step_problem(policy, policy - 0.5, None, mask, bounds)[0] == "I9"
     assert first_step_problem(policy, policy.clone(), policy + 0.01, mask, bounds)[0] == "I8"
     assert first_step_problem(policy, None, None, mask, bounds) is None
+
+
+def test_a_frequency_penalty_alone_lets_the_reshaped_tokens_through(tiny_model, tiny_tokenizer):
+    """``frequency_penalty`` without ``presence_penalty`` reshapes the logits as much: either penalty is a
+    configured reshaping, not the I10 slip of a processor that should not be there."""
+    step = make_step(tiny_model, tiny_tokenizer, sampling={"max_new_tokens": 5, "frequency_penalty": 2.0})
+    metrics = grpo_step(step, _records(), 1, lambda attempt: _records(), first=True).metrics
+    assert metrics["sampling/reshaped_frac"] > 0
+
+
+def test_weights_loaded_in_bf16_round_in_bf16_without_autocast():
+    """``grpo.bf16: false`` with bf16 weights still rounds every matmul to bf16: the step gets the bf16 bound."""
+    from types import SimpleNamespace
+
+    from grpo.config import config_from_dict
+
+    cfg = config_from_dict({"grpo": {"bf16": False}})
+    accelerator = SimpleNamespace(device=torch.device("cpu"))
+    for dtype, expected in ((torch.bfloat16, True), (torch.float32, False)):
+        step = SimpleNamespace(model=torch.nn.Linear(2, 2).to(dtype), accelerator=accelerator, cfg=cfg)
+        assert runs_bf16(step) is expected, dtype
+
+
+def test_agreement_stats_read_only_the_completion_tokens():
+    """After the stop the sampler's and the scorer's numbers are whatever the padding holds: not a mismatch."""
+    from grpo.train.agreement import agreement_stats
+
+    record = _record([[5, 1, 0]], [[-1.0, -2.0, -9.0]], [[False, False, True]])
+    mask = torch.tensor([[True, True, False]])
+    stats = agreement_stats(record, mask, torch.tensor([[-1.0, -2.5, 0.0]]), torch.full((1, 3), 0.1))
+    assert stats["sampling/sampling_logp_difference/mean"] == pytest.approx(0.25)
+    assert stats["sampling/sampling_logp_difference/max"] == pytest.approx(0.5)
+    assert stats["sampling/sampling_logp_difference/max_over_bound"] == pytest.approx(5.0)
+    assert stats["sampling/reshaped_frac"] == 0.0

@@ -132,3 +132,20 @@ def test_architecture_and_name_or_path_together_is_an_error(tmp_path):
         config_from_dict({"model": {"architecture": "qwen2.5-0.5b", "name_or_path": str(tmp_path)}})
     with pytest.raises(ConfigError, match=r"model.architecture.*qwen2.5-0.5b"):
         config_from_dict({"model": {"architecture": "qwen-7b"}})
+
+
+@pytest.mark.parametrize("name, factor", [("llama-3.2-1b", 32.0), ("llama-3.2-3b", 32.0), ("llama-3.1-8b", 8.0)])
+def test_llama_presets_have_their_published_rope_scaling(name, factor):
+    """Each config.json's llama3 RoPE scaling: factor 32 for Llama-3.2, 8 for Llama-3.1 8B."""
+    rope = meta_model(name).config.rope_scaling
+    assert rope["rope_type"] == "llama3" and rope["factor"] == factor
+    assert rope["original_max_position_embeddings"] == 8192
+
+
+def test_a_preset_is_built_in_the_configured_dtype_with_the_tokenizers_pad():
+    """``model.dtype`` is the weights' dtype; the tokenizer's pad is the model's (its embedding's padding row)."""
+    cfg = _cfg("qwen2.5-0.5b").model_copy(update={"dtype": "bfloat16"})
+    model, tokenizer = build_architecture(cfg, seed=0)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.config.pad_token_id == tokenizer.pad_token_id == model.generation_config.pad_token_id
+    assert model.get_input_embeddings().padding_idx == tokenizer.pad_token_id

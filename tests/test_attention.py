@@ -72,3 +72,17 @@ def test_models_whose_mask_means_more_get_the_2d_mask(tiny_model):
     tiny_model.config.sliding_window = None
     tiny_model.config._attn_implementation = "flash_attention_2"
     assert model_attention_mask(tiny_model, mask, 5) is mask
+
+
+def test_a_model_with_any_layer_not_full_attention_gets_the_2d_mask(tiny_model):
+    """Interleaved layers (sliding attention beside full attention, as Gemma's) build their own mask per
+    layer from the 2D one: one prepared causal mask for all of them would widen the windowed layers' reach."""
+    mask = torch.ones(2, 5, dtype=torch.long)
+    tiny_model.config._attn_implementation = "sdpa"
+    tiny_model.config.sliding_window = None
+    tiny_model.config.layer_types = ["full_attention", "sliding_attention"]
+    assert not takes_prepared_mask(tiny_model)
+    assert model_attention_mask(tiny_model, mask, 5) is mask
+    tiny_model.config.layer_types = ["full_attention", "full_attention"]
+    assert takes_prepared_mask(tiny_model)
+    assert model_attention_mask(tiny_model, mask, 5).shape == (2, 1, 5, 5)

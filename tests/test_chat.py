@@ -255,3 +255,12 @@ def test_extra_stop_tokens_are_added_once_and_unknown_ones_raise(tiny_tokenizer)
     assert tiny_tokenizer.convert_ids_to_tokens(ids) == ["<|eot_id|>", "<|end_of_text|>"]
     with pytest.raises(GrpoError, match=re.escape("<|nope|>")):
         chat.end_of_turn_ids(tiny_tokenizer, extra_tokens=("<|nope|>",))
+
+
+def test_an_empty_target_supervises_the_end_of_turn_alone(tok):
+    """An empty reply renders as the prompt then the end-of-turn token, the one supervised id (I2)."""
+    messages = prompts.example_messages(ANSWERABLE)
+    prompt = chat.render_prompt(tok, messages, **DATE)
+    sft = chat.render_sft(tok, messages, "", **DATE)
+    assert sft.ids == [*prompt, chat.template_end_of_turn_id(tok)]
+    assert sft.loss_mask == [False] * len(prompt) + [True]

@@ -219,3 +219,19 @@ def test_a_checkpoint_saved_without_an_optimizer_cannot_restore_one(tmp_path, ti
     optimizer, _ = make_training(tiny_model)
     with pytest.raises(CheckpointError, match=f"has no {OPTIMIZER}: it was saved without one"):
         load_checkpoint(path, model=tiny_model, optimizer=optimizer, scheduler=None)
+
+
+def test_a_checkpoint_under_another_steps_name_is_not_complete(tmp_path, tiny_model):
+    """The marker's step must be the folder's: a checkpoint of step 2 copied to step 7's name is not step 7."""
+    good = quick_save(tmp_path, 2, tiny_model)
+    shutil.copytree(good, checkpoint_path(tmp_path, 7))
+    assert not is_complete(checkpoint_path(tmp_path, 7))
+    assert latest_checkpoint(tmp_path) == good and checkpoint_steps(tmp_path) == [2]
+
+
+def test_a_weight_of_another_shape_is_refused_even_where_it_would_broadcast(tmp_path):
+    """A saved [1, 3] weight copied into a [2, 3] parameter would broadcast silently into every row."""
+    path = save_checkpoint(tmp_path, 1, model=torch.nn.Linear(3, 1), optimizer=None, scheduler=None,
+                           rng=capture_rng(), history=[], lineage=LINEAGE, keep_last=2)
+    with pytest.raises(CheckpointError, match=r"weight has shape \(1, 3\), the model has \(2, 3\)"):
+        load_checkpoint(path, model=torch.nn.Linear(3, 2), optimizer=None, scheduler=None)

@@ -14,8 +14,9 @@ from grpo.core.batching import completion_mask, join_prompt_completion, left_pad
 from grpo.core.logprobs import score_completions
 from grpo.core.prefix import prefilled_cache
 from grpo.model import chat
-from grpo.model.fast import multinomial
-from grpo.model.fast.decode import ReservedLayer, decode, reserve_room
+from grpo.model.fast import FastPathWarning, multinomial
+from grpo.model.fast import decode as decode_module
+from grpo.model.fast.decode import ReservedLayer, decode, loop_mismatch, reserve_room
 from grpo.model.fast.lean_step import LeanStep
 from grpo.model.generation import generate_sequences, stack_records
 from grpo.model.lora import wrap_lora
@@ -283,3 +284,41 @@ def test_generate_ignores_the_checkpoints_own_sampling_defaults(policy, tiny_tok
     config = policy.generation_config
     config.repetition_penalty, config.no_repeat_ngram_size = 50.0, 1  # would change any repeating greedy reply
     assert torch.equal(_generate(policy, tiny_tokenizer, batch, SAMPLINGS["plain"], eos, greedy=True, seed=0), plain)
+
+
+def test_decode_with_top_k_one_samples_generates_greedy_tokens(policy, tiny_tokenizer):
+    """``top_k: 1`` keeps one token per step: ``generate`` warps with it, and so does the loop (a real filter,
+    not a no-op), so the sampled rows are the greedy ones whatever the seed."""
+    sampling = SAMPLINGS["plain"].model_copy(update={"top_k": 1})
+    eos = chat.end_of_turn_ids(tiny_tokenizer)
+    batch = _prompts(tiny_tokenizer)
+    greedy = _generate(policy, tiny_tokenizer, batch, SAMPLINGS["plain"], eos, True, 0)
+    for seed in (0, 1):
+        expected = _generate(policy, tiny_tokenizer, batch, sampling, eos, False, seed)
+        got = _decode(policy, tiny_tokenizer, batch, sampling, eos, False, seed, prefilled=False)
+        assert torch.equal(got, expected) and torch.equal(got, greedy)
+
+
+@pytest.fixture
+def fresh_loop_check():
+    """``loop_mismatch`` runs again in this test and again after it (it is memoised per process)."""
+    loop_mismatch.cache_clear()
+    yield loop_mismatch
+    loop_mismatch.cache_clear()
+
+
+def test_the_loops_self_check_leaves_the_generator_alone(fresh_loop_check):
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    assert fresh_loop_check() is None
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_loop_that_attends_the_padding_fails_the_self_check(fresh_loop_check, monkeypatch):
+    """The self-check's prompts are left-padded: a loop whose mask lets the queries see the pad columns
+    samples other tokens than ``generate`` there, and falls back with a warning."""
+    prepared = decode_module.model_attention_mask
+    monkeypatch.setattr(decode_module, "model_attention_mask",
+                        lambda model, mask, width: prepared(model, torch.ones_like(mask), width))
+    with pytest.warns(FastPathWarning, match="'decode loop' fell back to model.generate"):
+        assert fresh_loop_check() is not None

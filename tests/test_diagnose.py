@@ -9,6 +9,7 @@ so attention-only adapters could not collapse it in a few steps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -283,3 +284,62 @@ def test_a_stage_folder_is_known_however_its_path_is_written(project, collapsed_
         stale = load_target(changed, spelling).stale
         assert any("models/sft is stale" in line for line in stale), (spelling, stale)
     assert any("models/sft is stale" in line for line in load_target(changed, collapsed_checkpoint).stale)
+
+
+def test_a_zero_gradient_fails(project, fresh, monkeypatch):
+    """A loss that reaches no trained weight (norm exactly 0) is a broken wiring, not a vanishing gradient."""
+    from grpo.checks import diagnose as diagnose_module
+
+    target, probe = fresh
+    monkeypatch.setattr(diagnose_module, "_grad_norm", lambda params: 0.0)
+    check = diagnose_module.check_gradients(project, target, probe, torch.ones(probe.completion_mask.shape[0]))
+    assert check.status == "fail" and check.value == 0.0
+
+
+def test_the_gradient_norm_is_the_l2_norm_over_every_tensor():
+    from grpo.checks.diagnose import _grad_norm
+
+    first, second, untouched = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
+    first.grad, second.grad = torch.tensor([3.0, 0.0]), torch.tensor([0.0, 4.0])
+    assert _grad_norm([first, second, untouched]) == pytest.approx(5.0)
+
+
+def test_real_advantages_with_zero_rows_are_used_as_they_are(project, fresh):
+    """Only all-zero advantages are replaced by the +-1 probe; a batch where one group had reward variance
+    keeps its own advantages (their gradient differs from the probe's)."""
+    from grpo.checks.diagnose import check_gradients
+
+    target, probe = fresh
+    n = probe.completion_mask.shape[0]
+    one_row = torch.zeros(n)
+    one_row[0] = 1.0
+    real = check_gradients(project, target, probe, one_row)
+    probing = check_gradients(project, target, probe, torch.zeros(n))
+    assert "probe advantages" not in real.detail and "probe advantages" in probing.detail
+    assert real.value != pytest.approx(probing.value, rel=1e-3)
+
+
+def test_entropy_falling_between_any_two_temperatures_fails(project, fresh, monkeypatch):
+    from grpo.checks import diagnose as diagnose_module
+
+    target, probe = fresh
+    temps = sorted(project.eval.diagnose.temperatures)
+    assert len(temps) == 3
+    entropy = dict(zip(temps, (1.0, 0.5, 2.0), strict=True))  # rises overall, falls at the middle step
+    monkeypatch.setattr(diagnose_module, "mean_entropy", lambda model, inputs: entropy[inputs.temperature])
+    check = diagnose_module.check_temperature(project, target, probe)
+    assert check.status == "fail" and check.value == [1.0, 0.5, 2.0]
+
+
+@pytest.mark.parametrize("where, status", [("below_init_tol", "warn"), ("between", "pass"), ("above_warn", "warn")])
+def test_a_trained_policy_warns_when_it_never_moved_or_drifted_past_kl_warn(project, fresh, monkeypatch, where,
+                                                                          status):
+    from grpo.checks import diagnose as diagnose_module
+
+    target, probe = fresh
+    d = project.eval.diagnose
+    kl = {"below_init_tol": d.kl_init_tol / 2, "between": (d.kl_init_tol + d.kl_warn) / 2,
+          "above_warn": 2 * d.kl_warn}[where]
+    monkeypatch.setattr(diagnose_module, "reference_kl", lambda *args: kl)
+    check = diagnose_module.check_kl_init(project, dataclasses.replace(target, fresh=False), probe)
+    assert check.status == status and check.value == kl

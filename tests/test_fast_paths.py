@@ -347,3 +347,19 @@ def test_off_as_yaml_reads_it_is_the_setting_off():
     assert config_from_dict(yaml.safe_load("model: {fast_paths: off}")).model.fast_paths == "off"
     assert load_config(ROOT / "params.yaml", ["model.fast_paths=off"]).model.fast_paths == "off"
     assert load_config(ROOT / "params.yaml").model.fast_paths == "auto"
+
+
+def test_a_head_below_onednns_size_is_f_linear_under_auto():
+    """A head of fewer than ``ONEDNN_MIN_WEIGHTS`` weights (here 4095 x 256, one row short) multiplies
+    through ``F.linear`` under ``auto`` too: oneDNN's fixed cost per call outweighs its rate there, and its
+    product would move the logits' last bits."""
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(256, head_module.ONEDNN_MIN_WEIGHTS // 256 - 1, bias=False)
+    torch.nn.init.normal_(model.lm_head.weight, std=0.05, generator=gen)
+    model.get_output_embeddings = lambda: model.lm_head
+    hidden = torch.randn(2, 7, 256, generator=gen)
+    head = fp32_head(model, AUTO).lm_head
+    assert not AUTO.head_onednn(hidden, head.weight)
+    with torch.no_grad():
+        assert torch.equal(head(hidden), torch.nn.functional.linear(hidden, head.weight))

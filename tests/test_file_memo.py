@@ -87,3 +87,18 @@ def test_memo_by_stat_keeps_one_entry_per_file_and_use(tmp_path):
         _age([path], 1_000 - version)
         assert file_sha256_memo(path) == hashlib.sha256(b"v%d" % version).hexdigest()
     assert len(file_memo._MEMO) == before + 1
+
+
+def test_memo_by_stat_reads_again_a_file_modified_half_a_second_before_it_was_read(tmp_path):
+    """Half a second is within the timestamp granularity of common file systems (FAT, some network mounts:
+    up to 2 s): a file that young may change again under the same mtime, so it is never remembered."""
+    reads = []
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"1111")
+    stamp = time.time_ns() - 500_000_000
+    os.utime(path, ns=(stamp, stamp))
+    assert memo_by_stat("t", path, _counting(reads)) == b"1111()"
+    path.write_bytes(b"2222")
+    os.utime(path, ns=(stamp, stamp))  # the same inode, size and mtime: only a new read can tell
+    assert memo_by_stat("t", path, _counting(reads)) == b"2222()"
+    assert len(reads) == 2

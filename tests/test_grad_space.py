@@ -136,3 +136,49 @@ def test_a_sharded_flat_gradient_is_each_losss_own_and_leaves_no_grad_behind():
     assert weight.grad is None and bias.grad is None
     space.write([weight, bias], first + second)
     torch.testing.assert_close(torch.cat([weight.grad, bias.grad]), torch.tensor([5.0, 7.0, 9.0, 2.0]))
+
+
+def test_a_gradient_that_is_only_negative_is_nonzero_on_every_shard():
+    """``any`` asks "is any element not zero": a task whose gradient points only down must take part in
+    the combination, whichever shard holds its nonzero elements."""
+    assert REPLICATED.any(torch.tensor([0.0, -2.0, 0.0]))
+    assert REPLICATED.any(torch.tensor([-1e-30]))
+    shards = [torch.zeros(3), torch.tensor([0.0, -0.5, 0.0])]
+    assert on_shards(2, lambda rank, space: space.any(shards[rank])) == [True, True]
+
+
+def test_write_adds_the_direction_to_gradients_already_there():
+    """``write`` adds each slice of the flat direction to the parameter's ``.grad`` (creating it where
+    absent), so what a parameter held before is kept, in the parameter's dtype."""
+    weight = torch.nn.Parameter(torch.zeros(2, 2))
+    bias = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+    weight.grad = torch.ones(2, 2)
+    REPLICATED.write([weight, bias], torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))
+    torch.testing.assert_close(weight.grad, torch.tensor([[2.0, 3.0], [4.0, 5.0]]))
+    torch.testing.assert_close(bias.grad, torch.tensor([5.0], dtype=torch.float64))
+    REPLICATED.write([weight, bias], torch.full((5,), 0.5))
+    torch.testing.assert_close(weight.grad, torch.tensor([[2.5, 3.5], [4.5, 5.5]]))
+    torch.testing.assert_close(bias.grad, torch.tensor([5.5], dtype=torch.float64))
+
+
+def test_a_zero_sharded_gradient_clips_to_itself_with_norm_zero():
+    """A zero gradient (every task's advantage zero) has norm 0: the clip reports it and leaves the shards
+    at zero, as ``clip_grad_norm_`` does, so the update skips the step instead of failing on every process."""
+
+    def clip(rank: int, space: ShardedGradSpace) -> tuple[float, torch.Tensor]:
+        param = _with_grad(torch.zeros(3))
+        return space.clip([param], 1.0), param.grad
+
+    results = on_shards(2, clip)
+    assert [r[0] for r in results] == [0.0, 0.0]
+    assert all(torch.equal(r[1], torch.zeros(3)) for r in results)
+
+
+def test_a_loss_without_a_graph_has_a_zero_flat_gradient_on_a_shard():
+    """A loss term that reaches no weight (a KL with beta 0, a constant) has the zero gradient, sharded or
+    not, without a backward through nothing."""
+    weight = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    constant = torch.tensor(0.0)
+    for space in (REPLICATED, ShardedGradSpace(lambda tensor: tensor)):
+        torch.testing.assert_close(space.flat_grad(constant, [weight], retain=False), torch.zeros(2))
+        assert weight.grad is None

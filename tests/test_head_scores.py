@@ -203,6 +203,31 @@ def test_a_request_must_cover_the_heads_positions(tiny_model):
     assert head(torch.randn(2, 5, head.in_features)).shape == (2, 5, head.out_features)  # no request: logits
 
 
+def test_a_forward_that_raises_leaves_no_request_on_the_head(tiny_model):
+    """A forward that fails inside ``head_request`` (a refused width, out of memory) takes its request with
+    it: the head's next forward without one (the rollout's sampling) returns logits, not stale scores."""
+    head = tiny_model.get_output_embeddings()
+    request = HeadRequest(ids=torch.zeros(2, 4, dtype=torch.long), temperature=1.0, entropy=True,
+                          entropy_grad=True, mask=None)
+    with pytest.raises(HeadScoringError, match=r"\[B, C \+ 1\]"), head_request(tiny_model, request):
+        head(torch.randn(2, 4, head.in_features))
+    assert head.head_request is None
+    assert head(torch.randn(2, 5, head.in_features)).shape == (2, 5, head.out_features)
+
+
+def test_the_statistics_of_no_position_are_zero_as_the_full_paths(tiny_model, tiny_tokenizer):
+    """A batch whose completion positions are all masked out (every row ended at once) has statistics of
+    nothing: 0.0 each, as ``logits_stats`` gives, never a NaN that the collapse monitor would read."""
+    input_ids, attention_mask, _ = grouped_batch(tiny_tokenizer.pad_token_id)
+    attention_mask = attention_mask.clone()
+    attention_mask[:, -WIDTH:] = 0
+    with torch.no_grad():
+        got = score_completions(tiny_model, input_ids, attention_mask, WIDTH, 0.7)
+        want = score_completions(tiny_model, input_ids, attention_mask, WIDTH, 0.7, full_logits=True)
+    assert want.logits_stats == dict.fromkeys(head_scores.STATISTICS, 0.0)
+    assert got.logits_stats == want.logits_stats
+
+
 # --------------------------------------------------------------------------- the chunked function itself
 
 
@@ -262,6 +287,62 @@ def test_confident_tokens_keep_their_gradient_under_a_bf16_backward():
     probs = torch.softmax(hidden @ weight.T, dim=-1)
     cancelled = weight.bfloat16()[ids].float() - (probs.bfloat16() @ weight.bfloat16()).float()
     assert float((cancelled.double() - x.grad).norm() / x.grad.norm()) > 0.5  # what is avoided
+
+
+def test_a_trainable_bias_beside_a_frozen_weight_gets_its_gradient():
+    """A head whose weight is frozen and whose bias trains (peft's ``bias="all"``) takes the recomputed
+    backward: the bias's gradient and the hidden state's are the float64 softmax's, not dropped by the
+    frozen head's backward from the forward's directions (which has no gradient for the bias)."""
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(7, 16, generator=gen, dtype=torch.float64)
+    weight = torch.randn(30, 16, generator=gen, dtype=torch.float64)
+    bias = torch.randn(30, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, 30, (7,), generator=gen)
+    g_logp, g_entropy = torch.randn(7, generator=gen), torch.randn(7, generator=gen)
+    temperature = 0.8
+
+    x, b = hidden.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+    log_probs = ((x @ weight.T + b) / temperature).log_softmax(-1)
+    logp, entropy = log_probs.gather(-1, ids[:, None]).squeeze(-1), -(log_probs.exp() * log_probs).sum(-1)
+    (logp * g_logp.double() + entropy * g_entropy.double()).sum().backward()
+
+    x32, b32 = hidden.float().requires_grad_(True), bias.float().requires_grad_(True)
+    request = HeadRequest(ids=ids[None], temperature=temperature, entropy=True, entropy_grad=True, mask=None,
+                          chunk_bytes=3 * 4 * 30)
+    scores = head_scores.score_in_head(torch.cat([x32, x32[:1]])[None], weight.float(), b32, request,
+                                       lambda w_, b_: Fp32Product(w_, b_, w_))[0]  # [7, 2]
+    (scores[:, 0] * g_logp + scores[:, 1] * g_entropy).sum().backward()
+    assert b32.grad is not None, "the bias's gradient was dropped"
+    assert float((b32.grad.double() - b.grad).abs().max()) < 1e-5 * float(b.grad.abs().max())
+    assert float((x32.grad.double() - x.grad).abs().max()) < 1e-5 * float(x.grad.abs().max())
+
+
+def test_a_trainable_heads_backward_is_the_same_inside_the_callers_autocast():
+    """The recomputed backward computes each chunk's logits with the forward's fp32 product whether or not
+    the caller runs the backward inside its bf16 autocast: logits of tens rounded to bf16 there would move
+    the probabilities, and so the gradients, by whole percents."""
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(9, 16, generator=gen)
+    weight = 3.0 * torch.randn(40, 16, generator=gen)  # logits of tens
+    ids = torch.randint(0, 40, (9,), generator=gen)
+
+    def grads(backward_inside: bool) -> torch.Tensor:
+        x, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        request = HeadRequest(ids=ids[None], temperature=0.7, entropy=True, entropy_grad=True, mask=None,
+                              chunk_bytes=3 * 4 * 40)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            scores = head_scores.score_in_head(torch.cat([x, x[:1]])[None], w, None, request,
+                                               lambda w_, b_: Fp32Product(w_, b_, w_.bfloat16()))[0]
+            loss = (scores[:, 0] - 0.3 * scores[:, 1]).sum()
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        return torch.cat([x.grad.flatten(), w.grad.flatten()])
+
+    outside = grads(False)
+    assert outside.abs().max() > 1e-2
+    torch.testing.assert_close(grads(True), outside, rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------- bf16

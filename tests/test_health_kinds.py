@@ -247,3 +247,36 @@ def test_a_planted_trade_is_named_at_its_step_and_the_baseline_is_not(learning, 
     rows, found = _train(learning, tmp_path / "baseline", caplog, PAYS_NOTHING)
     assert found == []
     assert all(first_holding(rows, rule, getattr(rules, rule)) is None for rule in TRADE_RULES)
+
+
+def test_a_trade_names_the_first_step_of_its_own_window():
+    """kind_trade over 4 steps beside abstention_rise over 8 (the monitor keeps 8 steps): the trade seen
+    at step 12 over steps 9-12 names step 9, not the oldest step the monitor keeps."""
+    cfg = MonitorConfig(kind_trade=RuleConfig(threshold=0.3, window=4, action="warn"),
+                        abstention_rise=RuleConfig(threshold=0.25, window=8, action="warn"))
+    history = stream([0.0] * 10 + [1.0] * 2, [0.5] * 10 + [-0.5] * 2)
+    assert observed(Monitor(cfg), history) == [("kind_trade", 12, 9)]
+
+
+def test_a_trend_rule_reads_exactly_its_last_window_steps():
+    """Window 4 at step 6 compares steps 3-4 with 5-6: a stray value at step 2, outside the window, must
+    neither hide the trade nor delay it."""
+    ambiguous = [0.0, 1.0, 0.0, 0.0, 1.0, 1.0]  # step 2 strays up; the climb starts at step 5
+    disambiguated = [0.5, 0.5, 0.5, 0.5, -0.5, -0.5]
+    assert observed(Monitor(monitor_cfg(window=4)), stream(ambiguous, disambiguated)) == [("kind_trade", 6, 3)]
+
+
+def test_abstention_rise_watches_every_kind_whose_context_answers():
+    """Answerable abstention climbs while disambiguated stays flat: the rise is named on answerable."""
+    history = [{"step": i + 1, "kinds/disambiguated/abstention": 0.1,
+                "kinds/answerable/abstention": 0.0 if i < 3 else 0.6} for i in range(6)]
+    holds, detail = abstention_rise(history, 0.25)
+    assert holds and "answerable +0.000 -> +0.600" in detail
+
+
+def test_the_default_monitor_names_a_trade_and_an_abstention_rise():
+    """Under params' defaults (window 10, warn) both trend rules watch a run: a planted trade and a planted
+    rise in "unknown" on disambiguated items are each named at step 10, whose window opened at step 1."""
+    history = stream([-0.5] * 5 + [0.5] * 5, [0.4] * 5 + [-0.2] * 5, [0.0] * 5 + [0.8] * 5)
+    found = observed(Monitor(MonitorConfig()), history)
+    assert sorted(found) == [("abstention_rise", 10, 1), ("kind_trade", 10, 1)]

@@ -5,7 +5,10 @@ the padded rows only)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from grpo.checks import invariants
 from grpo.checks.gated import pad_not_stop
@@ -72,3 +75,57 @@ def test_the_cut_and_mask_check_also_runs_with_a_pad_that_is_no_stop_token(subje
     assert pad_not_stop(other, subject.eos_ids) is None  # already no stop token: nothing to add
     check = invariants.check_rollout_cut_and_mask(subject)
     assert check.status == "pass" and "pad == a stop id" in check.detail and "pad != a stop id" in check.detail
+
+
+def test_special_tokens_requires_the_tokenizers_eos_among_the_stop_ids(subject):
+    assert invariants.check_special_tokens(subject).status == "pass"
+    subject.step.eos_ids = [subject.tokenizer.convert_tokens_to_ids("<|end_of_text|>")]  # a stop id, not the eos
+    assert subject.tokenizer.eos_token_id not in subject.eos_ids
+    check = invariants.check_special_tokens(subject)
+    assert check.status == "fail" and check.value == 1 and "must include the tokenizer's eos" in check.detail
+
+
+def test_penalty_scope_passes_and_sees_penalties_that_count_the_prompt(subject, monkeypatch):
+    """Processors built as if the prompt were completion (width 0) penalise every prompt word by at least
+    presence + frequency = 2 and let EOS through at step 0: the check fails on the largest change."""
+    assert invariants.check_penalty_scope(subject).status == "pass"
+    build = invariants.build_logits_processors
+    monkeypatch.setattr(invariants, "build_logits_processors", lambda width, eos_ids, cfg: build(0, eos_ids, cfg))
+    check = invariants.check_penalty_scope(subject)
+    assert check.status == "fail" and check.value >= 2.0
+
+
+def test_left_padded_extraction_holds_every_row_to_the_log_prob_tolerance(subject, monkeypatch):
+    """A scorer off by ten times the fp32 tolerance (1e-3 nats) on the padded rows fails: the bound is the
+    tolerance itself, not a looser one."""
+    score = invariants.score_inputs
+    off = 10 * subject.tolerance()
+
+    def slightly_wrong_on_padded_rows(model, inputs, **kwargs):
+        scored = score(model, inputs, **kwargs)
+        logprobs = scored.logprobs.clone()
+        logprobs[:-1] += off
+        return scored._replace(logprobs=logprobs)
+
+    monkeypatch.setattr(invariants, "score_inputs", slightly_wrong_on_padded_rows)
+    check = invariants.check_left_padded_extraction(subject)
+    assert check.status == "fail" and check.value == pytest.approx(off, rel=5e-2)
+
+
+def test_left_padded_extraction_sees_a_batch_of_re_tokenised_ids(subject, monkeypatch):
+    """A ``prepare_batch`` that decodes the completions and encodes them again (I3) loses the stop token of
+    the check's hand-made rows, which no decode/encode round trip keeps where pad is not a stop id (with pad ==
+    the stop token, as the embedded tokenizer has, the round trip happens to give the same ids back)."""
+    subject.step.tokenizer = pad_not_stop(subject.tokenizer, subject.eos_ids)
+    assert invariants.check_left_padded_extraction(subject).status == "pass"
+    prepare = invariants.prepare_batch
+
+    def re_tokenising(step, drawn):
+        rollout, width, pad = drawn.rollout, drawn.rollout.completion_ids.shape[1], step.tokenizer.pad_token_id
+        ids = [(step.tokenizer.encode(text, add_special_tokens=False) + [pad] * width)[:width] for text in rollout.texts]
+        rollout = dataclasses.replace(rollout, completion_ids=torch.tensor(ids))
+        return prepare(step, dataclasses.replace(drawn, rollout=rollout))
+
+    monkeypatch.setattr(invariants, "prepare_batch", re_tokenising)
+    check = invariants.check_left_padded_extraction(subject)
+    assert check.status == "fail" and "never re-tokenise" in check.detail

@@ -152,3 +152,20 @@ def test_cuda_attention_runs_no_cudnn_kernel_and_matches_the_librarys_choice():
     expected = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask).transpose(1, 2)
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_mask_wider_than_the_keys_attends_over_its_first_columns_as_sdpa_does():
+    """A prepared mask may hold more key columns than there are keys (a cache sized ahead): the kernel reads
+    its first ``K`` columns, as the library's ``sdpa`` does."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    gen = torch.Generator().manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    q = torch.randn(2, 4, 5, 8, generator=gen)
+    k, v = (torch.randn(2, 2, 5, 8, generator=gen) for _ in range(2))
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None].expand(2, 1, 5, 5)
+    wider = torch.cat([causal, torch.ones(2, 1, 5, 3, dtype=torch.bool)], dim=-1)  # 3 columns past the keys
+    out, _ = sdpa_grouped_forward(module, q, k, v, wider)
+    torch.testing.assert_close(out, sdpa_attention_forward(module, q, k, v, wider)[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(out, sdpa_grouped_forward(module, q, k, v, causal)[0], rtol=0, atol=0)

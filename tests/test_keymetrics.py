@@ -79,3 +79,14 @@ def test_a_failed_validation_reads_failed(tmp_path):
     (folder / name).write_text(json.dumps({"success": False, "n_rows": 24, "n_rules": 74, "n_failed": 2}))
     assert read_key_metrics(write_key_metrics(cfg, "validate")) == {"passed": False, "rows": 24, "rules": 74,
                                                                      "failed_rules": 2}
+
+
+def test_grpo_key_rows_carry_the_collapse_signals(tmp_path):
+    """``dvc metrics show`` is where a finished run is read first: the deadlock share and the entropy of
+    the last step must be among its rows."""
+    cfg = _cfg(tmp_path)
+    (tmp_path / "metrics").mkdir()
+    report = {"reward": 0.5, "reward_std": 0.0, "frac_reward_zero_std": 1.0, "entropy": 0.004, "kl": 0.1}
+    (tmp_path / "metrics" / "grpo.json").write_text(json.dumps(report))
+    key = read_key_metrics(write_key_metrics(cfg, "grpo"))
+    assert key["frac_reward_zero_std"] == 1.0 and key["entropy"] == 0.004 and key["reward_std"] == 0.0

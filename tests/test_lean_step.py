@@ -196,3 +196,69 @@ def test_build_declines_what_it_cannot_compute(tiny_model):
     assert LeanStep.build(dora) is None
     qwen3 = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", head_dim=16, **QWEN_SHRUNK)).eval()
     assert LeanStep.build(qwen3) is None, "Qwen3's layers normalise q and k: not Llama's layer"
+
+
+def test_build_declines_a_model_with_a_forward_pre_hook(tiny_model):
+    """A pre-hook (FSDP's gather, a profiler's) runs before a module's forward: the lean step would skip it,
+    whether it sits on one module or on every module."""
+    model = _model(copy.deepcopy(tiny_model), "tiny-llama", "attention")
+    handle = model.get_base_model().model.layers[0].self_attn.register_forward_pre_hook(lambda *args: None)
+    assert LeanStep.build(model) is None
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
+    try:
+        assert LeanStep.build(model) is None
+    finally:
+        handle.remove()
+    assert LeanStep.build(model) is not None
+
+
+def test_build_declines_a_qwen2_model_with_its_sliding_window_on():
+    """Qwen2 with ``use_sliding_window`` attends within a window: not the full attention the step computes."""
+    config = AutoConfig.for_model("qwen2", use_sliding_window=True, sliding_window=4, **QWEN_SHRUNK)
+    assert config.sliding_window == 4
+    assert LeanStep.build(AutoModelForCausalLM.from_config(config).eval()) is None
+    config = AutoConfig.for_model("qwen2", use_sliding_window=False, **QWEN_SHRUNK)
+    assert LeanStep.build(AutoModelForCausalLM.from_config(config).eval()) is not None
+
+
+def test_lean_step_of_a_merged_adapter_gives_the_models_logits(tiny_model):
+    """A merged LoRA adapter lives in the base weights (PEFT's forward is the base layer's alone): the step
+    adds no adapter product on top, so its logits and cache are the model's, bit for bit."""
+    model = _model(tiny_model, "tiny-llama", "attention")
+    model.merge_adapter()
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    batch = left_pad([torch.randint(5, vocab, (n,), generator=gen).tolist() for n in (9, 3, 14)], 0)
+    with torch.no_grad():
+        out = model(**_step(model, batch.input_ids, batch.attention_mask), use_cache=True, logits_to_keep=1)
+        reserve_room(out.past_key_values, 4)
+        own_cache, lean_cache = out.past_key_values, copy.deepcopy(out.past_key_values)
+        step = LeanStep.build(model)
+        assert step is not None
+        mask = torch.cat([batch.attention_mask, batch.attention_mask.new_ones(3, 1)], dim=1)
+        kwargs = _step(model, out.logits[:, -1:].argmax(-1), mask)
+        own = model(**kwargs, past_key_values=own_cache, use_cache=True, logits_to_keep=1).logits
+        got = step(kwargs["input_ids"], kwargs["attention_mask"], kwargs["position_ids"], lean_cache)
+    assert torch.equal(got, own)
+    for mine, theirs in zip(lean_cache.layers, own_cache.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+def test_a_kind_checked_without_autocast_is_checked_again_under_it(policy, tiny_tokenizer, monkeypatch, verdicts):
+    """Autocast is part of a step's kind: a lean step that moves its logits only under bf16 autocast is
+    checked there too (not trusted on the fp32 verdict), refused with a warning, and the tokens stay
+    ``generate``'s."""
+    call = LeanStep.__call__
+    monkeypatch.setattr(LeanStep, "__call__", lambda self, *args: call(self, *args) * (
+        1.001 if torch.is_autocast_enabled("cpu") else 1.0))
+    eos = chat.end_of_turn_ids(tiny_tokenizer)
+    batch = _prompts(tiny_tokenizer)
+    _decode(policy, tiny_tokenizer, batch, SAMPLING, eos, False, 0, prefilled=False)
+    assert list(verdicts.values()) == [True]
+    with bf16_autocast(torch.device("cpu"), True, force=True):
+        expected = _generate(policy, tiny_tokenizer, batch, SAMPLING, eos, False, 0)
+        with pytest.warns(FastPathWarning, match="lean decode step' fell back"):
+            got = _decode(policy, tiny_tokenizer, batch, SAMPLING, eos, False, 0, prefilled=False)
+    assert torch.equal(got, expected)
+    assert list(verdicts.values()) == [True, False]

@@ -176,3 +176,14 @@ def test_a_distributed_run_is_one_writer_whose_rank_0_holds_the_lock(holder, mon
     with pytest.raises(FolderLockedError, match=f"PID {proc.pid}"):
         with folder_lock(folder):
             pass
+
+
+def test_a_stage_reenters_its_folder_under_another_spelling(tmp_path, monkeypatch):
+    """The trainer holds ``models/grpo`` by an absolute path; a helper it calls names it relative to the
+    project root (or through a symlink): the same folder, held by this process, so no refusal."""
+    folder = tmp_path / "models" / "grpo"
+    (tmp_path / "link").symlink_to(tmp_path / "models", target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    with folder_lock(folder):
+        with folder_lock(Path("models/grpo")), folder_lock(tmp_path / "link" / "grpo"):
+            pass

@@ -261,3 +261,14 @@ def test_a_whole_record_cut_before_its_newline_is_restored_not_continued(tmp_pat
     with MetricsWriter(tmp_path, "exp", DISABLED, {}, resume_step=6, restored=_checkpoint_history(6)) as writer:
         writer.log(7, step_metrics(7))
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == list(range(1, 8))
+
+
+def test_a_bad_line_before_the_last_is_an_error_naming_it(tmp_path):
+    """Only the last line may be cut by a kill: a bad line in the middle means the file was edited or
+    corrupted, and reading on would hand the monitor's resume a history with a step missing."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "rew\n{"step": 3}\n', encoding="utf-8")
+    with pytest.raises(MetricsError, match=r"metrics.jsonl: line 2 is not valid JSON"):
+        read_metrics(path)
+    path.write_text('{"step": 1}\n{"step": 2, "rew\n\n', encoding="utf-8")  # cut last line, blank after it
+    assert read_metrics(path) == [{"step": 1}]

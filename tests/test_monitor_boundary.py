@@ -161,3 +161,13 @@ def test_writing_on_after_an_end_token_stops_on_the_stage_path(tiny_tokenizer, t
     assert watched(stage_result(tokenizer, [eot, end], [*healthy, on_after])) == []
 
 
+
+
+def test_an_answer_that_quotes_the_end_of_the_question_later_on_is_no_echo():
+    """The trainer passes each completion's user message. A reply that opens with its own words and then
+    quotes the question's last words is an answer, not the prompt's tail leaked before it (I4)."""
+    quoting = "Answer: C. Of the options (" + USER[-25:] + ") only the last fits." + EOT
+    leaked = USER[-25:] + " Answer: C" + EOT
+    monitor = Monitor(MonitorConfig())
+    assert monitor.check_boundary(1, [quoting], [USER], [], [EOT]) == []
+    assert [f.rule for f in monitor.check_boundary(1, [leaked], [USER], [], [EOT])] == ["boundary_prompt_echo"]

@@ -140,3 +140,31 @@ def test_draws_on_a_float_midpoint_are_the_serial_kernels():
     if torch.equal(vectorised, serial):
         pytest.skip("vectorised and serial log1p round alike on this CPU: no midpoint case to correct")
     assert torch.equal(multinomial._from_uniform(uniforms), serial)
+
+
+def test_an_infinite_probability_raises_multinomials_error():
+    probs = torch.full((2, 10), 0.1)
+    probs[0, 4] = math.inf
+    with pytest.raises(RuntimeError, match="contains either `inf`, `nan` or element < 0"):
+        torch.multinomial(probs, 1)
+    with pytest.raises(RuntimeError, match="contains either `inf`, `nan` or element < 0"):
+        multinomial.multinomial_one(probs)
+
+
+def test_draws_that_leave_the_generator_elsewhere_fail_the_self_check(monkeypatch):
+    """A PyTorch whose ``uniform_`` gives ``exponential_``'s numbers but consumes the stream otherwise (here:
+    one more draw after them): every later draw would move, so the self-check says so."""
+    exponentials = multinomial._exponentials
+
+    def one_more(shape):
+        draws = exponentials(shape)
+        torch.rand(1)
+        return draws
+
+    monkeypatch.setattr(multinomial, "_exponentials", one_more)
+    multinomial.exponential_mismatch.cache_clear()
+    try:
+        with pytest.warns(FastPathWarning, match="'exponential draws' fell back to torch.multinomial"):
+            assert multinomial.exponential_mismatch() is not None
+    finally:
+        multinomial.exponential_mismatch.cache_clear()

@@ -44,3 +44,41 @@ def test_the_adapter_drops_out_at_model_lora_dropout(tiny_model):
     wrapped = wrap_lora(tiny_model, LoraConfig(dropout=0.25, target_modules=["v_proj"]))
     dropouts = [m for name, m in wrapped.named_modules() if name.endswith("lora_dropout.default")]
     assert dropouts and all(isinstance(m, torch.nn.Dropout) and m.p == 0.25 for m in dropouts)
+
+
+def _saved_sft(tmp_path, tiny_model, tiny_tokenizer, **params):
+    """A config whose models/sft (and models/base) is the tiny model, with ``params`` merged in."""
+    cfg = config_from_dict({"paths": {"data_dir": str(tmp_path / "data"), "models_dir": str(tmp_path / "models")},
+                            **params})
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "data" / "train.jsonl").write_text("")
+    for stage in ("base", "sft"):
+        save_model(tiny_model, tiny_tokenizer, paths.model_dir(cfg, stage))
+        write_lineage(paths.model_dir(cfg, stage), make_lineage(stage, cfg, paths.stage_inputs(cfg, stage)))
+    return cfg
+
+
+def test_the_learning_rate_warms_up_from_its_first_step_without_weight_decay(tmp_path, tiny_model, tiny_tokenizer):
+    """``grpo.warmup_steps: 4``: the first update already moves at lr / 4 (a zero rate would waste the step),
+    full lr from the fourth; AdamW's default decay would pull the weights towards 0, away from SFT's."""
+    cfg = _saved_sft(tmp_path, tiny_model, tiny_tokenizer, grpo={"lr": 1e-3, "warmup_steps": 4},
+                     model={"lora": {"r": 2, "alpha": 4}})
+    policy = build_policy(cfg, torch.device("cpu"))
+    rates = []
+    for _ in range(5):
+        rates.append(policy.optimizer.param_groups[0]["lr"])
+        policy.optimizer.step()
+        policy.scheduler.step()
+    assert rates == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+    assert all(group["weight_decay"] == 0.0 for group in policy.optimizer.param_groups)
+
+
+def test_every_build_draws_the_same_adapter_whatever_the_global_random_state(tmp_path, tiny_model, tiny_tokenizer):
+    """Every process builds the policy: its LoRA init is drawn from ``seed``, or the processes start apart."""
+    cfg = _saved_sft(tmp_path, tiny_model, tiny_tokenizer, model={"lora": {"r": 2, "alpha": 4}})
+    adapters = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)  # another process's (or a resumed run's) global state
+        model = build_policy(cfg, torch.device("cpu")).model
+        adapters.append({n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n})
+    assert adapters[0] and all(torch.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])

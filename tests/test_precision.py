@@ -384,3 +384,27 @@ def test_the_cuda_split_product_is_the_fp32_products_within_its_bound():
     assert bool(((split - exact).abs() <= 2**-14 * scale).all())
     fp32 = Fp32Product(weight, None, weight).logits(hidden).double()
     assert bool(((split - fp32).abs() <= 2**-13 * scale).all())
+
+
+@pytest.mark.parametrize("avx512_bf16, amx", [(True, False), (False, True)])
+def test_either_bf16_instruction_set_makes_the_cpus_bf16_native(monkeypatch, avx512_bf16, amx):
+    """AVX512-BF16 alone (Cooper Lake, Zen 4) or AMX alone is native bf16: autocast runs there."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert cpu_has_native_bf16() and autocast_enabled(CPU, bf16=True)
+
+
+def test_the_split_product_adds_the_heads_bias(monkeypatch):
+    """``SplitProduct.logits`` (CUDA's products emulated on a CPU, fp32 products of the bf16 parts, which are
+    exact): the bf16x3 product plus the bias, within the product's 2^-14 of ``|h| |w|``."""
+    from grpo.model import precision
+
+    monkeypatch.setattr(precision, "_mm_fp32_out", lambda a, b: a.float() @ b.float())
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(16, 64, generator=gen), 0.05 * torch.randn(128, 64, generator=gen)
+    bias = torch.randn(128, generator=gen)
+    logits = SplitProduct(split_bf16(weight), bias).logits(hidden)
+    exact = hidden.double() @ weight.double().T + bias.double()
+    scale = hidden.double().abs() @ weight.double().abs().T
+    assert logits.dtype == torch.float32
+    assert bool(((logits.double() - exact).abs() <= 2**-14 * scale + 1e-6 * bias.double().abs()).all())

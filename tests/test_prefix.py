@@ -94,6 +94,22 @@ def test_each_distinct_prompt_runs_once_per_segment(policy, tiny_tokenizer):
     assert seen == [(3, 12), (3 * G, WIDTH), (2, 12), (1, 12), (3 * G, WIDTH)]
 
 
+def test_the_prompt_pass_takes_the_prompts_in_order_of_first_appearance(policy, tiny_tokenizer):
+    """The prefill's rows are the distinct prompts in the order the rows first show them, as the rollout
+    keeps its prefill, not in the order their contents sort in (here the reverse: the longest prompt sorts
+    last and appears first)."""
+    input_ids, attention_mask, _ = grouped_batch(tiny_tokenizer.pad_token_id, prompt_lengths=(12, 7, 4))
+    rows = [G, 0, 2 * G, 1]  # prompts 1, 0, 2, 0
+    width = input_ids.shape[1] - WIDTH
+    seen = []
+    hook = policy.get_base_model().model.embed_tokens.register_forward_hook(
+        lambda module, args, out: seen.append(args[0].clone()))
+    with torch.no_grad():
+        score_completions(policy, input_ids[rows], attention_mask[rows], WIDTH, TEMPERATURE, shared_prefix=True)
+    hook.remove()
+    assert torch.equal(seen[0], input_ids[[G, 0, 2 * G], :width])
+
+
 def test_the_same_rows_and_segments_score_bit_for_bit_alike(policy, tiny_tokenizer):
     """A fresh prefill is the rollout's kept one (the same forward on the same prompts): the update's pass
     and the stored passes of the same rows agree exactly, not only to float reassociation."""
@@ -252,3 +268,36 @@ def test_kept_prefill_on_a_qwen_architecture(tiny_tokenizer):
         torch.testing.assert_close(scored.logprobs[completion_mask], plain.logprobs[completion_mask], rtol=0, atol=1e-5)
         torch.testing.assert_close(grads, plain_grads, rtol=1e-5, atol=1e-5)
         assert plain_grads.abs().max() > 1e-4, implementation
+
+
+def test_kept_prefills_serve_rows_of_one_later_segment_alone(policy, tiny_tokenizer):
+    """A micro-batch of one task's rows (``low_memory`` runs one graph per task) uses only the prefill of
+    its own segment: rows found in the second kept prefill alone score as a fresh pass scores them."""
+    from grpo.core.prefix import keep_prefills
+
+    input_ids, attention_mask, completion_mask = grouped_batch(tiny_tokenizer.pad_token_id)
+    width = input_ids.shape[1] - WIDTH
+    rows = slice(G, 2 * G)  # prompt 1, the only prompt of segment "b"
+    with torch.no_grad():
+        kept = keep_prefills(policy, input_ids[::G, :width], attention_mask[::G, :width], ["a", "b", "a"])
+        plain = score_completions(policy, input_ids[rows], attention_mask[rows], WIDTH, TEMPERATURE)
+        reused = score_completions(policy, input_ids[rows], attention_mask[rows], WIDTH, TEMPERATURE,
+                                   shared_prefix=True, prefills=kept)
+    mask = completion_mask[rows]
+    torch.testing.assert_close(reused.logprobs[mask], plain.logprobs[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(reused.entropy[mask], plain.entropy[mask], rtol=0, atol=1e-5)
+
+
+def test_a_kept_prefill_refuses_rows_padded_to_another_prompt_width(policy, tiny_tokenizer):
+    """Rows re-padded to a wider prompt block are not the rollout's rows: refused with the fix, not a
+    broadcasting error from the comparison of prompts."""
+    from grpo.core.prefix import PrefillError, keep_prefills
+
+    input_ids, attention_mask, _ = grouped_batch(tiny_tokenizer.pad_token_id)
+    width = input_ids.shape[1] - WIDTH
+    with torch.no_grad():
+        kept = keep_prefills(policy, input_ids[::G, :width], attention_mask[::G, :width], ["a", "a", "a"])
+    pad = torch.full((input_ids.shape[0], 1), tiny_tokenizer.pad_token_id)
+    wider_ids, wider_mask = torch.cat([pad, input_ids], dim=1), torch.cat([torch.zeros_like(pad), attention_mask], 1)
+    with torch.no_grad(), pytest.raises(PrefillError, match="columns wide"):
+        score_completions(policy, wider_ids, wider_mask, WIDTH, TEMPERATURE, shared_prefix=True, prefills=kept)

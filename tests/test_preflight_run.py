@@ -4,6 +4,7 @@ stage code fails, never skips, and a failed report is written and stops the comm
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -50,3 +51,26 @@ def test_a_failed_gate_writes_its_report_and_stops_the_command(tmp_path, monkeyp
     assert "preflight: fail  crashes" in capsys.readouterr().out
     monkeypatch.setattr(preflight, "run_checks", lambda cfg: {**report, "passed": True, "checks": report["checks"][:1]})
     assert preflight.run(cfg) == 0
+
+
+def test_the_report_passes_only_when_every_check_passes(monkeypatch):
+    monkeypatch.setattr(preflight, "gate_step", lambda cfg: None)
+    monkeypatch.setattr(preflight, "preflight_lineage", lambda cfg: {"stage": "preflight"})
+    monkeypatch.setattr(preflight, "CHECKS", (check_passes, check_crashes))
+    report = preflight.run_checks(config_from_dict({}))
+    assert report["passed"] is False and [c["passed"] for c in report["checks"]] == [True, False]
+    monkeypatch.setattr(preflight, "CHECKS", (check_passes, check_passes))
+    assert preflight.run_checks(config_from_dict({}))["passed"] is True
+
+
+def test_a_pipe_in_a_detail_stays_inside_its_cell_of_the_markdown_report(tmp_path):
+    """``|logp|`` in a detail is escaped: every row of the table has the header's six cells."""
+    cfg = config_from_dict({"paths": {"reports_dir": str(tmp_path / "reports")}})
+    check = Check("left_padded_extraction", "pass", 0.0, "max |logp alone - logp batched|", invariant="I3",
+                  bound=1e-4, unit="nats")
+    preflight.write_report(cfg, {"passed": True, "checks": [check.as_dict()], "lineage": {}})
+    table = [line for line in preflight.report_path(cfg).with_suffix(".md").read_text().splitlines()
+             if line.startswith("|")]
+    cells = [re.split(r"(?<!\\)\|", line)[1:-1] for line in table]
+    assert len(table) == 3 and all(len(row) == 6 for row in cells), table
+    assert cells[2][5].strip() == "max \\|logp alone - logp batched\\|"

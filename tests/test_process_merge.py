@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from grpo.health.process_merge import merge_process_metrics
@@ -28,3 +29,26 @@ def test_merged_metrics_are_those_of_the_concatenated_rows():
     assert merged["step_time"] == 4.0 and math.isclose(merged["tokens_per_s"], 44.0 / 4.0)
     assert (merged["dynamic/kept_groups"], merged["dynamic/draws"]) == (5.0, 2.0)  # groups kept in all; most draws
     assert merged["grad_norm"] == 0.5  # computed from all-reduced gradients: the same everywhere
+
+
+# metric: (each process's value, the count it is a mean over) -> the merged value, worked by hand.
+# Group statistics are over the first draw's prompts; row statistics over the trained completions, which
+# dynamic sampling makes a different multiple of the groups on each process.
+COUNTS = [{"groups": 2.0, "rows": 6.0}, {"groups": 6.0, "rows": 2.0}]
+WEIGHTED = {
+    "reward": ((1.0, 0.0), 0.25),  # (1.0 * 2 + 0.0 * 6) / 8 groups
+    "reward_std": ((0.4, 0.8), 0.7),
+    "frac_reward_zero_std": ((1.0, 0.0), 0.25),
+    "advantages/abs_mean": ((0.8, 0.0), 0.2),
+    "completions/mean_length": ((4.0, 8.0), 5.0),  # (4 * 6 + 8 * 2) / 8 rows
+    "completions/clipped_ratio": ((0.0, 1.0), 0.25),
+    "eos_suppressed_frac": ((0.5, 0.1), 0.4),
+}
+
+
+def test_group_and_row_statistics_merge_by_their_own_counts():
+    """A process with most of the frozen groups but few trained rows: the deadlock share is that of all
+    groups, and each row statistic that of all rows (the boundary rules read clipped_ratio)."""
+    per_process = [{key: values[i] for key, (values, _) in WEIGHTED.items()} for i in range(2)]
+    merged = merge_process_metrics(per_process, COUNTS)
+    assert {key: merged[key] for key in WEIGHTED} == pytest.approx({key: v for key, (_, v) in WEIGHTED.items()})

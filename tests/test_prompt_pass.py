@@ -124,3 +124,76 @@ def test_rows_independent_finds_a_linear_layer_whose_rows_depend_on_the_row_coun
         layer.__class__ = Batchwise
         assert not rows_independent(tiny_model, 40, 36)
         layer.__class__ = plain
+
+
+def _offered_pass(model, tokenizer):
+    """The first width whose greedy pass is offered as the samples' cache, and the generator state that
+    draws its prompts again."""
+    gen = torch.Generator().manual_seed(1)
+    for width in range(2, 41):
+        state = gen.get_state()
+        batch, prompt_pass, offered, _ = _pass_and_prefill(model, tokenizer, width, False, gen)
+        if offered is not None:
+            return width, state, batch, prompt_pass
+    pytest.fail("no width was offered a cache")
+
+
+def test_prompt_pass_offers_nothing_for_the_same_ids_under_another_mask(tiny_tokenizer, tiny_sizes):
+    """The kept pass attended its own mask: the same ids with another column masked are other prompts."""
+    model = _deeper_model(tiny_tokenizer, tiny_sizes)
+    _, _, batch, prompt_pass = _offered_pass(model, tiny_tokenizer)
+    mask = batch.attention_mask.clone()
+    mask[0, 0] = 0
+    assert prompt_pass.prefilled(model, batch.input_ids, mask, G) is None
+
+
+def test_prompt_pass_offers_nothing_where_the_watch_missed_a_layers_attention(
+    tiny_tokenizer, tiny_sizes, monkeypatch
+):
+    """The watch vouches only for the attention calls it saw: with the first layer's call of the pass unseen
+    (an attention that does not go through the watched kernel), no cache is offered."""
+    model = _deeper_model(tiny_tokenizer, tiny_sizes)
+    width, state, _, _ = _offered_pass(model, tiny_tokenizer)
+    seen = []
+    watch = kernels.watch_attention
+
+    def first_unseen(*args):
+        if seen:
+            watch(*args)
+        seen.append(1)
+
+    monkeypatch.setattr(kernels, "watch_attention", first_unseen)
+    gen = torch.Generator()
+    gen.set_state(state)
+    _, prompt_pass, offered, _ = _pass_and_prefill(model, tiny_tokenizer, width, False, gen)
+    assert prompt_pass.watch.calls == 2 and prompt_pass.watch.equal
+    assert offered is None
+
+
+def test_rows_independent_sees_a_row_move_in_its_last_bits(tiny_model):
+    """Bit for bit, not within a tolerance: a product whose rows move by a few parts in a million with the
+    row count (fp32 rounding of another blocking) is not row-independent."""
+
+    class LastBits(torch.nn.Linear):
+        def forward(self, hidden):
+            return super().forward(hidden) * (1 + 1e-6 * hidden.shape[0])
+
+    layer = tiny_model.model.layers[0].mlp.up_proj
+    layer.__class__ = LastBits
+    assert not rows_independent(tiny_model, 40, 36)
+
+
+def test_rows_independent_asks_again_under_autocast(tiny_model):
+    """A kernel's choice follows the dtype autocast multiplies in: an fp32 answer is not reused under bf16
+    autocast, where this layer's rows depend on the row count."""
+
+    class BatchwiseUnderAutocast(torch.nn.Linear):
+        def forward(self, hidden):
+            scale = 1 + 1e-2 * hidden.shape[0] * torch.is_autocast_enabled("cpu")
+            return super().forward(hidden) * scale
+
+    layer = tiny_model.model.layers[1].self_attn.v_proj
+    layer.__class__ = BatchwiseUnderAutocast
+    assert rows_independent(tiny_model, 40, 36)
+    with bf16_autocast(torch.device("cpu"), True, force=True):
+        assert not rows_independent(tiny_model, 40, 36)

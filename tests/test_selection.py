@@ -214,7 +214,7 @@ def test_the_sft_baseline_is_scored_with_the_adapter_off_and_the_policy_with_it_
     ids = torch.tensor([[5, 6, 7, 8]])
     seen = []
 
-    def replies(step_, model, records):  # what the replies would be drawn from
+    def replies(_step, model, records):  # what the replies would be drawn from
         seen.append(model(input_ids=ids).logits)
         return ["x"] * len(records)
 
@@ -238,3 +238,76 @@ def test_the_validation_replies_are_greedy(tiny_model, tiny_tokenizer):
     reseeded = step.cfg.model_copy(update={"seed": step.cfg.seed + 1})
     first = selection._replies(step, step.model, step_records())
     assert selection._replies(dataclasses.replace(step, cfg=reseeded), step.model, step_records()) == first
+
+
+# --------------------------------------------------------------------------- the trainer's side, without a run
+
+
+def _fake_step(num_processes: int = 1, reference=None):
+    """What ``kind_accuracy`` reads of a step: the accelerator's place, the policy and its reference."""
+    from types import SimpleNamespace
+
+    accelerator = SimpleNamespace(process_index=0, num_processes=num_processes)
+    return SimpleNamespace(accelerator=accelerator, model=torch.nn.Linear(2, 2), reference=reference)
+
+
+def test_a_full_fine_tune_scores_sft_with_its_frozen_copy_and_the_policy_with_the_policy(monkeypatch):
+    """``model.lora.enabled: false``: the reference is a frozen copy; only the SFT baseline is scored with it."""
+    from grpo.train import selection
+
+    step = _fake_step(reference=torch.nn.Linear(2, 2))
+    seen = []
+    monkeypatch.setattr(selection, "_replies", lambda _step, model, records: seen.append(model) or ["x"] * len(records))
+    monkeypatch.setattr(selection, "_correct", lambda text, record: False)
+    records = [{"id": "a", "task": "fairness", "context_condition": "ambig"}]
+    selection.kind_accuracy(step, records, reference=True)
+    selection.kind_accuracy(step, records)
+    assert seen[0] is step.reference and seen[1] is step.model
+
+
+def test_several_processes_add_their_counts_before_dividing(monkeypatch):
+    """Accuracy over every process's answers: 1 right of 2 here, 3 of 4 on the other process -> 4/6."""
+    from grpo.train import selection
+
+    records = [{"id": f"a{i}", "task": "fairness", "context_condition": "ambig"} for i in range(4)]
+    monkeypatch.setattr(selection, "_replies", lambda _step, model, mine: ["right", "wrong"][: len(mine)])
+    monkeypatch.setattr(selection, "_correct", lambda text, record: text == "right")
+    monkeypatch.setattr(selection, "gather_object", lambda mine: mine + [{"ambiguous": [3, 4]}])
+    scores = selection.kind_accuracy(_fake_step(num_processes=2), records)
+    assert scores == {"ambiguous": pytest.approx(4 / 6)}
+
+
+def test_carve_refuses_a_split_that_takes_every_record_of_one_task():
+    """Two fairness records, both set aside (one per kind): GRPO would train on hallucination alone."""
+    cfg = config_from_dict({"grpo": {"selection": {"records": 4}}})
+    pool = [{"id": "f0", "task": "fairness", "context_condition": "ambig"},
+            {"id": "f1", "task": "fairness", "context_condition": "disambig"}]
+    pool += [{"id": f"h{i}", "task": "hallucination", "answerable": i % 2 == 0} for i in range(8)]
+    with pytest.raises(SelectionError, match=r"leaves 6 of 10 GRPO records to train on \(tasks left: \['hallucination'\]\)"):
+        carve(cfg, pool)
+
+
+def test_finish_loads_the_chosen_checkpoint_not_the_last_one(tmp_path):
+    """The policy ends with the weights of the best step (CURVE's 20), saved at step 20, not those of step 40,
+    and ``selection.json`` records that choice."""
+    from types import SimpleNamespace
+
+    from grpo.train import checkpoint as ckpt
+    from grpo.train.rng_state import capture_rng
+    from grpo.train.selection import Selector
+
+    models = {}
+    for step in (20, 40):
+        models[step] = torch.nn.Linear(2, 2)
+        ckpt.save_checkpoint(tmp_path, step, model=models[step], optimizer=None, scheduler=None, rng=capture_rng(),
+                             history=[], lineage={}, keep_last=5)
+    selector = Selector.__new__(Selector)  # the scores are given: no model to score with
+    policy = torch.nn.Linear(2, 2)
+    selector.cfg = config_from_dict({})
+    selector.step, selector.run_dir = SimpleNamespace(model=policy), tmp_path
+    selector.validation, selector.sft, selector.sft_seconds = [{"id": "v"}], SFT, 0.0
+    history = [{"step": step, **{score_key(kind): value for kind, value in scores.items()}} for step, scores in CURVE]
+    summary = selector.finish(history, 40, is_main=True)
+    assert summary["step"] == 20
+    assert torch.equal(policy.weight, models[20].weight) and torch.equal(policy.bias, models[20].bias)
+    assert json.loads((tmp_path / "selection.json").read_text())["step"] == 20

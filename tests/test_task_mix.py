@@ -124,3 +124,17 @@ def test_kind_share_null_draws_as_before_and_a_missing_kind_is_an_error():
     only_ambiguous = {**KINDED, "fairness": KINDED["fairness"][:9]}
     with pytest.raises(GrpoError, match="no disambiguated fairness records but grpo.kind_share=0.5"):
         sample_step(only_ambiguous, 8, 0.5, seed=1, step=1, kind_share=0.5)
+
+
+@pytest.mark.parametrize(("n", "share", "expected"), [(8, 0.7, (6, 2)), (10, 0.66, (7, 3)), (5, 0.5, (2, 3))])
+def test_split_count_rounds_to_the_nearest_count(n, share, expected):
+    """8 * 0.7 = 5.6 prompts is 6, not 5 (a truncation would skew every ratio towards the second task); a
+    half rounds to even, as Python's ``round``."""
+    from grpo.train.task_mix import split_count
+
+    assert split_count(n, share) == expected
+
+
+def test_as_many_processes_as_prompts_give_each_process_one_prompt():
+    shards = [shard_indices(list("fhfh"), p, 4) for p in range(4)]
+    assert shards == [[0], [2], [1], [3]]

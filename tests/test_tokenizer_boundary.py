@@ -70,3 +70,14 @@ def test_an_eos_the_model_does_not_declare_is_refused(tiny_tokenizer):
     assert len(problems) == 1 and "'<|eot_id|>' (id 4) is not among" in problems[0]
     assert boundary_problems(tiny_tokenizer, _model(None), (), {}) == []  # nothing declared: nothing to compare
     assert boundary_problems(tiny_tokenizer, _model([1, 4]), (), {}) == []  # any declared id, not only the first
+
+
+def test_a_prompt_that_begins_with_a_plain_token_twice_is_no_problem(tiny_tokenizer, tiny_model, monkeypatch):
+    """Only a doubled *special* start token is a tokenizer fault; a template may open with repeated text."""
+    from grpo.checks import tokenizer_boundary
+
+    word = tiny_tokenizer.encode("Hello", add_special_tokens=False)[0]
+    assert word not in tiny_tokenizer.all_special_ids
+    render = tokenizer_boundary.render_prompt
+    monkeypatch.setattr(tokenizer_boundary, "render_prompt", lambda *a, **kw: [word, word, *render(*a, **kw)])
+    assert boundary_problems(tiny_tokenizer, tiny_model, (), {}) == []
