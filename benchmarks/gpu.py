@@ -58,7 +58,7 @@ from grpo.model import kernels  # noqa: E402
 from grpo.model.architectures import build_architecture  # noqa: E402
 from grpo.model.fast import FastPaths, graph_step  # noqa: E402
 from grpo.model.lora import wrap_lora  # noqa: E402
-from grpo.model.precision import bf16_autocast, frozen_linears_in_bf16  # noqa: E402
+from grpo.model.precision import autocast_enabled, bf16_autocast, frozen_linears_in_bf16  # noqa: E402
 from grpo.model.rollout import sample_rollout, stop_ids  # noqa: E402
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets.
@@ -176,7 +176,9 @@ def bench_rollouts(model, tokenizer, cfg, args, device) -> dict:
     if not args.all_rollouts:  # generate at its best and the loop as the step runs it
         variants = {k: v for k, v in variants.items() if k in ("generate, frozen weights bf16", "decode loop, CUDA graph")}
     for name, (run, frozen, graphed) in variants.items():
-        with bf16_autocast(device, True), frozen_linears_in_bf16([model], frozen), graphs(bool(graphed)) as built:
+        # The frozen weights in bf16 only under autocast (a CPU without native bf16 runs fp32, as the step does).
+        held = frozen and autocast_enabled(device, True)
+        with bf16_autocast(device, True), frozen_linears_in_bf16([model], held), graphs(bool(graphed)) as built:
             run(4)  # warm-up: kernels, allocator, the graph machinery
             seconds = timed(device, lambda run=run: run(args.tokens))
         entry = {"seconds": seconds, "tokens_per_s": tokens / seconds}
@@ -186,7 +188,7 @@ def bench_rollouts(model, tokenizer, cfg, args, device) -> dict:
                               "static_gap": [s.gap for s in steps]}
         out[name] = entry
     if args.profile:
-        with bf16_autocast(device, True), frozen_linears_in_bf16([model], True), graphs(True), \
+        with bf16_autocast(device, True), frozen_linears_in_bf16([model], autocast_enabled(device, True)), graphs(True), \
                 profiler(device) as profile:
             decode(min(32, args.tokens))
             sync(device)

@@ -111,16 +111,20 @@ def _ratio_kl_numbers(s: Gated) -> dict[str, float | None]:
     }
 
 
-def _formula(step: Step, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _formula(step: Step, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """The policy's log-probs and entropy part by part as the step scores them (``update.part_rows``), and
     ``softmax(z / T)``'s written out in float64 on the raw logits of those very forwards
     (``logprobs.completion_logits``, the scorer's own forward, run again on the same rows): [N, C] each.
     The same forwards, so the gap measures the formula (the temperature, the log-softmax, the entropy),
-    whatever the precision."""
+    whatever the precision. Last, the rounding of the same formula in fp32 (torch's own ``log_softmax``
+    on those logits against float64, the largest over the completion tokens): a log-softmax and an entropy
+    summed over a whole vocabulary in fp32 round by more than a log-prob's tolerance on some CPUs' vector
+    paths (1.4e-4 nats of entropy on a 152k vocabulary at T = 0.5 on an AVX2 CPU)."""
     inputs, width = batch.inputs, batch.completion_mask.shape[1]
     shape = batch.completion_mask.shape
     scored_logp, scored_entropy = torch.zeros(shape), torch.zeros(shape)
     logp, entropy = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
+    mask, rounding = batch.completion_mask.cpu(), 0.0
     for subset, micro in parts(step):
         found = part_rows(step, batch.rows, subset, micro)
         if not found:
@@ -142,11 +146,21 @@ def _formula(step: Step, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor
         ids = rows.input_ids[:, -width:].unsqueeze(-1)
         logp[idx.cpu()] = written.gather(-1, ids).squeeze(-1).cpu()
         entropy[idx.cpu()] = -(written.exp() * written).sum(-1).cpu()
+        kept = mask[idx.cpu()]
+        if kept.any():  # the same formula in fp32, against float64
+            single = torch.log_softmax(raw.float() / inputs.temperature, dim=-1)
+            single_logp = single.gather(-1, ids).squeeze(-1).double().cpu()
+            single_entropy = (-(single.exp() * single).sum(-1)).double().cpu()
+            rounding = max(
+                rounding,
+                float((single_logp - logp[idx.cpu()]).abs()[kept].max()),
+                float((single_entropy - entropy[idx.cpu()]).abs()[kept].max()),
+            )
         scored_logp[idx.cpu()], scored_entropy[idx.cpu()] = (
             scored.logprobs.float().cpu(),
             scored.entropy.float().cpu(),
         )
-    return logp, entropy, torch.stack([scored_logp, scored_entropy])
+    return logp, entropy, torch.stack([scored_logp, scored_entropy]), rounding
 
 
 def check_temperature(s: Gated) -> Check:
@@ -156,15 +170,16 @@ def check_temperature(s: Gated) -> Check:
     temperatures = sorted(
         {s.cfg.grpo.sampling.temperature, 0.5 if s.cfg.grpo.sampling.temperature == 1 else 1.0}
     )
-    gaps, wrong_record = {}, []
+    gaps, wrong_record, rounding = {}, [], 0.0
     with perturbed_policy(s.policy, s.cfg.seed):
         for t in temperatures:
             batch, sampled = step_batch(s, s.cfg.seed + 2, num_iterations=2, sampling={"temperature": t})
             if sampled.rollout.temperature != t or batch.inputs.temperature != t:
                 wrong_record.append(t)
-            logp, manual_entropy, (scored_logp, entropy) = _formula(
+            logp, manual_entropy, (scored_logp, entropy), fp32 = _formula(
                 with_grpo(s.step, num_iterations=2, sampling={"temperature": t}), batch
             )
+            rounding = max(rounding, fp32)
             mask = batch.completion_mask.cpu()
             gaps[f"T={t}"] = max(
                 float((batch.old_logprobs.cpu().double() - logp).abs()[mask].max()),
@@ -172,15 +187,18 @@ def check_temperature(s: Gated) -> Check:
                 float((entropy.double() - manual_entropy).abs()[mask].max()),
             )
     worst = max(gaps.values())
+    # The tolerance, or twice what the same formula rounds by in fp32 on these logits where that is more: a
+    # missing division by T moves log-probs and entropy by the logits' scale, orders of magnitude beyond.
+    bound = max(s.tolerance(), 2 * rounding)
     detail = (
         f"max |scored - written out| of the stored and fresh log-probs and the entropy, on the raw logits of "
-        f"the step's own forwards: {gaps}"
+        f"the step's own forwards: {gaps} (fp32's own rounding of the formula there: {rounding:.3g})"
     )
     check = bounded(
         "temperature",
         "I10",
         worst,
-        s.tolerance(),
+        bound,
         detail,
         "divide the logits by the rollout's temperature before log-softmax AND entropy",
         "nats",
