@@ -36,8 +36,8 @@ class ShiftedEngine:
     def __init__(self, model, tokenizer, shift: float) -> None:
         self.hf, self.shift = HFEngine(model, tokenizer, fast=FastPaths()), shift
 
-    def generate(self, prompts, group_size, sampling, eos_ids, seed) -> EngineRollout:
-        rollout = self.hf.generate(prompts, group_size, sampling, eos_ids, seed).rollout
+    def generate(self, prompts, group_size, sampling, eos_ids, seed, **prefill) -> EngineRollout:
+        rollout = self.hf.generate(prompts, group_size, sampling, eos_ids, seed, **prefill).rollout
         trainer = trainer_logprobs(self.hf.model, rollout)
         return EngineRollout(rollout, (trainer - math.log(self.shift)) * rollout.completion_mask)
 
@@ -83,8 +83,8 @@ class SameScoringEngine(ShiftedEngine):
     """The HF engine reporting, as the sampler's, the trainer's log-probs under bf16 autocast: exactly
     what the step's loss scores with ``grpo.bf16``, so the step must measure no mismatch at all."""
 
-    def generate(self, prompts, group_size, sampling, eos_ids, seed) -> EngineRollout:
-        rollout = self.hf.generate(prompts, group_size, sampling, eos_ids, seed).rollout
+    def generate(self, prompts, group_size, sampling, eos_ids, seed, **prefill) -> EngineRollout:
+        rollout = self.hf.generate(prompts, group_size, sampling, eos_ids, seed, **prefill).rollout
         with bf16_autocast(torch.device("cpu"), bf16=True):
             trainer = trainer_logprobs(self.hf.model, rollout)
         return EngineRollout(rollout, trainer * rollout.completion_mask)

@@ -217,7 +217,8 @@ def test_a_kept_prefill_refuses_moved_weights_and_rows_it_does_not_hold(policy, 
 
 def test_decode_cache_of_kept_prefills_is_the_prefilled_cache(tiny_model, tiny_tokenizer):
     """The decode loop's cache built from prefills kept per segment holds, row for row, what
-    ``prefilled_cache`` computes for the prompts in their order, without the graph. The segments order the
+    ``prefilled_cache`` computes for the prompts in their order, without the graph, and bit for bit what it
+    computes from the same passes (``segments``: what the rollout decodes from when it keeps nothing). The segments order the
     kept prompts as 0, 3, 1, 2: a permutation that is not its own inverse, so putting the prefills back by
     the permutation instead of its inverse gives rows another prompt's keys and values."""
     from grpo.core.prefix import decode_cache, keep_prefills, prefilled_cache
@@ -226,13 +227,16 @@ def test_decode_cache_of_kept_prefills_is_the_prefilled_cache(tiny_model, tiny_t
     width = input_ids.shape[1] - WIDTH
     ids, mask = input_ids[::G, :width], attention_mask[::G, :width]
     expected = prefilled_cache(tiny_model, ids, mask, G)
-    kept = keep_prefills(tiny_model, ids, mask, ["b", "a", "a", "b"])
+    segments = ["b", "a", "a", "b"]
+    same_passes = prefilled_cache(tiny_model, ids, mask, G, segments)
+    kept = keep_prefills(tiny_model, ids, mask, segments)
     assert torch.cat([p.index for p in kept]).tolist() == [0, 3, 1, 2]
     got = decode_cache(tiny_model, kept, G)
-    for mine, theirs in zip(got.layers, expected.layers, strict=True):
+    for mine, theirs, plain in zip(got.layers, expected.layers, same_passes.layers, strict=True):
         assert not mine.keys.requires_grad
         torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=1e-6)
         torch.testing.assert_close(mine.values, theirs.values, rtol=0, atol=1e-6)
+        assert torch.equal(mine.keys, plain.keys) and torch.equal(mine.values, plain.values), "the same passes"
 
 
 def test_kept_prefill_on_a_qwen_architecture(tiny_tokenizer):

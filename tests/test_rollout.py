@@ -215,3 +215,38 @@ def test_bf16_rollout_casts_frozen_weights_once_and_samples_the_same_tokens(tiny
     assert torch.equal(once, every)
     n_frozen_matrices = sum(1 for p in policy.parameters() if not p.requires_grad and p.dim() == 2)
     assert every_casts - once_casts >= 4 * n_frozen_matrices  # at least 4 decode steps saved their casts
+
+
+@pytest.mark.parametrize("fast", ["auto", "off"])
+def test_keeping_the_prefill_runs_the_very_passes_of_the_plain_shared_prefill(tiny_model, tiny_tokenizer, prompts,
+                                                                             fast):
+    """With ``segments``, the shared prefill runs one pass per segment over the whole prompts whether its graph
+    is kept (``keep_prefill``, the update's reuse) or not: the same forwards on the same shapes, so the same
+    keys, values and tokens. A bf16 product's rounding depends on its shape (a prompt pass one column
+    shorter, or over both tasks at once, moves the keys: docs/performance.md, the prefill reuse), so a kept
+    prefill computed otherwise than the plain one samples other tokens than ``model.fast_paths: off``.
+    Asserted on the passes themselves: in fp32 the numbers agree either way."""
+    calls: list[tuple] = []
+
+    def record(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        calls.append((tuple(ids.shape), ids.tolist()))
+
+    prompts = [prompts[0], prompts[1], prompts[0][:-2] + prompts[1][-2:], prompts[1][:5] + prompts[0][-3:]]
+    runs = {}
+    hook = tiny_model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        for keep in (False, True):
+            calls.clear()
+            out, kept = sample_rollout(tiny_model, tiny_tokenizer, prompts, 2, SAMPLING,
+                                       stop_ids(tiny_model, tiny_tokenizer), 3, shared_prefill=True,
+                                       segments=["f", "h", "h", "f"], keep_prefill=keep, fast=FastPaths(fast))
+            runs[keep] = (list(calls), out, kept)
+    finally:
+        hook.remove()
+    (plain_calls, plain, none), (kept_calls, got, kept) = runs[False], runs[True]
+    assert none == () and [p.index.tolist() for p in kept] == [[0, 3], [1, 2]]
+    width = plain.prompt_ids.shape[1]
+    assert plain_calls[:2] == kept_calls[:2] and [c[0] for c in plain_calls[:2]] == [(2, width), (2, width)]
+    assert plain_calls == kept_calls, "the decode's passes after the prefill"
+    assert torch.equal(got.sequences, plain.sequences)

@@ -350,3 +350,18 @@ def test_the_step_counts_its_rows_by_task_and_its_tokens_per_second(tiny_tokeniz
     assert (seen["groups"], seen["rows"], seen["rows/hallucination"], seen["rows/fairness"]) == (1, 4, 4, 0)
     assert result.metrics["completions/mean_length"] == 2.5
     assert result.metrics["tokens_per_s"] == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("fast_paths", ["auto", "off"])
+def test_the_step_prefills_by_task_whether_or_not_it_keeps_the_prefill(tiny_model, tiny_tokenizer, fast_paths):
+    """``draw`` asks its engine for one prefill pass per task in both settings, and for the graph only where
+    the update reuses it: ``off`` runs the very prompt passes ``auto`` keeps (``rollout.sample_rollout``), so
+    keeping them changes no sampled token under bf16 either."""
+    step = make_step(tiny_model, tiny_tokenizer, fast_paths=fast_paths)
+    asked = []
+    generate = step.engine.generate
+    step.engine.generate = lambda *args, **kwargs: asked.append(kwargs) or generate(*args, **kwargs)
+    records = step_records()
+    draw(step, records, seed=1)
+    assert step.reuses_prefill == (fast_paths == "auto")
+    assert asked == [{"segments": [r["task"] for r in records], "keep_prefill": step.reuses_prefill}]

@@ -77,11 +77,12 @@ def _step_rollouts(s: Gated, records: list[dict]) -> tuple[Rollout, Rollout]:
     """The step's engine on ``records`` as the step calls it, and the library path's engine, one seed."""
     step, group = s.step, s.cfg.grpo.group_size
     prompts = render_records(step.tokenizer, records, s.cfg.model.chat_template_kwargs)
-    keep = {"keep_segments": [r["task"] for r in records]} if step.reuses_prefill else {}
+    args = step.prefill_args(records)
     sampling, seed = _probe_sampling(s), s.cfg.seed
-    fast = step.engine.generate(prompts, group, sampling, step.eos_ids, seed, **keep).rollout
+    fast = step.engine.generate(prompts, group, sampling, step.eos_ids, seed, **args).rollout
     library = HFEngine(step.model, step.tokenizer, s.cfg.grpo.shared_prefix, fast=OFF)
-    return fast, library.generate(prompts, group, sampling, step.eos_ids, seed).rollout
+    plain = {**args, "keep_prefill": False}  # the same passes over the prompts, without the kept graph
+    return fast, library.generate(prompts, group, sampling, step.eos_ids, seed, **plain).rollout
 
 
 def _probe_sampling(s: Gated) -> SamplingConfig:

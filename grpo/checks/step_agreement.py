@@ -361,10 +361,10 @@ def _greedy(step: Step, records: list[dict]) -> torch.Tensor:
     """The trainer's rollout function decoding ``records`` greedily as its engine samples them (the kept
     prefill, the shared one, the fast paths the step uses): its sequences [N, P + C]."""
     prompts = render_records(step.tokenizer, records, step.cfg.model.chat_template_kwargs)
-    keep = {"keep_segments": [r["task"] for r in records]} if step.reuses_prefill else {}
     rollout, _ = sample_rollout(
         step.model, step.tokenizer, prompts, step.cfg.grpo.group_size, step.cfg.grpo.sampling, step.eos_ids,
-        step.cfg.seed, greedy=True, shared_prefill=step.cfg.grpo.shared_prefix, fast=step.fast, **keep,
+        step.cfg.seed, greedy=True, shared_prefill=step.cfg.grpo.shared_prefix, fast=step.fast,
+        **step.prefill_args(records),
     )
     return rollout.sequences
 

@@ -83,15 +83,48 @@ def shared_prefix_forward(
 
 @torch.no_grad()
 def prefilled_cache(
-    model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, repeats: int
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    repeats: int,
+    segments: Sequence[Hashable] | None = None,
 ):
     """The key/value cache of every prompt but its last column, computed once per prompt and repeated
     ``repeats`` times (row ``i`` of the result is prompt ``i // repeats``), for ``generate``: given
     it, ``generate`` runs only the last prompt column and the new tokens. prompt_ids, prompt_mask: [n, P]
-    left-padded, P >= 2. Positions as ``generate`` counts them (real tokens only)."""
-    cache = _prefill(model, prompt_ids[:, :-1], prompt_mask[:, :-1])[0].past_key_values
+    left-padded, P >= 2. Positions as ``generate`` counts them (real tokens only).
+
+    ``segments`` (a label per prompt): the passes ``keep_prefills`` runs, one per segment over its whole
+    prompts, each row's first ``P - 1`` columns put back at its own index; without, one pass over those
+    columns. A bf16 product's rounding depends on its shape, so only the same passes give a kept prefill's
+    numbers; this is the plain construction that ``decode_cache`` of kept prefills must equal."""
+    if segments is None:
+        cache = _prefill(model, prompt_ids[:, :-1], prompt_mask[:, :-1])[0].past_key_values
+    else:
+        cache = _segment_prefills(model, prompt_ids, prompt_mask, segments)
     cache.batch_repeat_interleave(repeats)
     return cache
+
+
+def _segment_prefills(
+    model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, segments: Sequence[Hashable]
+):
+    """One pass per segment over its whole prompts [n_s, P]; the cache of every column but the last, row
+    ``i`` prompt ``i``."""
+    layers, cache_class = None, None
+    for label in dict.fromkeys(segments):
+        rows = [i for i, s in enumerate(segments) if s == label]
+        cache = _prefill(model, prompt_ids[rows], prompt_mask[rows])[0].past_key_values
+        if layers is None:
+            cache_class = type(cache)
+            layers = [
+                tuple(kv.new_empty((len(segments), *kv.shape[1:-2], kv.shape[-2] - 1, kv.shape[-1]))
+                      for kv in (layer.keys, layer.values))
+                for layer in cache.layers
+            ]
+        for (keys, values), layer in zip(layers, cache.layers, strict=True):
+            keys[rows], values[rows] = layer.keys[..., :-1, :], layer.values[..., :-1, :]
+    return cache_class(layers, config=model.config)
 
 
 def _prefill(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, keep_hidden: bool = False):

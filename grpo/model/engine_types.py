@@ -38,12 +38,13 @@ class RolloutEngine(Protocol):
         sampling: SamplingConfig,
         eos_ids: Sequence[int],
         seed: int,
-        keep_segments: Sequence[Hashable] | None = None,
+        segments: Sequence[Hashable] | None = None,
+        keep_prefill: bool = False,
     ) -> EngineRollout:
         """``group_size`` completions per prompt (ids from ``chat.render_prompt``), seeded by ``seed``.
-        ``keep_segments`` (a label per prompt): keep the trainer's prefill of the prompts, one graph per
-        label, for the update to reuse (``rollout.sample_rollout``); an engine that does not prefill on
-        the trainer's model returns none."""
+        ``segments`` (a label per prompt): the trainer's shared prefill runs one pass per label, and
+        ``keep_prefill`` keeps those passes with their graph for the update to reuse
+        (``rollout.sample_rollout``); an engine that does not prefill on the trainer's model keeps none."""
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Make the engine sample from ``model``'s current weights (after every optimizer step)."""

@@ -43,7 +43,8 @@ class HFEngine:
         sampling: SamplingConfig,
         eos_ids: Sequence[int],
         seed: int,
-        keep_segments: Sequence[Hashable] | None = None,
+        segments: Sequence[Hashable] | None = None,
+        keep_prefill: bool = False,
     ) -> EngineRollout:
         rollout, prefills = sample_rollout(
             self.model,
@@ -54,7 +55,8 @@ class HFEngine:
             eos_ids,
             seed,
             shared_prefill=self.shared_prefill,
-            keep_segments=keep_segments,
+            segments=segments,
+            keep_prefill=keep_prefill,
             fast=self.fast,
             with_sampler=True,  # the step holds its scorer to what the decode computed (I3, I10)
         )

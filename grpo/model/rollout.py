@@ -141,16 +141,21 @@ def sample_rollout(
     seed: int,
     greedy: bool = False,
     shared_prefill: bool = False,
-    keep_segments: Sequence[Hashable] | None = None,
+    segments: Sequence[Hashable] | None = None,
     with_entropy: bool = False,
     prompt_pass: PromptPass | None = None,
     *,
     fast: FastPaths,
     with_sampler: bool = False,
+    keep_prefill: bool = False,
 ) -> tuple[Rollout, tuple[PromptPrefill, ...]]:
-    """``generate_rollout``, and with ``keep_segments`` (a label per prompt, e.g. its task) the
-    prefill kept with its graph, one per label (``prefix.keep_prefills``), for the update's policy
-    pass to reuse: the same weights on the same prompts, so running them again would repeat the work.
+    """``generate_rollout``; with ``segments`` (a label per prompt, e.g. its task) the shared prefill runs
+    one pass per label over the whole prompts (``prefix.prefilled_cache``), and ``keep_prefill`` keeps those
+    passes with their graph (``prefix.keep_prefills``) for the update's policy pass to reuse: the same
+    weights on the same prompts, so running them again would repeat the work. Kept or not, the decode
+    starts from the same passes: a bf16 matrix product's rounding depends on its shape, so keeping the
+    graph must not change which passes run, or the kept prefill would sample other tokens than the plain
+    one.
     ``with_sampler``: the rollout carries what the decode computed for each token it drew
     (``Rollout.sampler``), for the step to hold the scorer to it (sampling only)."""
     repeated = per_row([list(p) for p in prompts], group_size)
@@ -162,19 +167,22 @@ def sample_rollout(
     was_training = model.training
     model.eval()
     distinct = prompt.input_ids[::group_size].to(device), prompt.attention_mask[::group_size].to(device)
-    if shared_prefill and keep_segments is not None and prompt_width > 1:
+    if shared_prefill and keep_prefill and segments is not None and prompt_width > 1:
         # Outside ``cast_frozen_weights_once``: it marks the frozen weights as requiring grad.
         with torch.enable_grad():  # kept with its graph: the update's backward runs through it
-            kept = keep_prefills(model, *distinct, keep_segments)
+            kept = keep_prefills(model, *distinct, segments)
         cache = {"past_key_values": decode_cache(model, kept, group_size)}
     # The seed is an argument: sampling never depends on (or moves) the global generator.
     devices = [device] if device.type == "cuda" else []
     # A bf16 CPU decode casts each weight once, not at every token (``cast_frozen_weights_once``).
     with torch.random.fork_rng(devices=devices), cast_frozen_weights_once(model):
         torch.manual_seed(seed)
-        if shared_prefill and not kept and prompt_width > 1:
-            reused = None if prompt_pass is None else prompt_pass.prefilled(model, *distinct, group_size)
-            prefilled = reused if reused is not None else prefilled_cache(model, *distinct, group_size)
+        if shared_prefill and not cache and prompt_width > 1:
+            if segments is not None:  # the passes a kept prefill runs (``prefix.prefilled_cache``)
+                prefilled = prefilled_cache(model, *distinct, group_size, segments)
+            else:
+                reused = None if prompt_pass is None else prompt_pass.prefilled(model, *distinct, group_size)
+                prefilled = reused if reused is not None else prefilled_cache(model, *distinct, group_size)
             cache = {"past_key_values": prefilled}
         entropy = [] if with_entropy else None
         record = [] if with_sampler and not greedy else None

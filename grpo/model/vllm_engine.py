@@ -147,10 +147,12 @@ class VLLMEngine:
         sampling: SamplingConfig,
         eos_ids: Sequence[int],
         seed: int,
-        keep_segments: Sequence[Hashable] | None = None,
+        segments: Sequence[Hashable] | None = None,
+        keep_prefill: bool = False,
     ) -> EngineRollout:
         """One request per completion, each seeded by (seed, row), so a run is reproducible. vLLM
-        prefills with its own kernels, not the trainer's graph: ``keep_segments`` keeps nothing."""
+        prefills with its own kernels, not the trainer's graph: ``segments`` and ``keep_prefill`` change
+        nothing."""
         repeated = [list(p) for p in prompts for _ in range(group_size)]
         requests = [{"prompt_token_ids": ids} for ids in repeated]
         params = [

@@ -140,9 +140,10 @@ def draw(step: Step, records: list[dict], seed: int, timer: Callable = untimed) 
     """Roll out G completions per record, then their rewards and group advantages."""
     cfg, group = step.cfg, step.cfg.grpo.group_size
     prompts = render_records(step.tokenizer, records, cfg.model.chat_template_kwargs)
-    keep = {"keep_segments": [r["task"] for r in records]} if step.reuses_prefill else {}
     with timer("generate"), step.autocast():
-        sampled = step.engine.generate(prompts, group, cfg.grpo.sampling, step.eos_ids, seed, **keep)
+        sampled = step.engine.generate(
+            prompts, group, cfg.grpo.sampling, step.eos_ids, seed, **step.prefill_args(records)
+        )
     rollout = sampled.rollout
     with timer("reward"):
         rewards = torch.tensor(group_rewards(rollout.texts, records, group, cfg.rewards))

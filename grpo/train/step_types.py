@@ -8,6 +8,7 @@ import them at run time without importing the step itself.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,11 @@ class Step:
         """``sum`` mode without per-task statistics: one backward of the summed loss (it is linear)."""
         mt = self.cfg.grpo.multitask
         return mt.mode == "sum" and not mt.task_stats
+
+    def prefill_args(self, records: Sequence[Mapping]) -> dict:
+        """How the engine prefills ``records``' prompts for this step: one pass per task, kept with its
+        graph where the update reuses it (``RolloutEngine.generate``'s ``segments`` and ``keep_prefill``)."""
+        return {"segments": [r["task"] for r in records], "keep_prefill": self.reuses_prefill}
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward passes' precision (``grpo.bf16``): bf16 autocast over fp32 weights where it pays."""
