@@ -52,8 +52,8 @@ bench-gpu: setup
 
 # Style and dead code: ruff, then vulture (names only frameworks use are in vulture_whitelist.py).
 lint: setup
-	ruff check grpo tasks flows tests benchmarks
-	vulture grpo tasks flows tests benchmarks vulture_whitelist.py
+	ruff check grpo tasks flows tests benchmarks tools
+	vulture grpo tasks flows tests benchmarks tools vulture_whitelist.py
 
 # Serve the nightly `full-retrain` deployment (needs a Prefect server: see docs/orchestration.md).
 serve: setup

@@ -50,3 +50,5 @@ _.forward  # nn.Module.forward of grpo/model/precision.py's Fp32Head (called by 
 cache_kwargs  # argument in grpo/model/fast/decode.py (ReservedLayer.update keeps DynamicLayer.update's signature)
 _.longrepr  # pytest report attribute set in tests/conftest.py (an unmarked shared-folder skip fails)
 pytest_runtest_makereport  # pytest hook in tests/conftest.py
+_.create_module  # importlib Loader hook in tools/mutation_sweep.py
+_.submodule_search_locations  # ModuleSpec attribute set in tools/mutation_sweep.py

@@ -1,0 +1,68 @@
+"""tools/mutation_sweep.py: the mechanical mutants of a module, one operator change each, and the
+sweep's verdict on them."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from tools.mutation_sweep import _ServeSource, mutant_source, sites
+
+SOURCE = '''
+"""A docstring is never mutated."""
+
+
+def clip(x, low=0, high=1.5):
+    if x < low or x >= high:
+        raise ValueError(f"{x} is out of [{low}, {high})")
+    total = min(x, high) - -low
+    values.append(total)
+    for item in range(3):
+        if not item:
+            continue
+    return total / 2
+'''
+
+
+def test_each_site_is_one_operator_changed_and_the_rest_left_alone():
+    found = sites(SOURCE)
+    kinds = {(s.kind, s.text) for s in found}
+    assert {("compare", "Lt -> LtE"), ("compare", "GtE -> Gt"), ("boolop", "Or -> And"), ("name", "min -> max"),
+            ("binop", "Sub -> Add"), ("unary", "drop USub"), ("binop", "Div -> Mult"), ("number", "0 -> 1"),
+            ("number", "1.5 -> 3.0"), ("number", "2 -> 3"), ("statement", "drop call append()"),
+            ("flow", "Continue -> Break"), ("unary", "drop Not")} <= kinds
+    original = ast.dump(ast.parse(SOURCE))
+    for site in found:
+        mutated = mutant_source(SOURCE, site.index)
+        assert ast.dump(ast.parse(mutated)) != original, site
+        assert "A docstring is never mutated." in mutated and "is out of" in mutated, site
+    lines = {s.text: s.statement for s in found}
+    assert lines["Lt -> LtE"] == 6 and lines["Div -> Mult"] == 13 and lines["drop Not"] == 11
+
+
+def test_error_messages_and_raises_are_not_sites():
+    raising = 'def f(x):\n    raise ValueError(f"{x + 1} < 2")\n'
+    assert sites(raising) == []
+
+
+def test_a_number_past_the_last_site_is_refused():
+    with pytest.raises(IndexError):
+        mutant_source(SOURCE, len(sites(SOURCE)))
+
+
+def test_the_finder_serves_the_mutant_for_its_module_only(tmp_path):
+    import importlib
+    import sys
+
+    path = tmp_path / "sweep_probe.py"
+    path.write_text("VALUE = 1 + 1\n")
+    finder = _ServeSource("sweep_probe", path, mutant_source(path.read_text(), 0))
+    sys.meta_path.insert(0, finder)
+    try:
+        module = importlib.import_module("sweep_probe")
+        assert module.VALUE == 0 and module.__file__ == str(path)
+        assert finder.find_spec("json", None) is None
+    finally:
+        sys.meta_path.remove(finder)
+        sys.modules.pop("sweep_probe", None)
