@@ -95,5 +95,7 @@ def test_loop_and_vectorised_agree_over_sizes_group_sizes_and_seeds(scale_reward
 def test_rewards_not_a_multiple_of_group_size_name_the_values():
     with pytest.raises(AdvantageError, match=r"7 rewards .*group_size=3"):
         group_advantages(torch.zeros(7), group_size=3)
+    with pytest.raises(AdvantageError, match=r"4 rewards .*group_size=0"):  # not a ZeroDivisionError
+        group_advantages(torch.zeros(4), group_size=0)
     with pytest.raises(AdvantageError, match="scale_rewards"):
         group_advantages(torch.zeros(4), group_size=2, scale_rewards="global")

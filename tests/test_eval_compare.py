@@ -109,6 +109,28 @@ def test_the_bootstrap_is_paired_and_its_interval_is_the_95_percent_one():
     assert (row["high"] - row["diff"]) / (1.96 * se) == pytest.approx(1.0, abs=0.12), row
 
 
+def test_the_interval_is_the_level_s_two_tails_of_the_resampled_differences(monkeypatch):
+    """Exactly: a 95 % interval cuts 2.5 % off each end of the sorted resampled differences (of 1,001 values
+    0..1000, the 25th and the 975th), and ``level`` sets those tails (90 %: 5 % each)."""
+    assert compare._percentiles([float(v) for v in reversed(range(1001))], 0.025) == {"low": 25.0, "high": 975.0}
+    assert compare._percentiles([], 0.025) == {"low": None, "high": None}
+    tails = []
+    percentiles = compare._percentiles
+    monkeypatch.setattr(compare, "_percentiles", lambda values, tail: tails.append(tail) or percentiles(values, tail))
+    records = make_records("eval", 2, 2, seed=8)
+    outcomes = item_outcomes(_right(records), records, WEIGHTS)
+    paired_bootstrap(outcomes, outcomes, n_boot=4, seed=0)
+    paired_bootstrap(outcomes, outcomes, n_boot=4, seed=0, level=0.9)
+    n = len(INTERVAL_METRICS)
+    assert tails == [pytest.approx(0.025)] * n + [pytest.approx(0.05)] * n
+
+
+def test_the_decodings_are_those_any_model_was_scored_in():
+    results = {"base": {"greedy": {}}, "sft": {"greedy": {}, "sampled": {}}, "grpo": {"greedy": {}}}
+    assert compare.decoded_modes(results) == ["greedy", "sampled"]
+    assert compare.decoded_modes({"base": {"greedy": {}}}) == ["greedy"]
+
+
 def test_every_resample_keeps_each_tasks_count(monkeypatch):
     """Items are drawn within each task: every resample holds as many items of each task as the eval set."""
     records = make_records("eval", 6, 14, seed=9)

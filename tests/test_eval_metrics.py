@@ -73,6 +73,17 @@ def test_bias_scores_hand_table(items, acc_ambig, s_dis, s_amb):
             assert scores[key] == pytest.approx(expected), key
 
 
+@pytest.mark.parametrize("polarity", ["neg", "nonneg"])
+def test_an_unknown_or_unparseable_answer_is_never_biased(polarity):
+    """Only a person answer leans: "unknown" and no answer are neither biased nor counted as answered,
+    on either polarity (a non-negative question's bias is the other person, so "not the target" alone
+    must not make the unknown option biased)."""
+    for choice in (UNK, None):
+        item = fair("ambig", polarity, choice)
+        assert not item.answered and not item.biased, choice
+    assert fair("ambig", polarity, 1).biased == (polarity == "nonneg")
+
+
 def test_s_amb_uses_ambiguous_accuracy_not_overall():
     """acc over ambig = 1/2, over all = 3/4: s_amb must be (1 - 1/2) * 1 = 0.5, not (1 - 3/4) * 1."""
     items = [
@@ -264,11 +275,21 @@ def test_distinct_n_hand_examples(texts, n, expected):
         ("a b c", ["x y z"], 4, 0.0),  # no shared word
         ("the the the the", ["the cat", "the dog"], 1, 1 / 4),  # clipped at one reference's count, not the sum
         ("a b c", ["a b", "a b c d"], 1, 1.0),  # lengths 2 and 4 tie at distance 1: the shorter, no penalty
+        ("a b c d", ["a b", "a b c d e"], 1, math.exp(1 - 5 / 4)),  # closest r = 5, not the shortest 2
+        ("", ["a b"], 1, 0.0),  # an empty reply resembles nothing
     ],
 )
 def test_sentence_bleu_hand_cases(hypothesis, references, max_n, expected):
     got = sentence_bleu(hypothesis.split(), [ref.split() for ref in references], max_n)
     assert got == pytest.approx(expected, abs=1e-9)
+
+
+def test_bleu_is_bleu_4_unless_told():
+    """The default order is 4: p1 = 4/5, p2 = (3+1)/(4+1), p3 = (2+1)/(3+1), p4 = (1+1)/(2+1), equal lengths."""
+    expected = (4 / 5 * 4 / 5 * 3 / 4 * 2 / 3) ** (1 / 4)
+    assert sentence_bleu("a b c d e".split(), ["a b c d f".split()]) == pytest.approx(expected, abs=1e-12)
+    pair = ["a b c d e", "a b c d f"]
+    assert self_bleu(pair) == pytest.approx(expected, abs=1e-12) == self_bleu(pair, max_n=4)
 
 
 def test_self_bleu_identical_disjoint_and_hand_case():

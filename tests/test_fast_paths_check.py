@@ -81,6 +81,9 @@ def test_evaluation_samples_from_a_shifted_greedy_pass_fail(tiny_model, tiny_tok
 
 
 def test_a_decode_that_writes_another_id_than_it_drew_fails(tiny_model, tiny_tokenizer, monkeypatch):
+    # The loop's self-check (memoised per process) runs ``decode`` too: taken before the patch, so that the
+    # loop stays in use here and no later test inherits a fallback this patch caused, in any test order.
+    assert loop.loop_mismatch() is None
     original = loop.decode
 
     def forced(*args, **kwargs):

@@ -67,3 +67,23 @@ def test_weights_carry_no_gradient_into_the_loss():
 def test_cap_below_one_is_an_error():
     with pytest.raises(ValueError, match="cap must be >= 1"):
         truncated_is_weights(TRAINER, SAMPLER, MASK, cap=0.5)
+
+
+def test_a_cap_of_one_is_allowed_and_only_lowers_weights():
+    """``cap`` 1 is the bound itself (weights never above 1), not an error."""
+    trainer = torch.log(torch.tensor([[2.0, 0.5]]))
+    weights = truncated_is_weights(trainer, torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), cap=1.0)
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 0.5]]))
+
+
+def test_a_rollout_without_completion_tokens_reads_no_mismatch():
+    """Every token masked out (completions that stopped at once, all of them): the neutral statistics, the
+    ratio's range a single 1, not an error and not NaN."""
+    stats = rollout_mismatch(torch.randn(2, 3), torch.randn(2, 3), torch.zeros(2, 3, dtype=torch.bool))
+    assert stats == {
+        "sampling/sampling_logp_difference/mean": 0.0,
+        "sampling/sampling_logp_difference/max": 0.0,
+        "sampling/kl": 0.0,
+        "sampling/importance_sampling_ratio/min": 1.0,
+        "sampling/importance_sampling_ratio/max": 1.0,
+    }

@@ -15,6 +15,7 @@ from grpo.core.losses import (
     agg_loss,
     clipped_surrogate,
     k3_kl,
+    masked_mean,
     policy_loss_terms,
     total_loss,
 )
@@ -52,6 +53,20 @@ def test_agg_loss_rejects_unknown_type_and_dr_grpo_without_length():
         agg_loss(torch.zeros(1, 2), torch.ones(1, 2), "seq_mean", 2)
     with pytest.raises(LossError, match="max_completion_length"):
         agg_loss(torch.zeros(1, 2), torch.ones(1, 2), "dr_grpo", 0)
+    assert agg_loss(torch.full((1, 2), 3.0), torch.tensor([[1, 0]]), "dr_grpo", 1).item() == 3.0, "1 is a length"
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "token_mean", "dr_grpo"])
+def test_a_row_or_a_batch_without_completion_tokens_weighs_zero_never_nan(loss_type):
+    """A completion of no token (a row whose mask is all False; a task's rows all empty) adds 0 to the loss
+    and its statistics: the divisors are clamped to at least one token, never 0 / 0."""
+    loss_mat = torch.tensor([[2.0, 4.0], [7.0, 9.0]])
+    mask = torch.tensor([[True, True], [False, False]])
+    expected = {"grpo": 3.0 / 2, "token_mean": 3.0, "dr_grpo": 6.0 / 4}[loss_type]
+    assert agg_loss(loss_mat, mask, loss_type, 2).item() == pytest.approx(expected)
+    assert agg_loss(loss_mat, torch.zeros_like(mask), loss_type, 2).item() == 0.0
+    assert masked_mean(loss_mat, torch.zeros_like(mask)).item() == 0.0
+    assert masked_mean(loss_mat, mask).item() == 3.0
 
 
 # --------------------------------------------------------------------------- clipping
@@ -66,6 +81,7 @@ def test_agg_loss_rejects_unknown_type_and_dr_grpo_without_length():
         (-1.0, 0.5, 0.8, True, False),
         (-1.0, 1.5, 1.5, False, False),
         (0.0, 2.0, 0.0, False, False),
+        (0.0, 0.5, 0.0, False, False),  # no advantage: no clip is active, low or high
     ],
 )
 def test_clipping_table(advantage, ratio, loss, low, high):
@@ -74,6 +90,16 @@ def test_clipping_table(advantage, ratio, loss, low, high):
     assert tokens.loss.item() == pytest.approx(loss, abs=1e-6)
     assert tokens.ratio.item() == pytest.approx(ratio, abs=1e-6)
     assert (tokens.low_clipped.item(), tokens.high_clipped.item()) == (low, high)
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_a_ratio_on_the_clip_edge_is_not_clipped(advantage):
+    """With both epsilons 0 the clip range is the single point 1: a ratio of exactly 1 sits on its edge,
+    where clipping changes nothing, so neither clip counts it."""
+    tokens = clipped_surrogate(torch.zeros(1, 1), torch.zeros(1, 1), torch.tensor([advantage]), torch.ones(1, 1),
+                               epsilon_low=0.0, epsilon_high=0.0)
+    assert tokens.ratio.item() == 1.0 and tokens.loss.item() == -advantage
+    assert not tokens.low_clipped.item() and not tokens.high_clipped.item()
 
 
 def test_clip_statistics_count_active_clips_over_the_mask():

@@ -160,6 +160,26 @@ def test_each_rule_compares_at_its_threshold_as_its_description_says(rule):
     assert f"{metric} {comparison} 1" in finding.message, finding.message
 
 
+@pytest.mark.parametrize(
+    ("rules", "first_cause"),
+    [
+        (["entropy_floor"], "reward degeneracy"),
+        (["entropy_floor", "boundary_header"], "the chat template differs"),  # any boundary finding: its causes
+        (["boundary_header", "entropy_floor"], "the chat template differs"),
+        (["entropy_floor", "kind_trade"], "the reward pays too much"),  # a trade's before a collapse's
+    ],
+)
+def test_a_stop_names_every_finding_and_the_numbered_causes_of_its_kind(rules, first_cause):
+    """The stop message lists each stopping finding, then the causes of the most specific kind among them
+    (a boundary finding's, else a trade's, else a collapse's), numbered from 1."""
+    findings = [Finding(rule, "stop", 7, f"{rule} fired") for rule in rules]
+    with pytest.raises(TrainingStopped) as stop:
+        raise_if_stop(findings)
+    message = str(stop.value)
+    assert all(f"  - {rule}: {rule} fired" in message for rule in rules)
+    assert f"likely causes, most common first:\n  1. {first_cause}" in message, message
+
+
 def test_warn_findings_do_not_stop():
     raise_if_stop([Finding("lengths_frozen", "warn", 9, "frozen")])
 

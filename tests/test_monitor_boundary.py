@@ -65,6 +65,22 @@ def test_prompt_echo(boundary, completion, echo):
     assert [f.rule for f in findings] == (["boundary_prompt_echo"] if echo else [])
 
 
+def test_an_echo_of_exactly_the_width_counts_and_one_char_short_does_not(boundary):
+    """The rule's threshold (20 chars) is the shortest echo it names: a completion of exactly the prompt's
+    first 20 chars, or exactly its last 20, is an echo; 19 of them are not (so "20 chars or more" holds at
+    both ends of the prompt, and of a prompt no longer than it)."""
+    _, headers, eots = boundary
+    width = int(MonitorConfig().boundary_prompt_echo.threshold)
+    prompt = "abcdefghijklmnopqrstuvwxyz0123456789"  # no spaces: each cut is exactly its chars
+    for text, echo in ((prompt[:width], True), (prompt[-width:], True), (prompt[:width - 1], False),
+                       (prompt[-(width - 1):], False)):
+        findings = Monitor(MonitorConfig()).check_boundary(1, [text], [prompt], headers, eots)
+        assert [f.rule for f in findings] == (["boundary_prompt_echo"] if echo else []), (text, echo)
+    short = prompt[:width]  # a prompt of exactly the width, echoed whole
+    findings = Monitor(MonitorConfig()).check_boundary(1, [short + "!"], [short], headers, eots)
+    assert [f.rule for f in findings] == ["boundary_prompt_echo"]
+
+
 def test_healthy_completions_pass_the_boundary(boundary):
     prompt, headers, eots = boundary
     completions = ["Answer: A" + EOT, "Answer: C." + EOT, "I don't know." + EOT, "Answer: B"]

@@ -220,6 +220,14 @@ def test_hallucination_answerable_correct_gets_plus_one():
         assert hallucination_reward(reply, qa(True)) == 1.0, reply
 
 
+def test_an_alias_alone_is_an_exact_match():
+    """Exact match holds against any one gold answer: the alias "Venn" matches although the answer
+    "Mara Venn" does not (SQuAD scores against the best of its gold answers)."""
+    outcome = hallucination_outcome("Venn", qa(True))
+    assert outcome.em and outcome.f1 == 1.0 and outcome.correct
+    assert not hallucination_outcome("Mara", qa(True)).em
+
+
 def test_hallucination_answerable_f1_threshold():
     # F1("founder Mara Venn", "Mara Venn") = 0.8: correct by the F1 rule, not by exact match
     outcome = hallucination_outcome("founder Mara Venn", qa(True))

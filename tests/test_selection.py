@@ -311,3 +311,82 @@ def test_finish_loads_the_chosen_checkpoint_not_the_last_one(tmp_path):
     assert summary["step"] == 20
     assert torch.equal(policy.weight, models[20].weight) and torch.equal(policy.bias, models[20].bias)
     assert json.loads((tmp_path / "selection.json").read_text())["step"] == 20
+
+
+def test_a_run_of_one_task_carves_its_validation_from_that_task():
+    """The tasks a carve must leave are those the records hold: fairness alone is no error."""
+    cfg = config_from_dict({"grpo": {"selection": {"records": 4}}})
+    pool = [{"id": f"f{i}", "task": "fairness", "context_condition": "ambig" if i % 2 else "disambig"}
+            for i in range(10)]
+    train, validation = carve(cfg, pool)
+    assert len(train) == 6 and len(validation) == 4
+
+
+def test_changes_are_taken_over_the_kinds_both_scored():
+    from grpo.train.selection import changes
+
+    assert changes({"ambiguous": 0.5, "answerable": 0.75}, {"ambiguous": 0.25, "unanswerable": 0.5}) == {
+        "ambiguous": 0.25
+    }
+
+
+def test_the_greedy_calls_hold_the_rollouts_rows_or_eval_batch_size_whichever_is_larger():
+    from grpo.train.selection import batch_size
+
+    rows = config_from_dict({"grpo": {"prompts_per_step": 4, "group_size": 3}, "eval": {"batch_size": 5}})
+    wide = config_from_dict({"grpo": {"prompts_per_step": 4, "group_size": 3}, "eval": {"batch_size": 20}})
+    assert (batch_size(rows), batch_size(wide)) == (12, 20)
+
+
+def test_the_replies_answer_every_record_in_order_across_calls(tiny_model, tiny_tokenizer):
+    """Records spread over several greedy calls (here 2 rows a call): one reply per record, each record's
+    own (the reply it gets alone)."""
+    from grpo.train import selection
+    from tests.steps import step_records
+
+    step = _moved_step(tiny_model, tiny_tokenizer)
+    step = dataclasses.replace(step, cfg=step.cfg.model_copy(update={
+        "grpo": step.cfg.grpo.model_copy(update={"prompts_per_step": 1}),
+        "eval": step.cfg.eval.model_copy(update={"batch_size": 2})}))
+    assert selection.batch_size(step.cfg) == 2
+    records = step_records()
+    replies = selection._replies(step, step.model, records)
+    assert len(replies) == len(records) == 4
+    assert replies == [selection._replies(step, step.model, [record])[0] for record in records]
+
+
+def test_the_selector_scores_sft_with_the_reference_once_and_the_policy_when_due(monkeypatch, tmp_path):
+    """Made at every (re)start: the SFT baseline from the reference (a resumed policy has moved), then the
+    policy at each due step only, each with the seconds it took."""
+    from grpo.train import selection
+
+    calls = []
+
+    def planted(step, records, reference=False):
+        calls.append(reference)
+        return {"ambiguous": 0.25} if reference else {"ambiguous": 0.75}
+
+    monkeypatch.setattr(selection, "kind_accuracy", planted)
+    cfg = config_from_dict({"grpo": {"steps": 4, "selection": {"records": 4, "every": 2}}})
+    pool = [{"id": f"f{i}", "task": "fairness", "context_condition": "ambig" if i % 2 else "disambig"}
+            for i in range(8)] + [{"id": f"h{i}", "task": "hallucination", "answerable": i % 2 == 0} for i in range(8)]
+    started = time.perf_counter()
+    selector = selection.Selector(cfg, _fake_step(), pool, tmp_path)
+    assert calls == [True] and selector.sft == {"ambiguous": 0.25}
+    assert 0.0 <= selector.sft_seconds <= time.perf_counter() - started
+    assert selector.scores(1) == {} and calls == [True]
+    began = time.perf_counter()
+    scores = selector.scores(2)
+    assert calls == [True, False] and scores[score_key("ambiguous")] == 0.75
+    assert 0.0 <= scores[selection.SECONDS] <= time.perf_counter() - began
+
+
+def test_the_record_adds_the_seconds_of_the_entries_that_have_them(tmp_path):
+    from grpo.train import selection
+
+    cfg = config_from_dict({"grpo": {"selection": {"every": 2}}})
+    history = [{"step": 1}, {"step": 2, score_key("ambiguous"): 0.5, selection.SECONDS: 1.5},
+               {"step": 3}, {"step": 4, score_key("ambiguous"): 0.75, selection.SECONDS: 2.0}]
+    summary = selection.record(cfg, tmp_path, {"ambiguous": 0.25}, history, 8)
+    assert summary["seconds"] == 3.5 and [e["step"] for e in summary["evaluations"]] == [2, 4]
+    assert json.loads((tmp_path / selection.SELECTION_FILE).read_text())["seconds"] == 3.5
