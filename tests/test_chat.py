@@ -183,6 +183,16 @@ def test_i1_template_drift_in_the_prompts_last_token_alone_raises(tiny_tokenizer
 # --------------------------------------------------------------------------- I2
 
 
+def test_i2_a_template_that_never_closes_the_assistant_turn_raises(tiny_tokenizer):
+    """Turns closed by a newline instead of a special token: nothing after the assistant content could end a
+    completion, so the SFT example is refused (it would teach a model that never stops), whatever the ids."""
+    unclosed = copy.deepcopy(tiny_tokenizer)
+    unclosed.chat_template = LLAMA3_CHAT_TEMPLATE.replace("'<|eot_id|>'", "'\\n'")
+    assert unclosed.chat_template != LLAMA3_CHAT_TEMPLATE
+    with pytest.raises(GrpoError, match="no end-of-turn token after the assistant content"):
+        chat.render_sft(unclosed, prompts.example_messages(FAIRNESS), "Answer: C")
+
+
 @pytest.mark.parametrize("record", RECORDS, ids=lambda r: r["id"])
 def test_i2_sft_target_ends_with_end_of_turn_and_only_assistant_tokens_carry_loss(tok, record):
     messages = prompts.example_messages(record)

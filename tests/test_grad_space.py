@@ -81,8 +81,9 @@ def test_combine_on_shards_equals_combine_on_whole_gradients(mode, seed):
 
 
 def test_sharded_clip_uses_the_norm_of_the_whole_gradient():
-    """Every shard reports the whole norm and is scaled by clip_grad_norm_'s coefficient."""
-    whole = torch.arange(9.0) - 3.0  # [9]
+    """Every shard reports the whole norm and is scaled by clip_grad_norm_'s coefficient (on values that are
+    not whole numbers: a norm taken of gradients cast to integers would agree on whole ones)."""
+    whole = (torch.arange(9.0) - 3.0) * 0.37  # [9]
     norm = float(whole.norm())
     pieces = torch.tensor_split(whole, 2)
 

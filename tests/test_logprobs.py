@@ -106,9 +106,12 @@ def test_entropy_keeps_fp32_precision_at_large_logit_offsets():
         assert error < 2e-6, f"offset {offset}: max error {error:.2e} against fp64"
 
 
-def test_entropy_rejects_chunk_size_zero():
+def test_entropy_rejects_chunk_size_zero_and_takes_one_position_a_chunk():
     with pytest.raises(ScoringError, match="chunk_size"):
         entropy_from_logits(torch.zeros(1, 2, 3), chunk_size=0)
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(entropy_from_logits(logits, chunk_size=1), entropy_from_logits(logits), rtol=0, atol=0)
+    assert entropy_from_logits(torch.zeros(0, 5)).shape == (0,)
 
 
 def test_logits_stats_hand_example_uses_only_masked_positions():
@@ -126,6 +129,8 @@ def test_logits_stats_hand_example_uses_only_masked_positions():
     assert logits_stats(logits, torch.zeros(2, 2)) == {
         "logits/max": 0.0, "logits/top1_gap": 0.0, "logits/top5_mass": 0.0, "logits/max_prob": 0.0
     }
+    one = logits_stats(logits, torch.tensor([[1, 0], [0, 0]]))  # a single position: its own gap
+    assert (one["logits/max"], one["logits/top1_gap"]) == (5.0, 2.0)
 
 
 # --------------------------------------------------------------------------- score_completions
@@ -158,6 +163,8 @@ def test_score_completions_rejects_bad_width_and_temperature(tiny_model, tiny_to
     input_ids, attention_mask, _, _ = completion_batch(tiny_tokenizer)
     with pytest.raises(ScoringError, match="completion_width"):
         score_completions(tiny_model, input_ids, attention_mask, input_ids.shape[1], temperature=1.0)
+    with pytest.raises(ScoringError, match="completion_width"):
+        score_completions(tiny_model, input_ids, attention_mask, 0, temperature=1.0)
     with pytest.raises(ScoringError, match="temperature"):
         score_completions(tiny_model, input_ids, attention_mask, WIDTH, temperature=0.0)
 

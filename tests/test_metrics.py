@@ -54,6 +54,34 @@ def test_completion_stats():
     }
     with pytest.raises(MetricsError, match=r"\[N\]"):
         completion_stats(torch.tensor([[3]]), torch.tensor([[True]]))
+    with pytest.raises(MetricsError, match=r"N > 0"):
+        completion_stats(torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.bool))
+    one = completion_stats(torch.tensor([4]), torch.tensor([True]))  # one completion is a batch
+    assert one["completions/min_length"] == one["completions/max_length"] == 4.0
+
+
+def test_a_fresh_writer_makes_its_folder_and_an_empty_entropy_history_and_close_closes(tmp_path):
+    run = tmp_path / "runs" / "new"
+    writer = MetricsWriter(run, "exp", DISABLED, {})
+    assert json.loads(entropy_history_file(run, "exp").read_text()) == []
+    handle = writer._file
+    writer.close()
+    assert handle.closed and writer._file is None
+    writer.close()  # idempotent
+
+
+def test_a_resume_keeps_the_first_of_a_repeated_step_and_cuts_the_rest(tmp_path):
+    """Steps on disk must increase: a second line for step 1 ends what a resume keeps (the checkpoint's own
+    history then supplies step 2)."""
+    from grpo.paths import step_metrics_file
+
+    lines = [json.dumps({"step": 1, "loss": 1.0}), json.dumps({"step": 1, "loss": 9.0}),
+             json.dumps({"step": 2, "loss": 2.0})]
+    step_metrics_file(tmp_path).write_text("".join(line + "\n" for line in lines))
+    restored = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.5}]
+    with MetricsWriter(tmp_path, "exp", DISABLED, {}, resume_step=2, restored=restored) as writer:
+        assert [(r["step"], r["loss"]) for r in writer.history] == [(1, 1.0), (2, 2.5)]
+    assert [json.loads(line)["loss"] for line in step_metrics_file(tmp_path).read_text().splitlines()] == [1.0, 2.5]
 
 
 def test_task_reward_stats_per_task():

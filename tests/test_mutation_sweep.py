@@ -7,7 +7,7 @@ import ast
 
 import pytest
 
-from tools.mutation_sweep import _ServeSource, mutant_source, sites
+from tools.mutation_sweep import _ServeSource, main, mutant_source, sites
 
 SOURCE = '''
 """A docstring is never mutated."""
@@ -66,3 +66,10 @@ def test_the_finder_serves_the_mutant_for_its_module_only(tmp_path):
     finally:
         sys.meta_path.remove(finder)
         sys.modules.pop("sweep_probe", None)
+
+
+def test_a_module_that_is_not_there_is_named_with_the_fix(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["grpo/core/no_such_module.py", "tests/test_losses.py", "--list"])
+    assert exit_.value.code == 2
+    assert "no module grpo/core/no_such_module.py: name a .py file" in capsys.readouterr().err

@@ -250,3 +250,31 @@ def test_keeping_the_prefill_runs_the_very_passes_of_the_plain_shared_prefill(ti
     assert plain_calls[:2] == kept_calls[:2] and [c[0] for c in plain_calls[:2]] == [(2, width), (2, width)]
     assert plain_calls == kept_calls, "the decode's passes after the prefill"
     assert torch.equal(got.sequences, plain.sequences)
+
+
+def test_a_model_in_training_mode_rolls_out_without_dropout_and_stays_in_training_mode(tiny_model, tiny_tokenizer,
+                                                                                      prompts):
+    """The rollout samples from the policy itself, not a dropped-out copy of it: a training-mode model with
+    attention dropout gives the tokens and the entropies it gives in eval mode (the entropies: a tiny model's
+    greedy tokens may survive dropout), and is handed back in training mode."""
+    import copy
+
+    model = copy.deepcopy(tiny_model)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    model.eval()
+    expected = rollout(model, tiny_tokenizer, prompts, greedy=True, with_entropy=True)
+    model.train()
+    for seed in (0, 1):
+        torch.manual_seed(seed)  # dropout would draw from the global generator
+        got = rollout(model, tiny_tokenizer, prompts, greedy=True, with_entropy=True)
+        assert torch.equal(got.sequences, expected.sequences), seed
+        assert torch.equal(got.entropy, expected.entropy), seed
+    assert model.training
+
+
+def test_top_k_of_one_is_a_processor_the_scorer_does_not_reproduce():
+    from grpo.model.rollout import sampling_processors
+
+    assert sampling_processors(SamplingConfig(top_k=1, min_new_tokens=0)) == ("top_k=1",)
+    assert sampling_processors(SamplingConfig(min_new_tokens=0)) == ()

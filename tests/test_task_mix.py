@@ -84,6 +84,8 @@ def test_shard_of_a_sampled_step_keeps_both_tasks():
 def test_more_processes_than_prompts_is_an_error_naming_the_param():
     with pytest.raises(GrpoError, match=r"grpo.prompts_per_step >= 4"):
         shard_indices(["fairness", "hallucination"], 0, 4)
+    with pytest.raises(GrpoError, match="process 2 of 2 does not exist"):
+        shard_indices(["fairness", "hallucination"], 2, 2)
 
 
 KINDED = {
@@ -126,10 +128,12 @@ def test_kind_share_null_draws_as_before_and_a_missing_kind_is_an_error():
         sample_step(only_ambiguous, 8, 0.5, seed=1, step=1, kind_share=0.5)
 
 
-@pytest.mark.parametrize(("n", "share", "expected"), [(8, 0.7, (6, 2)), (10, 0.66, (7, 3)), (5, 0.5, (2, 3))])
+@pytest.mark.parametrize(("n", "share", "expected"), [(8, 0.7, (6, 2)), (10, 0.66, (7, 3)), (5, 0.5, (2, 3)),
+                                                   (2, 0.9, (1, 1)), (2, 0.1, (1, 1)), (1, 0.5, (0, 1))])
 def test_split_count_rounds_to_the_nearest_count(n, share, expected):
     """8 * 0.7 = 5.6 prompts is 6, not 5 (a truncation would skew every ratio towards the second task); a
-    half rounds to even, as Python's ``round``."""
+    half rounds to even, as Python's ``round``. Two items strictly shared give one to each side; one item
+    cannot be split."""
     from grpo.train.task_mix import split_count
 
     assert split_count(n, share) == expected

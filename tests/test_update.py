@@ -126,11 +126,14 @@ def test_a_token_mean_share_counts_tokens_and_a_grpo_share_rows(tiny_model, tiny
     the task's tokens (``token_mean``); the whole task's share is 1 either way."""
     step = make_step(tiny_model, tiny_tokenizer)
     batch = _batch(step, records)
-    totals = global_totals(step, batch)
     rows = batch.rows["fairness"]
     half = rows[: len(rows) // 2]
+    mask = batch.completion_mask.clone()
+    mask[half[0], 1:] = False  # one completion of a single token: the part's tokens are not its rows' share
+    batch = dataclasses.replace(batch, inputs=dataclasses.replace(batch.inputs, completion_mask=mask))
+    totals = global_totals(step, batch)
     tokens = float(batch.completion_mask[half].sum())
-    assert tokens != len(half)  # completions of several tokens: the two shares differ
+    assert tokens / totals.tokens["fairness"] != pytest.approx(len(half) / totals.rows["fairness"])
     assert _share(batch, totals, "fairness", rows, "token_mean") == pytest.approx(1.0)
     assert _share(batch, totals, "fairness", rows, "grpo") == pytest.approx(1.0)
     assert _share(batch, totals, "fairness", half, "token_mean") == pytest.approx(tokens / totals.tokens["fairness"])
@@ -185,16 +188,33 @@ def test_the_optimizer_steps_on_the_gradient_clipped_to_max_grad_norm(tiny_model
     step = make_step(tiny_model, tiny_tokenizer, max_grad_norm=max_grad_norm)
     batch = _batch(step, records, torch.linspace(-1, 1, 2 * len(records)))
     seen: list[float] = []
-    optimizer_step = step.optimizer.step
-
-    def recording(*args, **kwargs):
-        seen.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in step.params]))))
-        return optimizer_step(*args, **kwargs)
-
-    step.optimizer.step = recording
+    step.optimizer.register_step_pre_hook(lambda *_: seen.append(
+        float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in step.params])))))
     metrics, _ = update(step, batch)
     assert len(seen) == 1 and metrics["grad_norm"] > 1e-4, "a gradient large enough to clip"
     if max_grad_norm < metrics["grad_norm"]:
         assert seen[0] == pytest.approx(max_grad_norm, rel=1e-3)
     else:
         assert seen[0] == pytest.approx(metrics["grad_norm"], rel=1e-5)
+
+
+def test_each_update_starts_from_no_gradient_and_moves_the_schedule_one_step(tiny_model, tiny_tokenizer, records):
+    """Gradients left on the weights (by a caller, a probe, an earlier step) do not leak into the step: the
+    optimizer steps on this batch's gradient alone; and the learning-rate schedule advances once per update,
+    the lr logged being the scheduler's."""
+    advantages = torch.linspace(-1, 1, 2 * len(records))
+    seen = {}
+    for dirty in (False, True):
+        step = make_step(copy.deepcopy(tiny_model), tiny_tokenizer)
+        batch = _batch(step, records, advantages)
+        if dirty:
+            for p in step.params:
+                p.grad = torch.full_like(p, 100.0)
+        step.optimizer.register_step_pre_hook(
+            lambda *_, step=step, dirty=dirty: seen.__setitem__(dirty, [p.grad.clone() for p in step.params]))
+        before = step.scheduler.last_epoch
+        metrics, _ = update(step, batch)
+        assert step.scheduler.last_epoch == before + 1
+        assert metrics["lr"] == step.scheduler.get_last_lr()[0]
+    assert all(torch.equal(a, b) for a, b in zip(seen[True], seen[False], strict=True))
+    assert max(float(g.abs().max()) for g in seen[False]) > 0

@@ -399,6 +399,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="a coverage file with per-test contexts: each mutant runs the tests that ran its line")
     args = parser.parse_args(argv)
     target = args.module.resolve()
+    if not target.is_file():
+        parser.error(f"no module {args.module}: name a .py file of the project, e.g. grpo/core/losses.py")
     if args.list:
         for site in sites(target.read_text()):
             print(f"#{site.index} line {site.line}:{site.col} {site.kind}: {site.text}")

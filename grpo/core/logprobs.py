@@ -80,8 +80,7 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SI
         z = rows.float()  # [n, V]
         log_probs = torch.log_softmax(z, dim=-1)
         chunks.append(-(log_probs.exp() * log_probs).sum(dim=-1))
-    entropy = torch.cat(chunks) if chunks else flat.new_zeros(0, dtype=torch.float32)
-    return entropy.reshape(logits.shape[:-1])
+    return torch.cat(chunks).reshape(logits.shape[:-1])  # no rows: split gives one empty chunk
 
 
 @torch.no_grad()
