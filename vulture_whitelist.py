@@ -52,3 +52,8 @@ _.longrepr  # pytest report attribute set in tests/conftest.py (an unmarked shar
 pytest_runtest_makereport  # pytest hook in tests/conftest.py
 _.create_module  # importlib Loader hook in tools/mutation_sweep.py
 _.submodule_search_locations  # ModuleSpec attribute set in tools/mutation_sweep.py
+outside_a_run  # pytest fixture in tests/test_task_stages.py (requested by name)
+return_state  # keyword the flow passes its tasks, kept by the stand-ins in tests/test_flow_wiring.py
+_.repetition_penalty  # generation_config field set in tests/test_decode.py (the library must ignore it)
+_.no_repeat_ngram_size  # generation_config field set in tests/test_decode.py (the library must ignore it)
+_.attention_dropout  # LlamaAttention attribute set in tests/test_rollout.py (eval mode must switch it off)
