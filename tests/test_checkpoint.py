@@ -235,3 +235,38 @@ def test_a_weight_of_another_shape_is_refused_even_where_it_would_broadcast(tmp_
                            rng=capture_rng(), history=[], lineage=LINEAGE, keep_last=2)
     with pytest.raises(CheckpointError, match=r"weight has shape \(1, 3\), the model has \(2, 3\)"):
         load_checkpoint(path, model=torch.nn.Linear(3, 2), optimizer=None, scheduler=None)
+
+
+def test_keep_last_below_one_is_refused_with_the_fix(tmp_path, tiny_model):
+    with pytest.raises(CheckpointError, match=r"keep_last must be >= 1 \(got 0\): fix it in params.yaml"):
+        quick_save(tmp_path, 1, tiny_model, keep_last=0)
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_checkpoint_goes_into_a_run_folder_not_made_yet(tmp_path, tiny_model):
+    run_dir = tmp_path / "runs" / "grpo"
+    first = quick_save(run_dir, 1, tiny_model)
+    second = quick_save(run_dir, 2, tiny_model)  # the folder exists now
+    assert is_complete(first) and is_complete(second)
+
+
+def test_a_manifest_without_the_weights_is_not_complete(tmp_path, tiny_model):
+    path = quick_save(tmp_path, 1, tiny_model)
+    marker = json.loads((path / MARKER).read_text())
+    del marker["files"][WEIGHTS]
+    (path / MARKER).write_text(json.dumps(marker))
+    assert not is_complete(path) and latest_checkpoint(tmp_path) is None
+    with pytest.raises(CheckpointError, match=f"has no manifest of {WEIGHTS}"):
+        load_checkpoint(path, model=tiny_model, optimizer=None, scheduler=None)
+
+
+def test_the_scheduler_is_restored_without_an_optimizer(tmp_path, tiny_model):
+    optimizer, scheduler = make_training(tiny_model)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    path = save_checkpoint(tmp_path, 3, model=tiny_model, optimizer=optimizer, scheduler=scheduler,
+                           rng=capture_rng(), history=[], lineage=LINEAGE, keep_last=2)
+    _, fresh = make_training(tiny_model)
+    load_checkpoint(path, model=tiny_model, optimizer=None, scheduler=fresh)
+    assert fresh.state_dict()["last_epoch"] == 3 == scheduler.state_dict()["last_epoch"]

@@ -59,6 +59,10 @@ def test_clean_rows_hold_true_in_every_applicable_check():
         ({"answer": "The Brasken nurse"}, "fair_answer_is_choice", False),
         ({"label": True}, "schema_types", "label is bool"),
         ({"label": None}, "fair_missing", "label"),
+        # an index one past the three options, or before them, is out of range
+        ({"label": 3}, "fair_label_in_range", False),
+        ({"label": -1}, "fair_label_in_range", False),
+        ({"unknown_idx": 3}, "fair_unknown_idx_in_range", False),
         # options the parser cannot tell apart: equal up to case, punctuation and articles
         ({"choices": ["The Velorian nurse", "Unknown", "velorian nurse."]}, "fair_choices_distinct", False),
     ],
@@ -117,3 +121,124 @@ def test_sft_noise_is_consistent_only_on_ambiguous_items():
     assert frame_of(("train", row)).iloc[0]["sft_consistent"] == False  # noqa: E712 (numpy bool)
     noised = {**train_row(FAIR), "sft_label": 2}
     assert frame_of(("train", noised)).iloc[0]["sft_consistent"] == True  # noqa: E712 (numpy bool)
+
+
+@pytest.mark.parametrize(
+    ("base", "change", "expected"),
+    [
+        # a row, a change, what schema_types says of it
+        (QA, {"aliases": "M. Venn"}, "aliases is not a list of strings"),
+        (QA, {"aliases": ["M. Venn", 3]}, "aliases is not a list of strings"),
+        (FAIR, {"choices": ["The Velorian nurse", "Unknown", None]}, "choices is not a list of strings"),
+        (QA, {"answerable": "no"}, "answerable is str"),
+        (QA, {"context": 5}, "context is int"),
+    ],
+)
+def test_wrong_types_are_named_in_schema_types(base, change, expected):
+    row = frame_of(("eval", {**make_record(base, "eval").model_dump(mode="json"), **change})).iloc[0]
+    assert row["schema_types"] == expected
+
+
+def test_a_wrongly_typed_text_is_kept_out_of_the_text_checks():
+    row = frame_of(("eval", {**make_record(QA, "eval").model_dump(mode="json"), "context": 5})).iloc[0]
+    assert row["context"] is None and row["text_hash"] is None and "context" not in row["all_text"]
+    question = frame_of(("eval", {**make_record(QA, "eval").model_dump(mode="json"), "question": None})).iloc[0]
+    assert question["text_hash"] is None  # a hash needs both the context and the question
+
+
+def test_an_id_that_cannot_be_recomputed_does_not_match():
+    data = make_record(QA, "eval").model_dump(mode="json")
+    del data["answer"]
+    assert frame_of(("eval", data)).iloc[0]["id_matches_content"] == False  # noqa: E712 (numpy bool)
+
+
+def test_an_empty_option_is_not_distinct():
+    data = {**make_record(FAIR, "eval").model_dump(mode="json"), "choices": ["", "Unknown", "The Brasken nurse"]}
+    row = frame_of(("eval", data)).iloc[0]
+    assert row["fair_choices_distinct"] == False and row["choice_len_max"] == len("The Brasken nurse")  # noqa: E712
+
+
+def test_an_unanswerable_row_needs_its_distractor():
+    unanswerable = {**make_record(QA, "eval").model_dump(mode="json"), "distractor": None}
+    answerable = {**make_record(ANSWERABLE, "eval").model_dump(mode="json"), "distractor": None}
+    frame = frame_of(("eval", unanswerable), ("eval", answerable))
+    assert list(frame["hall_missing"]) == ["distractor", ""]
+
+
+def test_the_balance_columns_hold_each_rows_share():
+    """The suite's balance expectations average these columns per split: one row of each task here."""
+    frame = frame_of(("train", train_row(FAIR)), ("train", train_row(QA)))
+    fair, qa = frame.iloc[0], frame.iloc[1]
+    assert (fair["is_fairness_train"], fair["ambig_train"], fair["neg_train"]) == (1.0, 1.0, 1.0)
+    assert (fair["label0_train"], fair["label1_train"], fair["label2_train"]) == (0.0, 1.0, 0.0)
+    assert (fair["is_train"], fair["is_eval"]) == (1.0, 0.0)
+    assert (qa["is_fairness_train"], qa["answerable_train"], qa["is_train"]) == (0.0, 0.0, 1.0)
+    assert pd.isna(qa["ambig_train"]) and pd.isna(qa["label1_train"]) and pd.isna(fair["answerable_train"])
+    disambiguated = {**FAIR, "context_condition": "disambig", "question_polarity": "nonneg", "label": 0,
+                     "answer": "The Velorian nurse"}
+    row = frame_of(("eval", make_record(disambiguated, "eval").model_dump(mode="json"))).iloc[0]
+    assert (row["ambig_eval"], row["neg_eval"], row["label0_eval"], row["is_eval"]) == (0.0, 0.0, 1.0, 1.0)
+
+
+def _eval_row(base: dict, **change) -> pd.Series:
+    return frame_of(("eval", {**make_record(base, "eval").model_dump(mode="json"), **change})).iloc[0]
+
+
+def test_a_lone_surrogate_is_not_utf8():
+    assert _eval_row(QA)["utf8_ok"] == True  # noqa: E712 (numpy bool)
+    assert _eval_row(QA, question="Who started \ud800Kelby?")["utf8_ok"] == False  # noqa: E712
+    assert _eval_row(QA, aliases=["\udcff"])["utf8_ok"] == False  # noqa: E712
+
+
+def test_a_disambiguated_label_must_name_a_person():
+    disambiguated = {**FAIR, "context_condition": "disambig", "label": 0, "answer": "The Velorian nurse"}
+    assert _eval_row(disambiguated)["fair_disambig_label_known"] == True  # noqa: E712
+    assert _eval_row(disambiguated, label=1, answer="Unknown")["fair_disambig_label_known"] == False  # noqa: E712
+    assert _eval_row(FAIR)["fair_disambig_label_known"] is None  # ambiguous: the rule does not apply
+
+
+def test_a_hallucination_row_has_no_options_or_option_indices():
+    assert _eval_row(QA)["hall_no_choices"] == True  # noqa: E712
+    assert _eval_row(QA, choices=["a", "b", "c"])["hall_no_choices"] == False  # noqa: E712
+    assert _eval_row(QA, target_idx=0)["hall_no_choices"] == False  # noqa: E712
+
+
+def test_abstention_and_distractor_rules_of_an_unanswerable_row():
+    assert _eval_row(QA)["hall_abstains"] == True  # noqa: E712
+    assert _eval_row(QA, answer="Mara Venn")["hall_abstains"] == False  # noqa: E712
+    assert _eval_row(ANSWERABLE)["hall_abstains"] is None
+    assert _eval_row(ANSWERABLE)["hall_distractor_not_gold"] == True  # noqa: E712
+    assert _eval_row(ANSWERABLE, distractor=ABSTENTION)["hall_distractor_not_gold"] == False  # noqa: E712
+
+
+def _sft_row(base: dict, **change) -> pd.Series:
+    return frame_of(("train", {**train_row(base), **change})).iloc[0]
+
+
+def test_the_sft_targets_are_checked_against_the_noise_they_may_carry():
+    # fairness: noise teaches the biased option of an ambiguous item only
+    assert _sft_row(FAIR)["sft_noised_fair"] == 0.0 and _sft_row(FAIR, sft_label=2)["sft_noised_fair"] == 1.0
+    assert _sft_row(FAIR, target_idx=3, sft_label=3)["sft_consistent"] == False  # noqa: E712 (no biased option)
+    disambiguated = {**FAIR, "context_condition": "disambig", "label": 0, "answer": "The Velorian nurse"}
+    assert pd.isna(_sft_row(disambiguated)["sft_noised_fair"])
+    # hallucination: an unanswerable item's target may be its distractor, nothing else
+    assert (_sft_row(QA)["sft_consistent"], _sft_row(QA)["sft_noised_hall"]) == (True, 0.0)
+    noised = _sft_row(QA, sft_answer="Mara Venn")
+    assert (noised["sft_consistent"], noised["sft_noised_hall"]) == (True, 1.0)
+    assert _sft_row(QA, sft_answer="Ola Brandt")["sft_consistent"] == False  # noqa: E712
+    wrong = _sft_row(ANSWERABLE, sft_answer="Ola Brandt")
+    assert wrong["sft_consistent"] == False and pd.isna(wrong["sft_noised_hall"])  # noqa: E712
+    assert pd.isna(_sft_row(ANSWERABLE)["sft_noised_hall"]) and _sft_row(ANSWERABLE)["sft_consistent"] == True  # noqa: E712
+
+
+def test_sft_fields_belong_to_train_records_only():
+    assert _eval_row(FAIR, sft_label=1)["sft_fields"] == "sft_label on an eval record"
+    assert _eval_row(QA)["sft_fields"] == ""
+    other = frame_of(("eval", {**make_record(FAIR, "eval").model_dump(mode="json"), "split": "dev"}))
+    assert "sft_fields" not in other and not other.iloc[0]["split_matches_file"]
+
+
+def test_a_row_of_no_known_task_adds_no_balance_and_there_are_three_labels():
+    frame = frame_of(("train", train_row(FAIR)), ("eval", {**make_record(QA, "eval").model_dump(mode="json"),
+                                                            "task": "summary"}))
+    assert "is_fairness_eval" not in frame and "label3_train" not in frame

@@ -18,6 +18,10 @@ def test_assign_groups_is_seeded_and_keeps_both_splits():
     assert Counter(split.values()) == {"train": 7, "eval": 3}
     assert split != assign_groups(keys, 0.3, seed=2)
     assert set(assign_groups(["a", "b"], 0.01, seed=0).values()) == {"train", "eval"}
+    # with three groups a share near 0 or 1 still leaves one group to the other split
+    assert Counter(assign_groups(["a", "b", "c"], 0.01, seed=0).values()) == {"train": 2, "eval": 1}
+    assert Counter(assign_groups(["a", "b", "c"], 0.99, seed=0).values()) == {"train": 1, "eval": 2}
+    assert assign_groups(["a"], 0.99, seed=0) == {"a": "eval"} and assign_groups(["a"], 0.2, seed=0) == {"a": "train"}
 
 
 def test_stratified_sample_follows_shares_and_fills_shortfalls():
@@ -26,6 +30,15 @@ def test_stratified_sample_follows_shares_and_fills_shortfalls():
     assert len(picked) == 20 and Counter(x["k"] for x in picked) == {"a": 17, "b": 3}
     again = stratified_sample(items, 20, lambda x: x["k"], {"a": 0.5, "b": 0.5}, random.Random(0))
     assert again == picked
+    # each stratum is drawn at random, not its first items: another seed picks other items of "a"
+    other = stratified_sample(items, 20, lambda x: x["k"], {"a": 0.5, "b": 0.5}, random.Random(1))
+    assert {x["i"] for x in other if x["k"] == "a"} != {x["i"] for x in picked if x["k"] == "a"}
+    only_a = stratified_sample(items[:50], 10, lambda x: x["k"], {"a": 1.0}, random.Random(0))
+    assert {x["i"] for x in only_a} != set(range(10))
+    # a shortfall is filled from every other stratum's leftovers at random, not from the first by name
+    spare = items + [{"k": "c", "i": i} for i in range(50)]
+    filled = stratified_sample(spare, 20, lambda x: x["k"], {"a": 0.5, "b": 0.5}, random.Random(0))
+    assert Counter(x["k"] for x in filled)["c"] > 0
     even = stratified_sample(items[:10] + items[50:], 6, lambda x: x["k"], {"a": 0.5, "b": 0.5}, random.Random(0))
     assert Counter(x["k"] for x in even) == {"a": 3, "b": 3}
     # largest remainders: 7 x (0.3, 0.7) = 2.1 and 4.9 -> 2 and 5; 10 x (0.14, 0.43, 0.43) = 1.4, 4.3, 4.3 -> 2, 4, 4
@@ -62,5 +75,7 @@ def test_no_noise_and_eval_records():
     clean = apply_sft_noise(_records(), 0.0, seed=0)
     assert all((r.sft_label if r.task == "fairness" else r.sft_answer) == (r.label if r.task == "fairness"
                else r.answer) for r in clean)
-    evaluation = apply_sft_noise(_records("eval"), 1.0, seed=0)
+    records = _records("eval")
+    evaluation = apply_sft_noise(records, 1.0, seed=0)
+    assert evaluation == records  # every eval record kept, in order, unchanged
     assert all(r.sft_label is None and r.sft_answer is None for r in evaluation)

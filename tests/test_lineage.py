@@ -278,3 +278,31 @@ def test_a_lineage_file_that_is_json_but_not_an_object_is_refused_as_unreadable(
     (toy["artifact"] / LINEAGE_FILE).write_text(text)
     with pytest.raises(StaleArtifactError, match="has no readable lineage.json"):
         _check(toy)
+
+
+def test_params_hash_does_not_follow_the_order_the_stage_names_its_keys(toy, monkeypatch):
+    before = params_hash(Config(), "toy")
+    reordered = StageSpec("toy", "toy-cmd", ("toypkg.main",), ("paths", "model.tiny", "experiment", "seed"), ())
+    monkeypatch.setattr(stages, "STAGES", {"toy": reordered})
+    assert list(params_values(Config(), "toy")) == ["model.tiny", "seed"]
+    assert params_hash(Config(), "toy") == before
+
+
+def test_a_changed_code_fingerprint_is_stale_when_every_module_matches(toy):
+    """A lineage whose module hashes all match but whose fingerprint does not (edited, or made by a
+    fingerprint of other rules) is stale, and says so."""
+    path = toy["artifact"] / LINEAGE_FILE
+    lineage = json.loads(path.read_text())
+    path.write_text(json.dumps({**lineage, "code_fingerprint": "0" * 64}))
+    with pytest.raises(StaleArtifactError, match="the code fingerprint of stage toy changed since"):
+        _check(toy)
+
+
+def test_a_vanished_input_does_not_hide_a_change_in_the_next(toy, tmp_path):
+    inputs = {"a_eval": _write(tmp_path / "data/eval.jsonl", '{"q": 3}\n'), **toy["inputs"]}
+    write_lineage(toy["artifact"], make_lineage("toy", Config(), inputs, root=toy["code"]))
+    inputs["a_eval"].unlink()
+    _write(inputs["train"], '{"q": 2}\n')
+    reason = is_stale(toy["artifact"], "toy", Config(), inputs, root=toy["code"])
+    assert "input a_eval" in reason and "no longer exists" in reason
+    assert "input train" in reason and "changed since" in reason

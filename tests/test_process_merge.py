@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from grpo.health.metrics import MetricsError
 from grpo.health.process_merge import merge_process_metrics
 
 
@@ -52,3 +53,30 @@ def test_group_and_row_statistics_merge_by_their_own_counts():
     per_process = [{key: values[i] for key, (values, _) in WEIGHTED.items()} for i in range(2)]
     merged = merge_process_metrics(per_process, COUNTS)
     assert {key: merged[key] for key in WEIGHTED} == pytest.approx({key: v for key, (_, v) in WEIGHTED.items()})
+
+
+def test_a_metric_or_count_one_process_lacks_is_merged_over_the_others():
+    """A process without a count weighs nothing in its mean; an extreme, a std or a throughput that some
+    process lacks stays process 0's; a metric computed everywhere alike is process 0's."""
+    per_process = [
+        {"reward": 1.0, "step": 7, "completions/max_length": 9.0, "tokens_per_s": 10.0, "step_time": 2.0,
+         "rewards/fairness/mean": 0.5, "rewards/fairness/std": 0.1,
+         "rewards/hallucination/mean": 0.5, "rewards/hallucination/std": 0.1},
+        {"reward": 0.0, "step": 8, "step_time": 4.0, "rewards/fairness/std": 0.9,
+         "rewards/hallucination/mean": 0.9, "rewards/hallucination/std": 0.4},
+    ]
+    counts = [{"groups": 2.0, "rows/fairness": 4.0, "rows/hallucination": 2.0}, {"rows/fairness": 4.0}]
+    merged = merge_process_metrics(per_process, counts)
+    assert merged["reward"] == 1.0  # process 1 names no groups: weight 0
+    assert merged["step"] == 7 and merged["completions/max_length"] == 9.0
+    assert merged["rewards/fairness/mean"] == 0.5
+    assert merged["rewards/fairness/std"] == pytest.approx(0.1)  # process 1's std has no mean to pool with
+    hallucination = (merged["rewards/hallucination/mean"], merged["rewards/hallucination/std"])
+    assert hallucination == pytest.approx((0.5, 0.1))  # process 1 counts no hallucination rows
+    assert merged["tokens_per_s"] == 10.0 and merged["step_time"] == 4.0
+
+
+@pytest.mark.parametrize(("metrics", "counts"), [([], []), ([{"reward": 1.0}], []), ([{}], [{}, {}])])
+def test_metrics_and_counts_of_other_lengths_are_refused(metrics, counts):
+    with pytest.raises(MetricsError, match=f"got {len(metrics)}, {len(counts)}"):
+        merge_process_metrics(metrics, counts)
