@@ -86,3 +86,10 @@ def test_a_model_with_any_layer_not_full_attention_gets_the_2d_mask(tiny_model):
     tiny_model.config.layer_types = ["full_attention", "full_attention"]
     assert takes_prepared_mask(tiny_model)
     assert model_attention_mask(tiny_model, mask, 5).shape == (2, 1, 5, 5)
+
+
+def test_a_module_without_a_config_gets_the_2d_mask():
+    """A wrapped or plain module says nothing of its attention: nothing is assumed of it."""
+    mask = torch.ones(2, 5, dtype=torch.long)
+    plain = torch.nn.Linear(4, 4)
+    assert not takes_prepared_mask(plain) and model_attention_mask(plain, mask, 5) is mask

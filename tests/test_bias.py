@@ -104,6 +104,32 @@ def test_bias_intervals_are_grpo_minus_each_older_model():
         assert diffs["GRPO − base"][key]["diff"] == 0.0, key
 
 
+def test_bias_intervals_need_grpo_and_the_older_model():
+    from grpo.config import config_from_dict
+    from grpo.data.schema import LETTERS
+    from grpo.eval.bias import intervals
+
+    records = bbq_records(BBQ, 2, seed=3)
+    right = {"greedy": [f"Answer: {LETTERS[r['label']]}" for r in records]}
+    cfg = config_from_dict({"eval": {"bootstrap": 100}})
+    assert list(intervals({"grpo": right, "base": right}, records, cfg)) == ["GRPO − base"]
+    assert intervals({"sft": right, "base": right}, records, cfg) == {}
+
+
+def test_bias_report_lists_each_difference_with_its_interval(tmp_path):
+    from grpo.config import config_from_dict
+    from grpo.eval.bias import SFT_DIFFERENCE, report
+
+    differences = {SFT_DIFFERENCE: {"fairness/accuracy_ambig": {"diff": 0.3, "low": 0.25, "high": 0.35},
+                                    "fairness/abs_s_amb": {"diff": None, "low": None, "high": None}}}
+    figures = {"accuracy_ambig": 0.1, "accuracy_disambig": 0.5, "s_amb": 0.0, "s_dis": 0.0}
+    results = {name: {"overall": figures, "by_category": {"Age": figures}} for name in ("sft", "grpo")}
+    text = report(results, differences, [{"category": "Age"}], tmp_path, config_from_dict({"eval": {"bootstrap": 177}}))
+    table = text.split(f"## {SFT_DIFFERENCE}, 95 % paired bootstrap (177 resamples)")[1]
+    assert "| fairness/accuracy_ambig | 0.300 | [+0.250, +0.350] |" in table
+    assert "| fairness/abs_s_amb | — | — |" in table
+
+
 def test_bias_report_shows_s_amb_per_category(tmp_path):
     from grpo.config import config_from_dict
     from grpo.eval.bias import report
