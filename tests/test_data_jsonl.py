@@ -23,7 +23,7 @@ def test_read_rows_names_each_bad_line(tmp_path):
     assert [(p.rule, p.line) for p in problems] == [("read.json", 2), ("read.not_object", 3), ("read.utf8", 4)]
     assert all(p.file == str(path) for p in problems)
     _, missing = read_rows(tmp_path / "none.jsonl")
-    assert [p.rule for p in missing] == ["read.missing_file"]
+    assert [(p.rule, p.line) for p in missing] == [("read.missing_file", 0)]  # line 0: the file, not a line of it
 
 
 def test_load_records_round_trip_and_errors(tmp_path):

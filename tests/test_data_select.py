@@ -8,7 +8,7 @@ from grpo.config import config_from_dict
 from grpo.data.errors import DataSourceError
 from grpo.data.jsonl import records_text
 from grpo.data.prepare import build_records
-from grpo.data.select import held_out_for_grpo, train_records
+from grpo.data.select import balanced_records, held_out_for_grpo, interleave, split_by_task, train_records
 
 RECORDS = {r.id: r for r in build_records(config_from_dict({"data": {"n_train": 2000, "n_eval": 2}}))["train"]}
 """Real prepared train records by id, in prepare's order."""
@@ -73,3 +73,25 @@ def test_a_missing_or_empty_train_split_is_an_error_naming_the_fix(tmp_path):
 def test_the_holdout_is_a_share_below_one(share):
     with pytest.raises(ValueError, match="grpo_holdout"):
         config_from_dict({"data": {"grpo_holdout": share}})
+
+
+def test_records_are_grouped_by_task_in_file_order():
+    records = [{"task": t, "i": i} for i, t in enumerate(["hallucination", "fairness", "fairness"])]
+    assert split_by_task(records) == {"fairness": [records[1], records[2]], "hallucination": [records[0]]}
+    assert split_by_task([]) == {"fairness": [], "hallucination": []}
+
+
+def test_interleave_alternates_then_takes_the_rest_up_to_the_limit():
+    a, b = [f"a{i}" for i in range(4)], ["b0"]
+    assert interleave([a, b]) == ["a0", "b0", "a1", "a2", "a3"]
+    assert interleave([a, b], limit=3) == ["a0", "b0", "a1"]
+    assert interleave([a, ["b0", "b1"]], limit=3) == ["a0", "b0", "a1"]  # the limit cuts a round short
+    assert interleave([a, b], limit=0) == [] and interleave([[], []]) == []
+    assert interleave([[], b], limit=5) == ["b0"]
+    assert a == [f"a{i}" for i in range(4)]  # the groups are left as they were
+
+
+def test_a_cap_on_the_records_keeps_both_tasks():
+    records = [{"task": "fairness", "i": i} for i in range(6)] + [{"task": "hallucination", "i": 0}]
+    picked = balanced_records(records, 3)
+    assert [(r["task"], r["i"]) for r in picked] == [("fairness", 0), ("hallucination", 0), ("fairness", 1)]

@@ -134,6 +134,8 @@ def test_prefix_groups_match_prompts_by_content_not_padding(tiny_tokenizer):
     groups = prefix_groups(ids, mask)  # rows 0, 1, 3: the same prompt (garbage under padding ignored)
     assert groups.inverse[0] == groups.inverse[1] == groups.inverse[3] != groups.inverse[2]
     assert sorted(groups.first.tolist()) == [0, 2] and groups.start == 1
+    zero = prefix_groups(torch.tensor([[0, 5, 6], [0, 5, 6], [3, 5, 6]]), torch.tensor([[0, 1, 1]] * 3))
+    assert zero.inverse.tolist() == [0, 0, 0]  # a tokenizer whose padding id is 0 groups alike
 
 
 def test_shared_prefill_samples_the_plain_generates_tokens(tiny_model, tiny_tokenizer):
