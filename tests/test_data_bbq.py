@@ -42,3 +42,22 @@ def test_a_row_with_two_unknown_options_is_skipped():
     row = _row("Age", ["old", "unknown", "unknown"], ["old"])
     assert bbq_item(row, {}) == "not exactly one 'unknown' option in answer_info"
     assert bbq_item(_row("Age", ["old", "young", "unknown"], ["old"]), {})["unknown_idx"] == 2
+
+
+def test_where_the_race_alone_decides_the_learnt_part_does_not_filter():
+    """A template whose stereotyped part is F: a row with one Black option (a man) has that option as its
+    target; the part only chooses between two Black options."""
+    var2 = {"bbq.Race_x_gender.1": "F"}
+    row = _row("Race_x_gender", ["M-Black", "F-White", "unknown"], ["Black"])
+    assert bbq_item(row, var2)["target_idx"] == 0
+    both = _row("Race_x_gender", ["M-Black", "F-Black", "unknown"], ["Black"])
+    assert bbq_item(both, var2)["target_idx"] == 1
+
+
+def test_rows_of_other_categories_or_malformed_rows_do_not_stop_the_learning():
+    """Learning reads every row: a row of a category that is not intersectional, or one it cannot read
+    (reported with its row later), is passed over, not the end of the file."""
+    learnt = _row("Race_x_SES", ["lowSES-Black", "highSES-White", "unknown"], ["Black"])
+    malformed = {"category": "Race_x_SES", "question_index": "1"}
+    rows = [_row("Age", ["old", "young", "unknown"], ["old"]), malformed, learnt]
+    assert learn_target_var2([("f.jsonl", n, row) for n, row in enumerate(rows)]) == {"bbq.Race_x_SES.1": "lowSES"}

@@ -35,3 +35,22 @@ def test_the_setup_counts_the_eval_samples_and_the_verdict_names_a_skipped_sft(t
     text = markdown_report(results, {"sft": "models/sft is absent"}, 8, cfg)
     assert "greedy decoding, and 3 samples per prompt at temperature" in text
     assert "No verdict: SFT skipped (models/sft is absent)." in text
+
+
+def test_the_headline_and_the_intervals_follow_the_setup_when_compared(tmp_path):
+    from grpo.eval.compare import INTERVAL_METRICS
+
+    cfg = project_cfg(Path(tmp_path), eval={"samples_per_prompt": 0})
+    results = {name: {"greedy": {"m": 0.5}} for name in ("base", "sft", "grpo")}
+    without = markdown_report(results, {}, 8, cfg, {"baselines": {}, "grpo_minus_sft": None})
+    assert without.index("## setup") < without.index("## headline") and "bootstrap intervals" not in without
+    row = {"diff": 0.0, "low": -0.1, "high": 0.1}
+    intervals = {"greedy": {key: row for key in INTERVAL_METRICS}}
+    text = markdown_report(results, {}, 8, cfg, {"baselines": {}, "grpo_minus_sft": intervals})
+    assert text.index("## headline") < text.index("## GRPO − SFT, 95 % bootstrap intervals") < text.index("## greedy")
+    assert "[-0.100, +0.100]" in text
+
+
+def test_a_delta_of_an_integer_and_a_float_is_a_float(tmp_path):
+    results = {"sft": {"greedy": {"n": 3}}, "grpo": {"greedy": {"n": 3.5}}}
+    assert "| n | — | 3 | 3.500 | +0.500 | — |" in markdown_report(results, {}, 8, project_cfg(tmp_path))

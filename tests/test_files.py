@@ -26,7 +26,7 @@ def test_write_is_all_or_nothing(tmp_path):
 
 
 def test_text_json_and_bytes_land_whole_with_parents_created(tmp_path):
-    assert write_text(tmp_path / "a" / "b.md", "# é\n").read_text(encoding="utf-8") == "# é\n"
+    assert write_text(tmp_path / "a" / "b" / "c.md", "# é\n").read_text(encoding="utf-8") == "# é\n"  # two new levels
     assert json.loads(write_json(tmp_path / "m.json", {"x": 1}).read_text()) == {"x": 1}
     write_atomically({tmp_path / "p.png": b"\x89PNG\x00"})
     assert (tmp_path / "p.png").read_bytes() == b"\x89PNG\x00"

@@ -187,3 +187,9 @@ def test_a_stage_reenters_its_folder_under_another_spelling(tmp_path, monkeypatc
     with folder_lock(folder):
         with folder_lock(Path("models/grpo")), folder_lock(tmp_path / "link" / "grpo"):
             pass
+
+
+def test_the_lock_of_a_folder_whose_parents_do_not_exist_yet(tmp_path):
+    folder = tmp_path / "runs" / "nightly" / "models" / "grpo"
+    with folder_lock(folder):
+        assert lock_path(folder).is_file() and not folder.exists()  # the stage makes its own folder

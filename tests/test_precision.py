@@ -133,6 +133,26 @@ def test_the_heads_backward_runs_at_the_bodys_precision(tiny_model):
     assert torch.allclose(biased.bias.grad, grad.sum(dim=(0, 1)), atol=1e-5)
 
 
+def test_the_heads_backward_gives_each_input_that_needs_one_its_gradient(tiny_model):
+    """A trainable head over hidden states that need no gradient (a frozen body) still gets its weights'
+    gradient; a frozen head over trainable hidden states gets none."""
+    head = copy.deepcopy(tiny_model.get_output_embeddings())
+    torch.manual_seed(0)
+    hidden, grad = torch.randn(3, 5, head.in_features), torch.randn(3, 5, head.out_features)
+    expected = (grad.bfloat16().reshape(15, -1).T @ hidden.reshape(15, -1).bfloat16()).float()
+    with bf16_autocast(CPU, bf16=True, force=True):
+        logits = head(hidden)
+    logits.backward(grad)
+    assert torch.equal(head.weight.grad, expected)
+    head.weight.grad = None
+    head.weight.requires_grad_(False)
+    x = hidden.clone().requires_grad_(True)
+    with bf16_autocast(CPU, bf16=True, force=True):
+        logits = head(x)
+    logits.backward(grad)
+    assert head.weight.grad is None and x.grad is not None
+
+
 def _product(hidden, weight, bias):
     """The head's product as ``model.fast_paths: auto`` runs it: oneDNN's where ``onednn_product``."""
     return fp32_product(hidden, weight, bias, onednn_product(hidden, weight))

@@ -58,3 +58,18 @@ def test_a_model_without_an_adapter_needs_its_frozen_reference(tiny_model, tiny_
     with torch.no_grad():
         given = score_reference(tiny_model, inputs, reference=tiny_model).logprobs
         assert torch.equal(given, score_inputs(tiny_model, inputs).logprobs)
+
+
+def test_the_scores_are_the_completions_under_the_temperature_entropy_included(tiny_model, tiny_tokenizer):
+    """[N, C] log-probs of the sampled tokens under softmax(z / T) from the model's own logits, with the
+    entropy by default (4 rows of 5 completion tokens: the width is the completions', not the rows')."""
+    inputs = _inputs(tiny_tokenizer.pad_token_id)
+    width = inputs.completion_mask.shape[1]
+    with torch.no_grad():
+        scored = score_inputs(tiny_model, inputs)
+        logits = tiny_model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask).logits
+    log_probs = (logits[:, -width - 1 : -1].float() / inputs.temperature).log_softmax(-1)
+    expected = log_probs.gather(-1, inputs.input_ids[:, -width:, None]).squeeze(-1)
+    assert scored.logprobs.shape == (4, width) and scored.entropy is not None
+    torch.testing.assert_close(scored.logprobs, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(scored.entropy, -(log_probs.exp() * log_probs).sum(-1), rtol=0, atol=1e-5)

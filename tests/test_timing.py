@@ -33,3 +33,10 @@ def test_a_phase_that_raises_still_counts():
         time.sleep(0.02)
         raise RuntimeError("stopped")
     assert timer.seconds["update"] >= 0.02
+
+
+def test_a_phase_outside_the_named_ones_starts_from_zero():
+    timer = PhaseTimer()
+    with timer("sync"):
+        pass
+    assert 0.0 <= timer.seconds["sync"] < 0.03 and "timing/sync" in timer.metrics(1.0)
