@@ -56,8 +56,9 @@ def test_a_model_without_an_adapter_needs_its_frozen_reference(tiny_model, tiny_
     with pytest.raises(MissingReferenceError, match="model.lora.enabled: false"):
         score_reference(tiny_model, inputs)
     with torch.no_grad():
-        given = score_reference(tiny_model, inputs, reference=tiny_model).logprobs
-        assert torch.equal(given, score_inputs(tiny_model, inputs).logprobs)
+        given = score_reference(tiny_model, inputs, reference=tiny_model)
+        assert torch.equal(given.logprobs, score_inputs(tiny_model, inputs).logprobs)
+        assert torch.equal(given.entropy, score_inputs(tiny_model, inputs).entropy)  # the entropy by default
 
 
 def test_the_scores_are_the_completions_under_the_temperature_entropy_included(tiny_model, tiny_tokenizer):
