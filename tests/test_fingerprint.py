@@ -480,3 +480,29 @@ def test_where_a_module_file_and_a_package_share_a_name_the_package_is_the_modul
         sys.path.remove(str(tmp_path))
         for name in ("pkgx", "pkgx.b"):
             sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize(
+    ("source", "module", "is_package", "names"),
+    [
+        # a relative import two levels up, from a module and from a package's __init__
+        ("from .. import x", "a.b.c", False, {"a", "a.x"}),
+        ("from ..d import y", "a.b.c", False, {"a.d", "a.d.y"}),
+        ("from .. import x", "a.b", True, {"a", "a.x"}),
+        ("from . import x", "a", True, {"a", "a.x"}),
+        # one that climbs past the top names nothing, and the imports after it still count
+        ("from ... import x\nimport y", "a.b", False, {"y"}),
+        ("from .. import x", "a", False, set()),
+        ("from .. import x", "a", True, set()),
+    ],
+)
+def test_relative_imports_resolve_as_python_resolves_them(source, module, is_package, names):
+    assert fingerprint.imported_names(source, module, is_package) == names
+
+
+def test_the_canonical_tree_leaves_out_empty_and_none_fields():
+    """What keeps a fingerprint the same across Python versions that add empty fields to the tree."""
+    import ast
+
+    dump = fingerprint._canonical(ast.parse("def f(x):\n    return x\n"))
+    assert "=[]" not in dump and "=None" not in dump and "FunctionDef(" in dump

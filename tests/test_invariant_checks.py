@@ -50,6 +50,19 @@ def test_render_parity_reads_the_supervised_ids_not_the_ids(subject, monkeypatch
     assert check.status == "fail" and "do not end with a stop token (I2)" in check.detail
 
 
+def test_render_parity_sees_sft_prompts_rendered_otherwise_than_the_rl_prompts(subject, monkeypatch):
+    """I1: one token of each SFT prompt other than the sampler's (a template or system prompt of its own)."""
+    def other_prompt(example, prompt_len):
+        ids = list(example.ids)
+        ids[prompt_len // 2] = ids[prompt_len // 2] + 1
+        return example._replace(ids=ids)
+
+    _examples_changed(monkeypatch, other_prompt)
+    check = invariants.check_render_parity(subject)
+    assert check.status == "fail" and check.value == len(subject.records)
+    assert "the SFT prompt ids differ from the RL prompt ids (I1)" in check.detail
+
+
 def test_left_padded_extraction_compares_every_row(subject, monkeypatch):
     """A scorer wrong on every row but the last (the longest prompt, the one without padding) is caught."""
     assert invariants.check_left_padded_extraction(subject).status == "pass"

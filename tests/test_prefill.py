@@ -5,6 +5,7 @@ same computation (``prefill_reusable``), and a forward that is random in trainin
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from grpo.config import GrpoConfig
@@ -25,6 +26,16 @@ def test_a_dropout_rate_in_the_config_is_dropout(tiny_model, rate):
     """Attention applies its config's rate in training mode with no dropout module to find (Llama's
     ``attention_dropout``): the update's pass would differ from the rollout's eval-mode prefill."""
     setattr(tiny_model.config, rate, 0.1)
+    assert has_dropout(tiny_model)
+    assert not prefill_reusable(GrpoConfig(), tiny_model, **SHARED)
+
+
+def test_a_dropout_module_with_a_rate_is_dropout_and_one_at_zero_is_not(tiny_model):
+    """A dropout module anywhere in the model (LoRA's, a head's) makes a training-mode forward random; one
+    of rate 0 does not."""
+    tiny_model.model.layers[0].mlp.add_module("drop", torch.nn.Dropout(0.0))
+    assert not has_dropout(tiny_model)
+    tiny_model.model.layers[0].mlp.drop.p = 0.1
     assert has_dropout(tiny_model)
     assert not prefill_reusable(GrpoConfig(), tiny_model, **SHARED)
 

@@ -79,3 +79,39 @@ def test_the_entropy_step_has_the_asked_size_in_the_configured_combination(tiny_
     assert norm_ten == pytest.approx(10 * norm, rel=1e-4)
     assert after_ten == pytest.approx(after, abs=1e-6)
     assert abs(step(0.01, 0.95)[1] - after) > 1e-4
+
+
+def test_the_entropy_step_moves_each_weight_by_its_own_slice_of_the_direction(tiny_model, tiny_tokenizer, monkeypatch):
+    """The weights the second entropy is measured on are the saved ones minus ``step_size`` along the unit
+    combined gradient, weight by weight (LoRA's A and B have other sizes: a slice taken at the wrong offset
+    moves them along another direction), and they are put back afterwards."""
+    from grpo.checks import probes
+
+    _, policy, inputs = _policy_and_inputs(tiny_model, tiny_tokenizer)
+    rows = {"fairness": torch.tensor([0, 2]), "hallucination": torch.tensor([1, 3])}
+    multitask = MultitaskConfig(mode="sum")
+    params = [p for p in policy.parameters() if p.requires_grad]
+    saved = torch.cat([p.detach().flatten() for p in params])
+    direction = probes._entropy_direction(policy, params, inputs, rows, multitask, 0.01)
+    policy.zero_grad(set_to_none=True)
+    seen = []
+    measure = probes.mean_entropy
+
+    def recording(model, rows_inputs):
+        seen.append(torch.cat([p.detach().flatten() for p in params]))
+        return measure(model, rows_inputs)
+
+    monkeypatch.setattr(probes, "mean_entropy", recording)
+    _, _, norm = entropy_step(policy, inputs, rows, multitask, 0.01, step_size=0.05)
+    assert norm == pytest.approx(float(direction.norm()), rel=1e-5)
+    torch.testing.assert_close(seen[0], saved, rtol=0, atol=0)
+    torch.testing.assert_close(seen[1], saved - 0.05 * direction / direction.norm(), rtol=0, atol=1e-6)
+    assert torch.equal(torch.cat([p.detach().flatten() for p in params]), saved)
+    assert all(p.grad is None for p in params)
+
+
+def test_a_zero_entropy_gradient_takes_no_step(tiny_model, tiny_tokenizer):
+    _, policy, inputs = _policy_and_inputs(tiny_model, tiny_tokenizer)
+    rows = {"fairness": torch.tensor([0, 2]), "hallucination": torch.tensor([1, 3])}
+    before, after, norm = entropy_step(policy, inputs, rows, MultitaskConfig(mode="sum"), 0.0, step_size=0.05)
+    assert (after, norm) == (before, 0.0) and math.isfinite(before)
