@@ -222,3 +222,16 @@ def test_agreement_stats_read_only_the_completion_tokens():
     assert stats["sampling/sampling_logp_difference/max"] == pytest.approx(0.5)
     assert stats["sampling/sampling_logp_difference/max_over_bound"] == pytest.approx(5.0)
     assert stats["sampling/reshaped_frac"] == 0.0
+
+
+def test_a_sampler_record_pads_as_after_a_stop_token():
+    """Widened to the batch's completion width: pad ids, log-probs and scale 0, no reshaping."""
+    scored = torch.tensor([[-0.5, -1.0], [-0.25, -2.0], [-1.5, -0.5]])  # 3 rows of 2 tokens
+    record = SamplerRecord(torch.tensor([[7, 8], [9, 10], [11, 12]]), scored, scored - 1,
+                           torch.tensor([[True, False]] * 3), torch.full((3, 2), 3.0))
+    padded = record.padded(4, pad_id=2)
+    assert [tuple(t.shape) for t in padded] == [(3, 4)] * 5
+    assert padded.ids[:, 2:].tolist() == [[2, 2]] * 3 and torch.equal(padded.ids[:, :2], record.ids)
+    for values, fill in zip(padded[1:], (0.0, 0.0, False, 0.0), strict=True):
+        assert (values[:, 2:] == fill).all()
+    assert torch.equal(padded.scored[:, :2], scored - 1) and torch.equal(record.padded(2, pad_id=2).ids, record.ids)
