@@ -12,6 +12,7 @@ import torch
 
 from grpo.checks import invariants
 from grpo.checks.gated import pad_not_stop
+from grpo.train.step import header_tokens
 from tests import gate_subjects
 
 records, subject = gate_subjects.records, gate_subjects.subject  # the gate's fixtures, defined once
@@ -142,3 +143,69 @@ def test_left_padded_extraction_sees_a_batch_of_re_tokenised_ids(subject, monkey
     monkeypatch.setattr(invariants, "prepare_batch", re_tokenising)
     check = invariants.check_left_padded_extraction(subject)
     assert check.status == "fail" and "never re-tokenise" in check.detail
+
+
+def _batch_changed(monkeypatch, change):
+    """The check's ``step_batch``, its rollout and batch passed through ``change(batch, rollout, width)``."""
+    original = invariants.step_batch
+
+    def changed(s, seed, **grpo):
+        batch, sampled = original(s, seed, **grpo)
+        rollout = sampled.rollout
+        batch, rollout = change(batch, rollout, rollout.prompt_ids.shape[1])
+        return batch, dataclasses.replace(sampled, rollout=rollout)
+
+    monkeypatch.setattr(invariants, "step_batch", changed)
+
+
+def _with_ids(batch, ids):
+    return dataclasses.replace(batch, inputs=dataclasses.replace(batch.inputs, input_ids=ids))
+
+
+def test_left_padded_extraction_names_ids_that_are_not_the_generated_ones(subject, monkeypatch):
+    """I3 twice: the batch's completion ids other than the rollout's, and the rollout's other than what the
+    decode loop returned; I4: a completion that starts with the tail of its own prompt."""
+    def batch_other(batch, rollout, width):
+        ids = batch.inputs.input_ids.clone()
+        ids[0, width] += 1
+        return _with_ids(batch, ids), rollout
+
+    def rollout_other(batch, rollout, width):
+        completion = rollout.completion_ids.clone()
+        completion[0, 0] += 1
+        return batch, dataclasses.replace(rollout, completion_ids=completion)
+
+    def prompt_tail(batch, rollout, width):  # what a cut at row 0's own prompt width returns: its prompt's tail
+        n = int(rollout.lengths[0])
+        tail = rollout.prompt_ids[0, width - n :]
+        completion, sequences, ids = (t.clone() for t in (rollout.completion_ids, rollout.sequences, batch.inputs.input_ids))
+        completion[0, :n] = sequences[0, width : width + n] = ids[0, width : width + n] = tail
+        return _with_ids(batch, ids), dataclasses.replace(rollout, completion_ids=completion, sequences=sequences)
+
+    def drawn_other(batch, rollout, width):  # the sampler recorded drawing other ids than it returned
+        assert rollout.sampler is not None, "the step's engine records its draws"
+        ids = rollout.sampler.ids.clone()
+        ids[0, 0] += 1
+        return batch, dataclasses.replace(rollout, sampler=rollout.sampler._replace(ids=ids))
+
+    def prompt_other(batch, rollout, width):
+        ids = batch.inputs.input_ids.clone()
+        ids[0, width - 1] += 1
+        return _with_ids(batch, ids), rollout
+
+    def header_inside(batch, rollout, width):
+        header = subject.tokenizer.convert_tokens_to_ids(header_tokens(subject.tokenizer, subject.eos_ids))[0]
+        completion = rollout.completion_ids.clone()
+        completion[0, 0] = header
+        return batch, dataclasses.replace(rollout, completion_ids=completion)
+
+    for change, message in ((batch_other, "prepare_batch's completion ids are not the generated ids (I3)"),
+                            (rollout_other, "are not the ids the decode loop generated and drew (I3)"),
+                            (drawn_other, "are not the ids the decode loop generated and drew (I3)"),
+                            (prompt_other, "row 0: the prompt ids are not the rendered prompt"),
+                            (header_inside, "row 0: a chat-header token in the completion"),
+                            (prompt_tail, "row 0: the completion starts with the last")):
+        with monkeypatch.context() as patch:
+            _batch_changed(patch, change)
+            check = invariants.check_left_padded_extraction(subject)
+        assert check.status == "fail" and message in check.detail, (change.__name__, check.detail)
