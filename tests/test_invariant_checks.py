@@ -6,12 +6,14 @@ the padded rows only)."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from grpo.checks import invariants
 from grpo.checks.gated import pad_not_stop
+from grpo.model.sampling import CompletionPenalty
 from grpo.train.step import header_tokens
 from tests import gate_subjects
 
@@ -209,3 +211,143 @@ def test_left_padded_extraction_names_ids_that_are_not_the_generated_ones(subjec
             _batch_changed(patch, change)
             check = invariants.check_left_padded_extraction(subject)
         assert check.status == "fail" and message in check.detail, (change.__name__, check.detail)
+
+
+def _rollouts_changed(monkeypatch, change):
+    """``rollout_from_sequences`` as the cut-and-mask check calls it, its rollout passed through
+    ``change(rollout, tokenizer, prompt, sequences, eos_ids)``."""
+    original = invariants.rollout_from_sequences
+
+    def changed(tokenizer, prompt, sequences, eos_ids, *args, **kwargs):
+        rollout = original(tokenizer, prompt, sequences, eos_ids, *args, **kwargs)
+        return change(rollout, tokenizer, prompt, sequences, eos_ids)
+
+    monkeypatch.setattr(invariants, "rollout_from_sequences", changed)
+
+
+def test_the_cut_and_mask_check_fails_a_cut_at_each_rows_own_prompt_length(subject, monkeypatch):
+    """A per-row cut (each row at the length of its unpadded prompt) returns the prompt's tail on every padded
+    row: the probe's prompts are of different widths, so it shows."""
+    def per_row_cut(rollout, tokenizer, prompt, sequences, eos_ids):
+        width = rollout.completion_ids.shape[1]
+        starts = prompt.attention_mask.sum(-1).tolist()
+        ids = torch.stack([sequences[i, start : start + width] for i, start in enumerate(starts)])
+        return dataclasses.replace(rollout, completion_ids=ids)
+
+    _rollouts_changed(monkeypatch, per_row_cut)
+    check = invariants.check_rollout_cut_and_mask(subject)
+    assert check.status == "fail" and "rows cut wrong: ['pad == a stop id row 0'" in check.detail, check.detail
+
+
+def test_the_cut_and_mask_check_fails_a_mask_that_drops_a_sampled_pad_that_is_no_stop(subject, monkeypatch):
+    """``mask & (ids != pad or a stop)``: right wherever pad is a stop id, wrong on a pad token sampled mid-row
+    where it is not. The pad-that-is-no-stop copy puts one such row in the probe, and the check sees it."""
+    def pads_dropped(rollout, tokenizer, prompt, sequences, eos_ids):
+        ids = rollout.completion_ids
+        keep = (ids != tokenizer.pad_token_id) | torch.isin(ids, torch.tensor(eos_ids))
+        return dataclasses.replace(rollout, completion_mask=rollout.completion_mask & keep)
+
+    _rollouts_changed(monkeypatch, pads_dropped)
+    check = invariants.check_rollout_cut_and_mask(subject)
+    assert check.status == "fail" and check.value == 1, check.detail
+    assert "rows masked wrong: ['pad != a stop id row 3']" in check.detail
+
+
+def test_the_cut_and_mask_check_fails_one_wrong_row_of_ids_or_of_mask(subject, monkeypatch):
+    """The bound is 0 rows: one row cut wrong, or one row masked one token past its stop, fails alone."""
+    def one_id(rollout, tokenizer, prompt, sequences, eos_ids):
+        if tokenizer.pad_token_id not in eos_ids:
+            return rollout
+        ids = rollout.completion_ids.clone()
+        ids[2, -1] += 1
+        return dataclasses.replace(rollout, completion_ids=ids)
+
+    def one_past_the_stop(rollout, tokenizer, prompt, sequences, eos_ids):
+        if tokenizer.pad_token_id not in eos_ids:
+            return rollout
+        mask = rollout.completion_mask.clone()
+        mask[0, int(mask[0].sum())] = True
+        return dataclasses.replace(rollout, completion_mask=mask)
+
+    for change, wrong in ((one_id, "rows cut wrong: ['pad == a stop id row 2']"),
+                          (one_past_the_stop, "rows masked wrong: ['pad == a stop id row 0']")):
+        with monkeypatch.context() as patch:
+            _rollouts_changed(patch, change)
+            check = invariants.check_rollout_cut_and_mask(subject)
+        assert check.status == "fail" and check.value == 1 and check.bound == 0 and wrong in check.detail, change
+
+
+def test_penalty_scope_states_a_bound_of_zero_and_fails_a_presence_penalty_that_counts_the_prompt(subject,
+                                                                                                  monkeypatch):
+    """The presence penalty alone counting the prompt (the frequency penalty right) moves each prompt word by
+    exactly the presence penalty, 1: a bound of 0 logits sees it."""
+    check = invariants.check_penalty_scope(subject)
+    assert check.status == "pass" and check.value == 0.0 and check.bound == 0.0
+    build = invariants.build_logits_processors
+
+    def presence_over_the_prompt(width, eos_ids, cfg):
+        processors, suppressor = build(width, eos_ids, cfg)
+        processors[0] = CompletionPenalty(0, cfg.presence_penalty, 0.0)
+        processors.insert(1, CompletionPenalty(width, 0.0, cfg.frequency_penalty))
+        return processors, suppressor
+
+    monkeypatch.setattr(invariants, "build_logits_processors", presence_over_the_prompt)
+    check = invariants.check_penalty_scope(subject)
+    assert check.status == "fail" and check.value == 1.0
+
+
+def test_penalty_scope_fails_eos_suppression_of_one_stop_id_of_several(subject, monkeypatch):
+    """Every stop id must be suppressed at step 0 (Llama-3 stops on several): a suppressor given only the first
+    lets the others through."""
+    subject.step.eos_ids = [subject.tokenizer.eos_token_id, subject.tokenizer.convert_tokens_to_ids("<|end_of_text|>")]
+    assert len(set(subject.eos_ids)) == 2
+    assert invariants.check_penalty_scope(subject).status == "pass"
+    build = invariants.build_logits_processors
+    monkeypatch.setattr(invariants, "build_logits_processors", lambda width, eos_ids, cfg: build(width, eos_ids[:1], cfg))
+    check = invariants.check_penalty_scope(subject)
+    assert check.status == "fail" and "EOS was not suppressed at step 0" in check.detail
+
+
+def test_penalty_scope_probes_eos_suppression_when_the_config_asks_for_none(subject, monkeypatch):
+    """With ``min_new_tokens: 0`` configured the check still turns suppression on (at least one token), so a
+    suppressor that counts the prompt shows."""
+    cfg = subject.cfg.model_copy(update={"grpo": subject.cfg.grpo.model_copy(update={
+        "sampling": subject.cfg.grpo.sampling.model_copy(update={"min_new_tokens": 0})})})
+    s = SimpleNamespace(cfg=cfg, prompts=subject.prompts, eos_ids=subject.eos_ids, tokenizer=subject.tokenizer)
+    assert invariants.check_penalty_scope(s).status == "pass"
+    build = invariants.build_logits_processors
+    monkeypatch.setattr(invariants, "build_logits_processors", lambda width, eos_ids, cfg: build(0, eos_ids, cfg))
+    assert "EOS was not suppressed at step 0" in invariants.check_penalty_scope(s).detail
+
+
+def test_render_parity_fails_one_record_alone(subject, monkeypatch):
+    """The bound is 0 problems: loss on the prompt of one record only fails."""
+    first = []
+
+    def loss_on_the_first_prompt(example, prompt_len):
+        first.append(example)
+        if len(first) > 1:
+            return example
+        mask = list(example.loss_mask)
+        mask[prompt_len - 1] = True
+        return example._replace(loss_mask=mask)
+
+    _examples_changed(monkeypatch, loss_on_the_first_prompt)
+    check = invariants.check_render_parity(subject)
+    assert check.status == "fail" and check.value == 1 and check.bound == 0
+
+
+def test_left_padded_extraction_fails_a_gap_at_one_token_of_a_padded_row(subject, monkeypatch):
+    """A scorer wrong at the first completion token of the padded rows only (a position off by one there): the
+    gap is the largest over a row's tokens, not a typical one."""
+    score = invariants.score_inputs
+
+    def wrong_at_the_first_token(model, inputs, **kwargs):
+        scored = score(model, inputs, **kwargs)
+        logprobs = scored.logprobs.clone()
+        logprobs[:-1, 0] += 0.5
+        return scored._replace(logprobs=logprobs)
+
+    monkeypatch.setattr(invariants, "score_inputs", wrong_at_the_first_token)
+    check = invariants.check_left_padded_extraction(subject)
+    assert check.status == "fail" and check.value == pytest.approx(0.5, abs=1e-4)
