@@ -68,9 +68,10 @@ def decode_cache_by_the_permutation(model, prefills, repeats):
 STAGE_CONTEXT = "Context: Two friends, a tall one and a short one, met at the station."
 
 
-def stage_result(tokenizer, eos_ids: list[int], completions: list[list[int]]) -> StepResult:
-    """What one training step hands the monitor when the decode loop generated ``completions`` (ids,
-    the pad id after a stop token): the stage's cut (``rollout_from_sequences``) and ``step_result``."""
+def stage_result(tokenizer, eos_ids: list[int], completions: list[list[int]], elapsed: float = 1.0) -> StepResult:
+    """What one training step of ``elapsed`` seconds hands the monitor when the decode loop generated
+    ``completions`` (ids, the pad id after a stop token): the stage's cut (``rollout_from_sequences``) and
+    ``step_result``."""
     record = {"task": "hallucination", "context": STAGE_CONTEXT, "question": "Who was late?", "answerable": True}
     n, width = len(completions), max(map(len, completions))
     prompt = left_pad([render_prompt(tokenizer, example_messages(record))] * n, tokenizer.pad_token_id)
@@ -83,4 +84,4 @@ def stage_result(tokenizer, eos_ids: list[int], completions: list[list[int]]) ->
                           header_tokens=header_tokens(tokenizer, eos_ids),
                           end_of_turn_tokens=tokenizer.convert_ids_to_tokens(eos_ids))  # what build_step makes
     sampled = Draw(rollout, [record], torch.zeros(n), torch.zeros(n), {})
-    return step_result(step, [record], sampled, {}, {"entropy": 1.0}, elapsed=1.0)
+    return step_result(step, [record], sampled, {}, {"entropy": 1.0}, elapsed=elapsed)

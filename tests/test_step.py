@@ -15,7 +15,14 @@ from grpo.model.precision import apply_memory_settings, cpu_has_native_bf16
 from grpo.train.step import build_step, draw, grpo_step, prepare_batch
 from grpo.train.step_types import Step
 from grpo.train.update import update
-from tests.steps import combined_gradient, make_step, stage_result, step_records, with_advantages
+from tests.steps import (
+    STAGE_CONTEXT,
+    combined_gradient,
+    make_step,
+    stage_result,
+    step_records,
+    with_advantages,
+)
 
 
 @pytest.fixture(scope="module")
@@ -279,8 +286,13 @@ def test_bf16_step_holding_frozen_weights_in_bf16_is_the_same_step(tiny_model, t
 
 
 def test_step_reports_the_time_of_every_phase(tiny_model, tiny_tokenizer, records):
+    """Each phase's seconds and share of the step, and the step's own seconds within the wall time around it."""
+    import time
+
     step = make_step(tiny_model, tiny_tokenizer, loss={"beta": 0.04})
+    started = time.perf_counter()
     metrics = grpo_step(step, records, 1, lambda attempt: records).metrics
+    assert 0 < metrics["step_time"] <= time.perf_counter() - started
     for phase in ("generate", "reward", "reference", "update"):
         assert metrics[f"timing/{phase}"] > 0, phase
         assert metrics[f"timing/{phase}_share"] == pytest.approx(metrics[f"timing/{phase}"] / metrics["step_time"])
@@ -365,3 +377,76 @@ def test_the_step_prefills_by_task_whether_or_not_it_keeps_the_prefill(tiny_mode
     draw(step, records, seed=1)
     assert step.reuses_prefill == (fast_paths == "auto")
     assert asked == [{"segments": [r["task"] for r in records], "keep_prefill": step.reuses_prefill}]
+
+
+def test_the_step_measures_throughput_over_its_own_time_and_names_each_rows_user_message(tiny_tokenizer):
+    """10 generated tokens in a step of 2 s: 5 tokens/s (not 20); each completion's prompt text is its
+    record's user message, the last of its messages (not the system prompt)."""
+    from grpo.data.prompts import example_messages
+
+    eot = tiny_tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    words = tiny_tokenizer.encode(" the tall one", add_special_tokens=False)
+    result = stage_result(tiny_tokenizer, [eot], [words[:1] + [eot], words[:2] + [eot], words[:3] + [eot], [eot]],
+                          elapsed=2.0)
+    assert result.metrics["step_time"] == 2.0
+    assert result.metrics["tokens_per_s"] == pytest.approx(5.0)
+    assert len(result.prompt_texts) == 4
+    assert all("Who was late?" in text for text in result.prompt_texts)
+    record = {"task": "hallucination", "context": STAGE_CONTEXT, "question": "Who was late?", "answerable": True}
+    messages = example_messages(record)
+    assert len(messages) >= 2 and messages[0]["content"] != messages[-1]["content"]
+    assert result.prompt_texts == [messages[-1]["content"]] * 4
+
+
+@pytest.mark.parametrize(("num_iterations", "beta"), [(1, 0.0), (1, 0.04), (2, 0.0), (2, 0.04)])
+def test_the_batch_stores_old_logprobs_only_for_several_iterations_and_the_reference_only_with_a_kl(
+        tiny_model, tiny_tokenizer, records, num_iterations, beta):
+    """``prepare_batch``: each task's rows are exactly the rows of its task; the old log-probs are scored
+    only where the update takes more than one optimizer step on the batch, the reference's only where the
+    loss has a KL term, each over every completion position."""
+    step = make_step(copy.deepcopy(tiny_model), tiny_tokenizer, num_iterations=num_iterations, loss={"beta": beta})
+    sampled = draw(step, records, seed=4)
+    batch = prepare_batch(step, sampled)
+    assert set(batch.rows) == {"fairness", "hallucination"}
+    for task, rows in batch.rows.items():
+        assert rows.tolist() == [i for i, t in enumerate(sampled.tasks) if t == task]
+    assert (batch.old_logprobs is not None) == (num_iterations > 1)
+    assert (batch.ref_logprobs is not None) == (beta > 0)
+    for stored in (batch.old_logprobs, batch.ref_logprobs):
+        if stored is not None:
+            assert stored.shape == batch.inputs.completion_mask.shape
+            assert bool((stored[batch.inputs.completion_mask.bool()] < 0).all())
+
+
+def test_a_nan_reward_stops_the_step_naming_its_task(tiny_model, tiny_tokenizer, records, monkeypatch):
+    """A reward function that returns NaN for one fairness row stops the step before its reference pass,
+    naming the step and the task (the update's own NaN check would name neither the reward nor the task)."""
+    from grpo.train import step as step_module
+    from grpo.train.update import NonFiniteError
+
+    real = step_module.group_rewards
+
+    def one_nan(texts, records_, group, cfg):
+        rewards = list(real(texts, records_, group, cfg))
+        rewards[0] = float("nan")  # row 0 answers records[0], a fairness record
+        return rewards
+
+    monkeypatch.setattr(step_module, "group_rewards", one_nan)
+    monkeypatch.setattr(step_module, "prepare_batch", lambda *a: pytest.fail("the step went on to score"))
+    step = make_step(copy.deepcopy(tiny_model), tiny_tokenizer)
+    with pytest.raises(NonFiniteError, match=r"NaN/Inf reward at step 3 for task\(s\) \['fairness'\]"):
+        grpo_step(step, records, 3, lambda attempt: records)
+
+
+def test_each_draw_reports_its_rewards_kind_by_kind(tiny_model, tiny_tokenizer, records):
+    """The draw's statistics carry the reward and abstention of every kind of item it holds, so a trade
+    between kinds shows in the step's metrics."""
+    from grpo.data.kinds import record_kind
+    from grpo.health.kinds import abstention_key, reward_key
+
+    step = make_step(copy.deepcopy(tiny_model), tiny_tokenizer)
+    sampled = draw(step, records, seed=4)
+    kinds = {record_kind(r) for r in records}
+    assert len(kinds) >= 2
+    for kind in kinds:
+        assert reward_key(kind) in sampled.stats and abstention_key(kind) in sampled.stats
