@@ -227,7 +227,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                    inputs.rows(idx),\n                    step.reference,\n",
         "                    __import__('dataclasses').replace(inputs.rows(idx), temperature=1.0),\n"
         "                    step.reference,\n",
-        ("tests/test_step.py::test_i10_the_reference_is_scored_at_the_rollouts_temperature",),
+        ("tests/test_step_batch.py::test_i10_the_reference_is_scored_at_the_rollouts_temperature",),
         "step_agreement",
     ),
     Mutation(
