@@ -1,4 +1,6 @@
-"""Semantic fingerprints: layout-only edits keep the hash, meaning changes it, closures are static."""
+"""grpo/provenance/fingerprint.py: the static import closure of a stage's code, the writer that reruns exactly
+the stages a change touches, its history copies, and the raw data files a stage reads (the hash of one
+module: tests/test_fingerprint_hash.py)."""
 
 from __future__ import annotations
 
@@ -10,37 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from grpo.cli import COMMANDS
-from grpo.config import Config, GrpoConfig, ModelConfig, config_from_dict
+from grpo.config import Config, config_from_dict
 from grpo.provenance import fingerprint, stages
 from grpo.provenance.fingerprint import (
     HISTORY_DIR,
-    FingerprintError,
     history_path,
     import_closure,
-    semantic_hash,
     stage_fingerprint,
     write_fingerprints,
 )
-from grpo.provenance.lineage import params_hash
 from grpo.provenance.stages import StageSpec
 
 ROOT = Path(fingerprint.__file__).resolve().parents[2]
-
-ORIGINAL = '''
-"""Module docstring."""
-import math
-
-
-class Scale:
-    """Class docstring."""
-
-    factor = 2
-
-    def apply(self, x):
-        """Method docstring."""
-        return x * self.factor + math.pi
-'''
 
 
 def _write(root: Path, relpath: str, source: str) -> Path:
@@ -48,55 +31,6 @@ def _write(root: Path, relpath: str, source: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(textwrap.dedent(source), encoding="utf-8")
     return path
-
-
-# --------------------------------------------------------------------------- semantic_hash
-
-SAME_MEANING = {
-    "comment": ORIGINAL.replace("factor = 2", "factor = 2  # doubled on purpose"),
-    "module docstring": ORIGINAL.replace("Module docstring.", "A longer module docstring."),
-    "class docstring removed": ORIGINAL.replace('    """Class docstring."""\n', ""),
-    "method docstring": ORIGINAL.replace("Method docstring.", "Scales x."),
-    "formatting": ORIGINAL.replace(
-        "x * self.factor + math.pi", "(x * self.factor\n                + math.pi)"
-    ),
-    "blank lines (line numbers move)": "\n\n\n" + ORIGINAL.replace("\n\n", "\n\n\n\n"),
-}
-
-NEW_MEANING = {
-    "constant": ORIGINAL.replace("factor = 2", "factor = 3"),
-    "operator": ORIGINAL.replace("x * self.factor", "x / self.factor"),
-    "name": ORIGINAL.replace("math.pi", "math.e"),
-    "int to float": ORIGINAL.replace("factor = 2", "factor = 2.0"),
-}
-
-
-@pytest.mark.parametrize("edit", sorted(SAME_MEANING))
-def test_layout_only_edit_keeps_the_hash(edit):
-    assert SAME_MEANING[edit] != ORIGINAL
-    assert semantic_hash(SAME_MEANING[edit]) == semantic_hash(ORIGINAL)
-
-
-@pytest.mark.parametrize("edit", sorted(NEW_MEANING))
-def test_semantic_edit_changes_the_hash(edit):
-    assert semantic_hash(NEW_MEANING[edit]) != semantic_hash(ORIGINAL)
-
-
-@pytest.mark.parametrize("falsy", ["0", "0.0", "False", "''", "()"])
-def test_a_falsy_constant_is_not_none(falsy):
-    """``t[:, 0]`` is not ``t[:, None]``, nor ``beta = 0.0`` ``beta = None``: only None and empty lists are
-    left out of the dump (the fields Python versions print differently)."""
-    assert semantic_hash(f"x = t[:, {falsy}]\n") != semantic_hash("x = t[:, None]\n")
-    assert semantic_hash(f"beta = {falsy}\n") != semantic_hash("beta = None\n")
-
-
-def test_a_string_that_is_not_a_docstring_counts():
-    assert semantic_hash("x = 1\n'a'\n") != semantic_hash("x = 1\n'b'\n")
-
-
-def test_syntax_error_names_the_file():
-    with pytest.raises(FingerprintError, match="broken.py"):
-        semantic_hash("def f(:\n", "broken.py")
 
 
 # --------------------------------------------------------------------------- import_closure
@@ -164,96 +98,6 @@ def test_closure_skips_modules_that_do_not_exist_yet(toy_tree):
 def test_excluded_module_is_neither_included_nor_followed(toy_tree):
     closure = _rel(import_closure(["pkg.main"], toy_tree, exclude=["pkg.helper"]), toy_tree)
     assert closure == ["pkg/__init__.py", "pkg/main.py", "pkg/sub/__init__.py", "pkg/sub/leaf.py"]
-
-
-# --------------------------------------------------------------------------- the real stage table
-
-
-def test_stage_table_matches_the_cli():
-    for spec in stages.STAGES.values():
-        assert COMMANDS[spec.command].entry == spec.entry == f"{spec.modules[0]}:run", spec.name
-
-
-def test_upstream_stages_exist_and_come_earlier():
-    order = list(stages.STAGES)
-    for spec in stages.STAGES.values():
-        for up in spec.upstream:
-            assert order.index(up) < order.index(spec.name), (up, spec.name)
-
-
-def test_every_real_stage_has_a_fingerprint_of_its_own_code():
-    for name in stages.STAGES:
-        fp = stage_fingerprint(name)
-        assert fp["stage"] == name
-        assert "grpo/config.py" not in fp["modules"], name  # values enter through the params hash
-        assert len(fp["fingerprint"]) == 64
-    assert "grpo/core/multitask.py" in stage_fingerprint("grpo")["modules"]
-    assert "grpo/core/multitask.py" not in stage_fingerprint("sft")["modules"]
-    # The gate's report goes stale when the trainer's wiring of the step changes, which no check runs.
-    assert {"grpo/train/trainer.py", "grpo/train/policy.py"} <= set(stage_fingerprint("preflight")["modules"])
-    # A change to the monitor or the step reruns training, never evaluation.
-    for module in (
-        "grpo/health/monitor.py",
-        "grpo/train/step.py",
-        "grpo/train/checkpoint.py",
-        "grpo/checks/preflight.py",
-    ):
-        assert module not in stage_fingerprint("evaluate")["modules"], module
-    assert "grpo/model/chat.py" in stage_fingerprint("sft")["modules"]
-
-
-def test_base_reads_every_model_key_but_the_adapter_and_the_adapter_stages_read_it():
-    base = stages.get_stage("base").params
-    assert set(stages.BASE_MODEL_KEYS) == {f"model.{f}" for f in ModelConfig.model_fields} - {"model.lora"}
-    assert set(stages.BASE_MODEL_KEYS) <= set(base) and "model" not in base
-    for name in ("sft", "preflight", "grpo", "evaluate"):  # each applies or loads the adapter
-        assert any(key in ("model", "model.lora") for key in stages.get_stage(name).params), name
-
-
-def test_preflight_reads_every_grpo_key_the_step_uses_and_the_rewards():
-    """The checks drive the step: every grpo field but the run's length, speed, prompt draw and checkpoint
-    selection is a pre-flight param, so a new precision, scoring path or loss reruns (and re-gates) the checks."""
-    params = stages.get_stage("preflight").params
-    unread = {"steps", "lr", "warmup_steps", "prompts_per_step", "fairness_fraction", "kind_share", "selection"}
-    assert set(stages.PREFLIGHT_GRPO_KEYS) == {
-        f"grpo.{f}" for f in GrpoConfig.model_fields if f not in unread
-    }
-    assert set(stages.PREFLIGHT_GRPO_KEYS) <= set(params) and "rewards" in params
-    for key in ("grpo.bf16", "grpo.shared_prefix", "grpo.loss", "rewards"):
-        changed = {
-            "grpo.bf16": {"grpo": {"bf16": True}},
-            "grpo.shared_prefix": {"grpo": {"shared_prefix": False}},
-            "grpo.loss": {"grpo": {"loss": {"beta": 0.5}}},
-            "rewards": {"rewards": {"weights": {"hallucination": 0.5}}},
-        }[key]
-        assert params_hash(config_from_dict(changed), "preflight") != params_hash(
-            config_from_dict({}), "preflight"
-        ), key
-    assert params_hash(config_from_dict({"grpo": {"steps": 7, "lr": 1e-4}}), "preflight") == params_hash(
-        config_from_dict({}), "preflight"
-    )
-
-
-def test_bookkeeping_modules_are_in_no_stage_closure():
-    bookkeeping = {f"{name.replace('.', '/')}.py" for name in stages.BOOKKEEPING_MODULES}
-    assert bookkeeping == {
-        "grpo/provenance/stages.py",
-        "grpo/provenance/fingerprint.py",
-        "grpo/provenance/lineage.py",
-        "grpo/provenance/file_memo.py",
-        "grpo/provenance/gate.py",
-        "grpo/config.py",
-    }
-    for name in stages.STAGES:
-        assert not bookkeeping & set(stage_fingerprint(name)["modules"]), name
-
-
-def test_existing_real_entry_modules_are_in_their_closure():
-    for spec in stages.STAGES.values():
-        for module in spec.modules:
-            path = fingerprint.module_file(module, ROOT)
-            if path is not None:
-                assert path.relative_to(ROOT).as_posix() in stage_fingerprint(spec.name)["modules"]
 
 
 # --------------------------------------------------------------------------- writer
@@ -399,24 +243,6 @@ def test_a_changed_raw_dataset_file_reruns_prepare_alone(tmp_path, monkeypatch):
     assert "raw_data" not in json.loads((out / "prepare.json").read_text())
 
 
-def test_a_constant_of_another_type_changes_the_hash():
-    """``"2"`` is not ``2``: a value's type is part of its meaning, whatever its printed form."""
-    assert semantic_hash("factor = '2'\n") != semantic_hash("factor = 2\n")
-    assert semantic_hash("name = 'None'\n") != semantic_hash("name = None\n")
-
-
-def test_which_slice_bound_a_value_fills_changes_the_hash():
-    """``t[1:]`` and ``t[:1]`` hold the same one value in different fields: the field names count."""
-    assert semantic_hash("y = t[:, 1:]\n") != semantic_hash("y = t[:, :1]\n")
-    assert semantic_hash("y = t[::2]\n") != semantic_hash("y = t[:2]\n")
-
-
-def test_a_string_a_function_returns_is_not_a_docstring():
-    """Only an expression statement can be a docstring: ``return 'a'`` as a body's first line is code."""
-    assert semantic_hash("def f():\n    return 'a'\n") != semantic_hash("def f():\n    return 'b'\n")
-    assert semantic_hash("class C:\n    x = 'a'\n") != semantic_hash("class C:\n    x = 'b'\n")
-
-
 def test_a_relative_import_in_a_packages_init_is_relative_to_that_package(toy_tree):
     """``from . import x`` in ``pkg/plug/__init__.py`` names ``pkg.plug.x``, not ``pkg.x``."""
     _write(toy_tree, "pkg/plug/__init__.py", "from . import only_here\n")
@@ -450,16 +276,6 @@ def test_a_published_dataset_is_fingerprinted_when_the_other_task_is_synthetic(t
     assert fingerprint.raw_data_fingerprint(cfg) == {
         "data.hallucination_path": {halueval.as_posix(): file_sha256(halueval)}
     }
-
-
-def test_no_stage_closure_holds_a_bookkeeping_module_as_a_file_or_a_package():
-    """``grpo.config`` is a package (``grpo/config/*.py``): neither its ``__init__.py`` nor any of its
-    modules is in a stage's code, whichever spelling a bookkeeping module has on disk."""
-    for name in stages.STAGES:
-        for module in stage_fingerprint(name)["modules"]:
-            dotted = module.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
-            for excluded in stages.BOOKKEEPING_MODULES:
-                assert dotted != excluded and not dotted.startswith(excluded + "."), (name, module)
 
 
 def test_where_a_module_file_and_a_package_share_a_name_the_package_is_the_module(tmp_path):
@@ -500,9 +316,3 @@ def test_relative_imports_resolve_as_python_resolves_them(source, module, is_pac
     assert fingerprint.imported_names(source, module, is_package) == names
 
 
-def test_the_canonical_tree_leaves_out_empty_and_none_fields():
-    """What keeps a fingerprint the same across Python versions that add empty fields to the tree."""
-    import ast
-
-    dump = fingerprint._canonical(ast.parse("def f(x):\n    return x\n"))
-    assert "=[]" not in dump and "=None" not in dump and "FunctionDef(" in dump

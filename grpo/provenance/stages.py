@@ -76,7 +76,7 @@ class StageSpec:
 
 # The model keys the base stage reads: the whole section but `model.lora`, which only SFT (with
 # `sft.lora`), pre-flight and GRPO apply. A new adapter setting then reruns no pretraining. Every other
-# field of ModelConfig is here (tests/test_fingerprint.py holds the two together).
+# field of ModelConfig is here (tests/test_stages.py holds the two together).
 BASE_MODEL_KEYS: tuple[str, ...] = tuple(
     f"model.{field}"
     for field in (
@@ -100,7 +100,7 @@ BASE_MODEL_KEYS: tuple[str, ...] = tuple(
 # gradient modes and sampling are all here. Left out: how long and how fast the run trains, which
 # prompts it draws and which checkpoint it keeps (steps, lr, warmup_steps, prompts_per_step,
 # fairness_fraction, kind_share, selection), so a new step count or learning rate needs no new
-# pre-flight (tests/test_fingerprint.py holds this to GrpoConfig).
+# pre-flight (tests/test_stages.py holds this to GrpoConfig).
 PREFLIGHT_GRPO_KEYS: tuple[str, ...] = tuple(
     f"grpo.{field}"
     for field in (
