@@ -288,7 +288,7 @@ def test_off_and_auto_agree_on_smollm2(tmp_path):
     loaded once per setting: the GRPO step's completions bit for bit, its loss, KL and entropy and the stored
     reference log-probs within the head's fp32 rounding (its 49,152 x 576 product runs through oneDNN under
     ``auto``, ``F.linear`` under ``off``: each within 8e-6 of the logits' scale of the exact product,
-    ``tests/test_precision.py``), its gradients within that plus one bf16 rounding (the reused prefill);
+    ``tests/test_precision_head.py``), its gradients within that plus one bf16 rounding (the reused prefill);
     evaluation's replies, greedy and sampled, and its metrics bit for bit but the sampled entropy, which
     the head's rounding moves within the same bound."""
     from grpo.config import load_config

@@ -2,7 +2,7 @@
 path's numbers (fp32, 1e-5): log-probs, entropy, logit statistics, losses, KL and gradients, for every loss
 type and multitask mode, LoRA and full fine-tuning (tied and untied head), shared prefix on and off, kept
 prefills; under bf16 autocast within the head's bf16 bounds (on CUDA: its split-bf16 product's). The update
-through it: tests/test_head_scores_update.py; the head's products themselves: tests/test_precision.py."""
+through it: tests/test_head_scores_update.py; the head's products themselves: tests/test_precision_head.py."""
 
 from __future__ import annotations
 
@@ -353,7 +353,7 @@ def test_bf16_scoring_in_the_head_is_the_full_paths_within_the_heads_bf16_bounds
                                                                                   head, monkeypatch):
     """Under bf16 autocast both paths multiply the same hidden states in fp32 (the forward numbers agree to
     fp32), and both backwards run the head's products in bf16, rounding at different points: the
-    gradients agree to bf16 (test_precision.py's bound for the head's bf16 backward)."""
+    gradients agree to bf16 (test_precision_head.py's bound for the head's bf16 backward)."""
     small_chunks(monkeypatch, 3, tiny_model.config.vocab_size)
     model = HEADS[head](tiny_model)
     batch = grouped_batch(tiny_tokenizer.pad_token_id)

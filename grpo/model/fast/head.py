@@ -6,7 +6,7 @@ rows well below the cores' fp32 rate; oneDNN's fp32 matmul (PyTorch's private
 ``ONEDNN_MIN_WEIGHTS`` weights up. Both accumulate in fp32, in different orders: the logits differ in the
 last bits (about 1e-6 of their scale), never by a bf16 rounding, so this path is exact to fp32 rounding,
 not bit for bit. A row's logits do not depend on the other rows of the batch once it has two or more
-(``tests/test_precision.py``). The choice depends on the weight alone, so every pass of a model runs the
+(``tests/test_precision_head.py``). The choice depends on the weight alone, so every pass of a model runs the
 same kernel. oneDNN's kernel has no autograd: with gradients, ``precision.Fp32Head`` runs it inside its own
 autograd function.
 
