@@ -1,5 +1,5 @@
-"""tools/mutation_sweep.py: the mechanical mutants of a module, one operator change each, and the
-sweep's verdict on them."""
+"""tools/mutation_sites.py and tools/mutation_sweep.py: the mechanical mutants of a module, one operator
+change each, and the sweep's verdict on them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import ast
 
 import pytest
 
-from tools.mutation_sweep import _ServeSource, main, mutant_source, sites
+from tools.mutation_sites import mutant_source, sites
+from tools.mutation_sweep import _ServeSource, main
 
 SOURCE = '''
 """A docstring is never mutated."""
