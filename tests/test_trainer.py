@@ -1,4 +1,5 @@
-"""grpo/train/trainer.py end to end on a tiny config: SFT then GRPO, resume after a kill, NaN, 2 processes."""
+"""grpo/train/trainer.py end to end on a tiny config: SFT then GRPO, resume after a kill, NaN, 2 processes (the
+loop's wiring: tests/test_trainer_loop.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from grpo.config import load_config
 from grpo.data.jsonl import read_records
 from grpo.data.select import train_records
 from grpo.health.metrics import HEALTH_METRICS
+from grpo.provenance.lineage import is_stale
 from grpo.train import checkpoint as ckpt
 from grpo.train import trainer
 from tests.tiny_project import copy_prepared as copy_project
@@ -62,6 +64,8 @@ def test_sft_then_train_end_to_end(project, tmp_path):
     assert lora_b and any(t.abs().max() > 0 for t in lora_b)
     summary = json.loads((Path(cfg.paths.metrics_dir) / "grpo.json").read_text())
     assert summary["steps"] == 4
+    # models/grpo records the lineage that lets evaluation (and a later run) trust it
+    assert is_stale(paths.model_dir(cfg, "grpo"), "grpo", cfg, paths.stage_inputs(cfg, "grpo")) is None
 
 
 def test_i9_the_trainers_first_step_has_ratio_1_and_kl_0(project, tmp_path):
@@ -340,12 +344,3 @@ def test_a_killed_run_resumes_with_every_step_once_even_when_its_metrics_lost_li
     assert f"policy in {params.parent / 'models' / 'grpo'}" in output
 
 
-def test_a_step_the_monitor_stops_never_becomes_a_checkpoint(project, tmp_path, capsys):
-    """The monitor looks at each step before it is saved: a run the monitor stops at step 2 (a rule whose
-    window of 2 steps holds from step 1) ends with step 1's checkpoint as its last."""
-    params = copy_project(project, tmp_path / "p")
-    rule = ["threshold=100", "window=2", "action=stop"]  # entropy below 100 nats: from the first step on
-    sets = [arg for setting in rule for arg in ("--set", f"monitor.entropy_floor.{setting}")]
-    assert main(["train", "--params", str(params), *sets]) == 1
-    assert ckpt.checkpoint_steps(params.parent / "runs" / "tiny") == [1]
-    assert "monitor.entropy_floor.action: warn" in capsys.readouterr().err  # the stop says which rule
