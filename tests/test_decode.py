@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
 from grpo.config import SamplingConfig, config_from_dict
@@ -266,14 +267,21 @@ def test_reserved_layer_holds_the_dynamic_layers_values_without_a_copy_per_token
     reserved.update(*first)
     reserve_room(SimpleNamespace(layers=[reserved]), 3)
     assert type(reserved) is ReservedLayer
+    fresh = ReservedLayer()  # one that starts empty, never a DynamicLayer first
+    fresh.reserve = 3
+    fresh.update(*first)
     buffers = []
-    for width in (1, 1, 1, 2):  # three tokens fit the room, the fourth update reallocates
+    for width in (1, 1, 1, 1, 2):  # the first update takes room for 3 more: 4 tokens fit, the fifth reallocates
         states = [torch.randn(4, 2, width, 3, generator=gen) for _ in range(2)]
-        expected, got = plain.update(*states), reserved.update(*states)
+        expected, got, started = plain.update(*states), reserved.update(*states), fresh.update(*states)
         assert all(torch.equal(e, g) for e, g in zip(expected, got, strict=True))
+        assert all(torch.equal(e, g) for e, g in zip(expected, started, strict=True))
         buffers.append(reserved._buffers[0].data_ptr())
-    assert buffers[0] == buffers[1] == buffers[2] != buffers[3]
-    assert reserved.get_seq_length() == plain.get_seq_length() == 10
+    assert buffers[0] == buffers[1] == buffers[2] == buffers[3] != buffers[4]
+    assert reserved.get_seq_length() == plain.get_seq_length() == fresh.get_seq_length() == 11
+    reserved.rewind(7)  # the lean step's check: forget the last columns, keep the first 7 of each
+    assert reserved.get_seq_length() == 7
+    assert torch.equal(reserved.keys, plain.keys[..., :7, :]) and torch.equal(reserved.values, plain.values[..., :7, :])
 
 
 def test_generate_ignores_the_checkpoints_own_sampling_defaults(policy, tiny_tokenizer):
@@ -312,6 +320,29 @@ def test_the_loops_self_check_leaves_the_generator_alone(fresh_loop_check):
     before = torch.get_rng_state()
     assert fresh_loop_check() is None
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def _without_warpers(real):
+    """Sampling without its temperature, top-k and top-p: greedy decoding unchanged."""
+    return lambda sampling, greedy: real(sampling, greedy) if greedy else LogitsProcessorList()
+
+
+def _greedy_pushed(real):
+    """Greedy decoding pushed to token 5 at every step: sampling unchanged."""
+    def push(ids, scores):
+        return scores.index_fill(-1, torch.tensor([5]), 1e4)
+
+    return lambda sampling, greedy: LogitsProcessorList([push]) if greedy else real(sampling, greedy)
+
+
+@pytest.mark.parametrize(("fault", "mode"), [(_without_warpers, "warped sampling"), (_greedy_pushed, "greedy")])
+def test_a_loop_wrong_in_one_mode_fails_the_self_check_naming_it(fresh_loop_check, monkeypatch, fault, mode):
+    """The self-check runs warped sampling and greedy decoding each: a loop wrong in only one of them falls
+    back, and the reason names that one."""
+    monkeypatch.setattr(decode_module, "warpers", fault(decode_module.warpers))
+    with pytest.warns(FastPathWarning, match="'decode loop' fell back to model.generate"):
+        reason = fresh_loop_check()
+    assert reason == f"it sampled other tokens than generate ({mode})"
 
 
 def test_a_loop_that_attends_the_padding_fails_the_self_check(fresh_loop_check, monkeypatch):

@@ -138,6 +138,7 @@ def test_decode_takes_lean_steps_and_samples_generates_tokens(policy, tiny_token
             steps = got.shape[1] - batch.input_ids.shape[1]
             assert len(calls) - before == steps - 1, "every step after the first ran lean"
     assert list(verdicts.values()) == [True]
+    assert [key[-1] for key in verdicts] == [batch.input_ids.shape[0]], "a verdict is kept per row count"
 
 
 def _moved_logits(monkeypatch):
