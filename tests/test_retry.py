@@ -64,6 +64,26 @@ def test_a_shells_128_plus_n_status_is_signal_n():
     assert (beyond.code, beyond.transient) == (255, False)
 
 
+def test_the_last_exit_line_decides_and_the_shells_signal_range_has_exact_ends():
+    """DVC reports a stage's status once per failed command: the last report is the stage's. 128 itself is
+    an exit status; 128 + N up to the last signal number is signal N."""
+    import signal
+
+    line = "ERROR: failed to reproduce 'grpo': failed to run: grpo grpo, exited with {}"
+    assert exit_cause(255, [line.format(3), line.format(-9)]).code == -9
+    assert exit_cause(255, [line.format(-9), line.format(3)]).code == 3
+    assert exit_cause(255, [line.format(128)]).code == 128
+    assert exit_cause(255, [line.format(129)]).describe() == "the stage command was killed by signal 1 (SIGHUP)"
+    assert exit_cause(255, [line.format(128 + signal.NSIG)]).code == -signal.NSIG
+    zero = exit_cause(0, [])
+    assert not zero.transient and zero.describe() == "the dvc exited with code 0"
+
+
+def test_of_several_cli_error_lines_the_last_is_the_reason():
+    lines = ["error: params.yaml: grpo.lr must be > 0 (got 0)", "error: params.yaml: grpo.steps must be >= 1 (got 0)"]
+    assert failure_reason(lines, exit_cause(2, lines)) == "params.yaml: grpo.steps must be >= 1 (got 0)"
+
+
 def test_deterministic_failures_are_not_transient(dvc_failures):
     cause = exit_cause(*dvc_failures["error"])
     assert (cause.code, cause.transient) == (1, False)

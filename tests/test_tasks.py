@@ -182,3 +182,24 @@ def test_every_retried_task_waits_a_number_of_seconds():
     assert set(retried) == {"sft", "grpo", "evaluate"}
     assert all(isinstance(task.retry_delay_seconds, int | float) for task in retried.values()), {
         name: task.retry_delay_seconds for name, task in retried.items()}
+
+
+def test_a_reason_as_wide_as_allowed_is_kept_and_a_wider_one_cut_to_the_width():
+    from tasks.notify import REASON_CHARS, one_line
+
+    assert one_line("\n  " + "r" * REASON_CHARS + "\nsecond line") == "r" * REASON_CHARS
+    cut = one_line("r" * (REASON_CHARS + 1))
+    assert cut == "r" * (REASON_CHARS - 1) + "…" and len(cut) == REASON_CHARS
+
+
+def test_commit_all_says_whether_it_committed(tmp_path):
+    """True for the first commit and for a change; False when nothing changed since the last one."""
+    from tasks.workspace import commit_all
+
+    (tmp_path / "a.txt").write_text("1\n", encoding="utf-8")
+    assert commit_all(tmp_path, "first") is True
+    assert commit_all(tmp_path, "nothing new") is False
+    (tmp_path / "a.txt").write_text("2\n", encoding="utf-8")
+    assert commit_all(tmp_path, "a change") is True
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=tmp_path, capture_output=True, text=True).stdout
+    assert log.splitlines() == ["a change", "first"]
