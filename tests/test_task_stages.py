@@ -167,3 +167,103 @@ def test_a_stopped_flow_names_its_stage_and_the_failure_file_carries_the_details
     path.write_text(report)
     notify.clear_failure(None, flow_run, final)
     assert not path.exists()
+
+
+def _stage_runs(monkeypatch, tmp_path, code, out, err):
+    """``run_stage`` over a DVC run that ended with ``code`` and printed ``out`` and ``err``."""
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    commands = []
+
+    def dvc(cmd, project, poll, kill_once=False):
+        commands.append(cmd)
+        return code, out, err
+
+    monkeypatch.setattr(dvc_stage, "_run_dvc", dvc)
+    run = lambda: dvc_stage.run_stage("sft", tmp_path)  # noqa: E731
+    run.commands = commands
+    return run
+
+
+def test_a_stage_ran_only_when_dvc_says_it_ran_it(tmp_path, monkeypatch, outside_a_run):
+    ran = _stage_runs(monkeypatch, tmp_path, 0, ["Running stage 'sft':", "> grpo sft", "sft: loss 0.5"], [])
+    assert ran() is True
+    assert ran.commands[0][-1] == "sft", "a stage is forced only when asked"
+    skipped = _stage_runs(monkeypatch, tmp_path, 0, ["Stage 'sft' didn't change, skipping"], [])
+    assert skipped() is False
+
+
+def test_an_exit_of_1_fails_the_stage_with_the_clis_reason_from_stderr_else_stdout(tmp_path, monkeypatch,
+                                                                                  outside_a_run):
+    """The reason comes from stderr, else from stdout; without stderr the details hold the last
+    ``TAIL_LINES`` lines of stdout, none before them."""
+    on_stderr = _stage_runs(monkeypatch, tmp_path, 1, ["Running stage 'sft':"], ["error: params.yaml: bad lr"])
+    with pytest.raises(StageFailed, match=r"^params\.yaml: bad lr$") as failed:
+        on_stderr()
+    assert not failed.value.transient and "error: params.yaml: bad lr" in failed.value.details
+    out = [f"line {i}" for i in range(100)] + ["error: params.yaml: bad steps"]
+    with pytest.raises(StageFailed, match=r"^params\.yaml: bad steps$") as failed:
+        _stage_runs(monkeypatch, tmp_path, 2, out, [])()
+    tail = failed.value.details.split("The last lines of its stderr:\n\n")[1].splitlines()
+    assert tail == out[-dvc_stage.TAIL_LINES:]
+
+
+def test_the_fail_once_hook_fails_a_first_attempt_that_dvc_found_up_to_date(tmp_path, monkeypatch, outside_a_run):
+    from tasks.retry import InjectedFailure
+
+    monkeypatch.setenv(dvc_stage.FAIL_ONCE_ENV, "prepare, sft")
+    run = _stage_runs(monkeypatch, tmp_path, 0, ["Stage 'sft' didn't change, skipping"], [])
+    with pytest.raises(InjectedFailure, match="failing attempt 1 of stage 'sft'"):
+        run()
+    monkeypatch.setattr(dvc_stage, "task_run", SimpleNamespace(run_count=2, id="run-1"))
+    assert run() is False  # the retry runs as usual
+
+
+def test_the_wait_polls_while_the_stage_runs_and_a_failing_poll_is_not_fatal(tmp_path, monkeypatch, outside_a_run):
+    """Both streams are logged line by line; ``poll`` runs every ``POLL_SECONDS`` and may raise."""
+    monkeypatch.setattr(dvc_stage, "POLL_SECONDS", 0.1)
+    polls = []
+
+    def poll():
+        polls.append(1)
+        raise RuntimeError("the progress artifact is down")
+
+    logged = []
+    monkeypatch.setattr(dvc_stage, "get_run_logger", lambda: SimpleNamespace(
+        info=lambda *args: logged.append(args[0] % args[1:] if len(args) > 1 else args[0]),
+        warning=lambda *args: logged.append("warning: " + args[0] % args[1:])))
+    child = "import time; time.sleep(0.6)"  # a stage command longer than a poll: left alone
+    script = (f"import subprocess, sys; print('out line'); print('err line', file=sys.stderr); sys.stdout.flush(); "
+              f"print('child ended', subprocess.run([sys.executable, '-c', {child!r}]).returncode)")
+    code, out, err = dvc_stage._run_dvc([sys.executable, "-c", script], tmp_path, poll)
+    assert (code, out, err) == (0, ["out line", "child ended 0"], ["err line"])
+    assert len(polls) >= 2 and "warning: progress update failed: the progress artifact is down" in logged
+    assert {"out line", "err line"} <= set(logged)
+
+
+def test_the_fail_once_hook_kills_the_stage_command_not_dvc(tmp_path, outside_a_run):
+    """``kill_once``: the child the DVC process started is SIGKILLed (as the OOM killer would), once; the
+    parent goes on and reports it."""
+    child, second = "import time; time.sleep(60)", "import time; time.sleep(1.5)"
+    parent = (f"import subprocess, sys; print('child ended', subprocess.run([sys.executable, '-c', {child!r}]).returncode); "
+              f"print('second ended', subprocess.run([sys.executable, '-c', {second!r}]).returncode)")
+    code, out, _ = dvc_stage._run_dvc([sys.executable, "-c", parent], tmp_path, None, kill_once=True)
+    assert code == 0 and out == ["child ended -9", "second ended 0"]
+
+
+def test_an_interrupted_wait_leaves_no_dvc_run_behind(tmp_path, monkeypatch, outside_a_run):
+    """A cancelled task (an interrupt while it waits): the DVC process is terminated and reaped, and the
+    lock is free for the next run."""
+    import psutil
+
+    pid_file = tmp_path / "pid"
+
+    def interrupt():
+        if pid_file.is_file() and pid_file.read_text():  # once the stage has started
+            raise KeyboardInterrupt
+
+    script = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    monkeypatch.setattr(dvc_stage, "POLL_SECONDS", 0.2)
+    with pytest.raises(KeyboardInterrupt):
+        dvc_stage._run_dvc([sys.executable, "-c", script], tmp_path, interrupt)
+    assert not psutil.pid_exists(int(pid_file.read_text()))
+    assert dvc_stage._run_dvc([sys.executable, "-c", "print('next')"], tmp_path, None)[:2] == (0, ["next"])

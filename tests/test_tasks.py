@@ -23,7 +23,9 @@ def test_stage_env_is_offline_and_runs_the_project_code(tmp_path, monkeypatch):
     monkeypatch.setenv("DO_NOT_TRACK", "0")
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
     env = stage_env(tmp_path)
+    assert env["WANDB_DIR"] == str(tmp_path)  # W&B's offline runs stay in the project, not the working folder
     assert (env["DO_NOT_TRACK"], env["DVC_NO_ANALYTICS"], env["PREFECT_SERVER_ANALYTICS_ENABLED"]) == ("1", "1", "false")
     assert env["WANDB_MODE"] == "offline" and env["HF_HUB_OFFLINE"] == "1"
     assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/elsewhere"]
