@@ -17,12 +17,16 @@ def calls(monkeypatch):
 
     def stand_in(name: str, fails: bool = False):
         def run(where, *force, wait_for, return_state):
+            assert return_state is True, f"{name}: a failure must come back as a state for the flow to stop on"
             seen.append((name, force[0] if force else None, wait_for[0].name))
             return Failed(name=name, message=f"{name} broke") if fails else Completed(name=name, data=True)
         return run
 
-    monkeypatch.setattr(flow_module, "use_params", lambda project_dir, params_path, return_state:
-                        Completed(name="params", data=f"{project_dir}/{params_path}"))
+    def use_params(project_dir, params_path, return_state):
+        assert return_state is True, "params: a failure must come back as a state for the flow to stop on"
+        return Completed(name="params", data=f"{project_dir}/{params_path}")
+
+    monkeypatch.setattr(flow_module, "use_params", use_params)
     monkeypatch.setattr(flow_module, "fingerprint", stand_in("fingerprint"))
     monkeypatch.setattr(flow_module, "STAGES", {name: stand_in(name) for name in flow_module.STAGES})
     monkeypatch.setattr(flow_module, "stopped", lambda stage, state, params_path: f"stopped at {stage}")
@@ -43,4 +47,10 @@ def test_a_failed_stage_stops_the_ones_after_it(calls, monkeypatch):
     monkeypatch.setitem(flow_module.STAGES, "sft", stand_in("sft", fails=True))
     assert flow_module.full_retrain.fn(force=False) == "stopped at sft"
     assert [name for name, _, _ in seen] == ["fingerprint", "prepare", "validate", "base", "sft"]
+    assert all(force is False for name, force, _ in seen if name != "fingerprint")
+
+
+def test_a_run_forces_no_stage_unless_asked(calls):
+    seen, _ = calls
+    flow_module.full_retrain.fn()
     assert all(force is False for name, force, _ in seen if name != "fingerprint")

@@ -118,6 +118,9 @@ def test_the_schedule_label_carries_the_time_zone():
     daily = ScheduleConfig(cron="30 2 * * *", timezone="Europe/Paris")
     assert schedule_label(daily) == "every day at 02:30 (Europe/Paris)"
     assert schedule_label(ScheduleConfig(cron="0 2 * * 1-5")) == "cron 0 2 * * 1-5 (UTC)"
+    # a minute or an hour that is no single number: not one time a day
+    assert schedule_label(ScheduleConfig(cron="*/15 2 * * *")) == "cron */15 2 * * * (UTC)"
+    assert schedule_label(ScheduleConfig(cron="0 */6 * * *")) == "cron 0 */6 * * * (UTC)"
     assert nightly_cron(daily, Path("params.yaml")).slug == "every day at 02:30 (Europe/Paris)"
 
 
