@@ -74,3 +74,11 @@ def test_a_module_that_is_not_there_is_named_with_the_fix(capsys):
         main(["grpo/core/no_such_module.py", "tests/test_losses.py", "--list"])
     assert exit_.value.code == 2
     assert "no module grpo/core/no_such_module.py: name a .py file" in capsys.readouterr().err
+
+
+def test_a_scripts_entry_point_is_never_mutated():
+    """A mutant of ``if __name__ == "__main__": run()`` would run the script (a real flow, in the checkout)
+    when the child imports its module: neither the guard nor its body is a site."""
+    source = 'def run():\n    return 1 + 2\n\n\nif __name__ == "__main__":\n    run()\n'
+    assert {s.line for s in sites(source)} == {2}
+    assert {s.line for s in sites(source.replace("__main__", "other"))} == {2, 5, 6}

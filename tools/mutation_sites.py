@@ -34,6 +34,14 @@ def _is_docstring(node: ast.AST, parent: ast.AST | None) -> bool:
             and isinstance(node.value.value, str))
 
 
+def _is_main_guard(node: ast.AST) -> bool:
+    """``if __name__ == "__main__":``, a script's entry point."""
+    test = getattr(node, "test", None)
+    return (isinstance(node, ast.If) and isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__" and len(test.comparators) == 1
+            and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value == "__main__")
+
+
 def _options(node: ast.AST) -> list[tuple[str, str, callable]]:
     """The mutations of ``node`` itself: (kind, description, apply(node))."""
     out = []
@@ -131,6 +139,8 @@ class _Walker:
         if isinstance(node, ast.Raise | ast.JoinedStr | ast.Assert | ast.Import | ast.ImportFrom):
             return  # error messages, asserts and imports: not the computation
         if isinstance(node, ast.Expr) and _is_docstring(node, parent):
+            return
+        if _is_main_guard(node):  # a mutant of it runs the script when its module is imported (a flow, for real)
             return
         if isinstance(node, ast.Call):
             func = node.func
