@@ -170,7 +170,8 @@ def test_a_stopped_flow_names_its_stage_and_the_failure_file_carries_the_details
 
 
 def _stage_runs(monkeypatch, tmp_path, code, out, err):
-    """``run_stage`` over a DVC run that ended with ``code`` and printed ``out`` and ``err``."""
+    """``run_stage`` over a DVC run that ended with ``code`` and printed ``out`` and ``err``, and the commands
+    it was asked to run."""
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
     commands = []
 
@@ -179,16 +180,14 @@ def _stage_runs(monkeypatch, tmp_path, code, out, err):
         return code, out, err
 
     monkeypatch.setattr(dvc_stage, "_run_dvc", dvc)
-    run = lambda: dvc_stage.run_stage("sft", tmp_path)  # noqa: E731
-    run.commands = commands
-    return run
+    return lambda: dvc_stage.run_stage("sft", tmp_path), commands
 
 
 def test_a_stage_ran_only_when_dvc_says_it_ran_it(tmp_path, monkeypatch, outside_a_run):
-    ran = _stage_runs(monkeypatch, tmp_path, 0, ["Running stage 'sft':", "> grpo sft", "sft: loss 0.5"], [])
+    ran, commands = _stage_runs(monkeypatch, tmp_path, 0, ["Running stage 'sft':", "> grpo sft", "sft: loss 0.5"], [])
     assert ran() is True
-    assert ran.commands[0][-1] == "sft", "a stage is forced only when asked"
-    skipped = _stage_runs(monkeypatch, tmp_path, 0, ["Stage 'sft' didn't change, skipping"], [])
+    assert commands[0][-1] == "sft", "a stage is forced only when asked"
+    skipped, _ = _stage_runs(monkeypatch, tmp_path, 0, ["Stage 'sft' didn't change, skipping"], [])
     assert skipped() is False
 
 
@@ -196,13 +195,13 @@ def test_an_exit_of_1_fails_the_stage_with_the_clis_reason_from_stderr_else_stdo
                                                                                   outside_a_run):
     """The reason comes from stderr, else from stdout; without stderr the details hold the last
     ``TAIL_LINES`` lines of stdout, none before them."""
-    on_stderr = _stage_runs(monkeypatch, tmp_path, 1, ["Running stage 'sft':"], ["error: params.yaml: bad lr"])
+    on_stderr, _ = _stage_runs(monkeypatch, tmp_path, 1, ["Running stage 'sft':"], ["error: params.yaml: bad lr"])
     with pytest.raises(StageFailed, match=r"^params\.yaml: bad lr$") as failed:
         on_stderr()
     assert not failed.value.transient and "error: params.yaml: bad lr" in failed.value.details
     out = [f"line {i}" for i in range(100)] + ["error: params.yaml: bad steps"]
     with pytest.raises(StageFailed, match=r"^params\.yaml: bad steps$") as failed:
-        _stage_runs(monkeypatch, tmp_path, 2, out, [])()
+        _stage_runs(monkeypatch, tmp_path, 2, out, [])[0]()
     tail = failed.value.details.split("The last lines of its stderr:\n\n")[1].splitlines()
     assert tail == out[-dvc_stage.TAIL_LINES:]
 
@@ -211,7 +210,7 @@ def test_the_fail_once_hook_fails_a_first_attempt_that_dvc_found_up_to_date(tmp_
     from tasks.retry import InjectedFailure
 
     monkeypatch.setenv(dvc_stage.FAIL_ONCE_ENV, "prepare, sft")
-    run = _stage_runs(monkeypatch, tmp_path, 0, ["Stage 'sft' didn't change, skipping"], [])
+    run, _ = _stage_runs(monkeypatch, tmp_path, 0, ["Stage 'sft' didn't change, skipping"], [])
     with pytest.raises(InjectedFailure, match="failing attempt 1 of stage 'sft'"):
         run()
     monkeypatch.setattr(dvc_stage, "task_run", SimpleNamespace(run_count=2, id="run-1"))

@@ -52,6 +52,10 @@ def test_the_loop_syncs_its_engine_shows_its_progress_and_saves_the_step_it_stop
     the cadence, and the last line counts the new and restored steps and names the last step."""
     params = copy_project(project, tmp_path / "p")
     cadence = ["--set", "checkpoint.every=3"]  # step 1 is neither on the cadence nor a selection step (2, 4)
+    # An entropy term moves the weights even where every group's rewards tie: each sync differs from the last.
+    cadence += ["--set", "grpo.loss.entropy_coef=0.01"]
+    assert main(["preflight", "--params", str(params), *cadence[2:]]) == 0  # the gate checks this loss
+    capsys.readouterr()
     synced = _recording_syncs(monkeypatch)
     assert main(["train", "--params", str(params), "--max-steps", "1", *cadence]) == 0
     out, err = capsys.readouterr()
@@ -63,6 +67,7 @@ def test_the_loop_syncs_its_engine_shows_its_progress_and_saves_the_step_it_stop
     assert all(f"{field}=" in bar for field in ("reward", "entropy", "step_time", "kinds")), bar
 
     first_run = list(synced)
+    assert first_run[1] != first_run[0], "step 1 moved no weight: the syncs would not tell before from after"
     synced.clear()
     assert main(["train", "--params", str(params), "--max-steps", "2", *cadence]) == 0
     out, err = capsys.readouterr()
