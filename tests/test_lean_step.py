@@ -199,6 +199,31 @@ def test_build_declines_what_it_cannot_compute(tiny_model):
     assert LeanStep.build(qwen3) is None, "Qwen3's layers normalise q and k: not Llama's layer"
 
 
+@pytest.mark.filterwarnings("ignore:`lora_bias=True` was passed")
+def test_build_declines_an_active_dropout_a_lora_bias_and_a_weight_off_the_cpu(tiny_model):
+    """What the step would compute otherwise than the model: an adapter's dropout left in train mode (it
+    drops inputs; at p 0 it drops none), a LoRA factor with a bias (the step adds none), and a weight that
+    is not on the CPU (an offloaded or sharded weight)."""
+    model = get_peft_model(
+        _model(copy.deepcopy(tiny_model), "tiny-llama", "none"),
+        LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1),
+    ).eval()
+    assert LeanStep.build(model) is not None, "an adapter's dropout in eval mode drops nothing"
+    dropout = model.get_base_model().model.layers[1].self_attn.v_proj.lora_dropout["default"]
+    dropout.train()
+    assert LeanStep.build(model) is None
+    dropout.p = 0.0
+    assert LeanStep.build(model) is not None, "a dropout of p 0 drops nothing, even in train mode"
+    biased = get_peft_model(
+        _model(copy.deepcopy(tiny_model), "tiny-llama", "none"),
+        LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_bias=True),
+    ).eval()
+    assert LeanStep.build(biased) is None
+    off = _model(copy.deepcopy(tiny_model), "tiny-llama", "attention")
+    off.get_base_model().model.layers[1].mlp.down_proj.to("meta")
+    assert LeanStep.build(off) is None
+
+
 def test_build_declines_a_model_with_a_forward_pre_hook(tiny_model):
     """A pre-hook (FSDP's gather, a profiler's) runs before a module's forward: the lean step would skip it,
     whether it sits on one module or on every module."""

@@ -197,3 +197,73 @@ def test_rows_independent_asks_again_under_autocast(tiny_model):
     assert rows_independent(tiny_model, 40, 36)
     with bf16_autocast(torch.device("cpu"), True, force=True):
         assert not rows_independent(tiny_model, 40, 36)
+
+
+def _attention_call(width: int, rows: int = 2):
+    """Query, key, value [rows, 2 heads, width, 4] and a left-padded causal mask [rows, 1, width, width]
+    (the second row's first column padding), as the kernel hands them to the watch."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(rows, 2, width, 4, generator=gen) for _ in range(3))
+    allowed = torch.ones(width, width).tril().bool().expand(rows, 1, width, width).clone()
+    allowed[1, :, :, 0] = False
+    return q, k, v, torch.where(allowed, 0.0, float("-inf"))
+
+
+def test_the_watch_compares_the_pass_with_its_prompts_one_column_shorter():
+    """``watch_attention`` hands ``attend`` the queries, keys and values without their last column and the
+    mask without its last query row and key column, and compares every output but the last query's."""
+    q, k, v, mask = _attention_call(5)
+    out = torch.randn(2, 5, 2, 4)
+    seen = {}
+
+    def attend(query, key, value, attention_mask):
+        seen.update(query=query, key=key, value=value, mask=attention_mask)
+        return out[:, : query.shape[-2]].clone()
+
+    with prompt_pass_module.watch_prefix(prompt_pass_module.PrefixWatch()) as watch:
+        prompt_pass_module.watch_attention(out, q, k, v, mask, attend)
+    assert watch.calls == 1 and watch.equal
+    assert torch.equal(seen["query"], q[..., :4, :]) and torch.equal(seen["key"], k[..., :4, :])
+    assert torch.equal(seen["value"], v[..., :4, :])
+    assert torch.equal(seen["mask"], mask[:, :, :4, :4]), "the shorter pass's own mask"
+    moved = out.clone()
+    moved[1, 3, 0, 2] += 1e-6  # a query but the last, in its last bits
+    with prompt_pass_module.watch_prefix(prompt_pass_module.PrefixWatch()) as watch:
+        prompt_pass_module.watch_attention(moved, q, k, v, mask, attend)
+    assert watch.calls == 1 and not watch.equal
+
+
+def test_the_watch_counts_whole_prompt_passes_and_distrusts_a_pass_without_a_full_mask():
+    """Counted: calls whose queries are the whole sequence, of two columns or more (not a decode step, not a
+    one-column prompt); outside ``watch_prefix`` nothing is compared. A pass without a mask, or with a mask
+    that is no [B, 1, Q, K] slice-able one, is not vouched for."""
+    never = lambda *args: pytest.fail("attend is not called")  # noqa: E731
+    q, k, v, mask = _attention_call(5)
+    out = torch.zeros(2, 5, 2, 4)
+    prompt_pass_module.watch_attention(out, q, k, v, mask, never)  # outside a watch: attend not called
+    with prompt_pass_module.watch_prefix(prompt_pass_module.PrefixWatch()) as watch:
+        prompt_pass_module.watch_attention(out[:, -1:], q[..., -1:, :], k, v, mask[:, :, -1:], never)  # decode
+        one = _attention_call(1)
+        prompt_pass_module.watch_attention(out[:, :1], *one, never)  # a one-column prompt
+    assert watch.calls == 0 and watch.equal
+    for unmasked in (None, mask[:, 0]):
+        with prompt_pass_module.watch_prefix(prompt_pass_module.PrefixWatch()) as watch:
+            prompt_pass_module.watch_attention(out, q, k, v, unmasked, never)
+        assert watch.calls == 1 and not watch.equal, unmasked
+
+
+def test_prompt_pass_asks_whether_rows_are_independent_at_the_two_passes_row_counts(
+    tiny_tokenizer, tiny_sizes, monkeypatch
+):
+    """The probe is asked about the products the two passes run: n prompts of every column (n × width rows)
+    and of every column but the last (n × (width − 1) rows)."""
+    model = _deeper_model(tiny_tokenizer, tiny_sizes)
+    width, _, batch, prompt_pass = _offered_pass(model, tiny_tokenizer)
+    asked = []
+    probe = prompt_pass_module.rows_independent
+    monkeypatch.setattr(
+        prompt_pass_module, "rows_independent", lambda model, rows, fewer: asked.append((rows, fewer)) or probe(model, rows, fewer)
+    )
+    assert prompt_pass.prefilled(model, batch.input_ids, batch.attention_mask, G) is not None
+    n = batch.input_ids.shape[0]
+    assert asked == [(n * width, n * (width - 1))]
