@@ -86,6 +86,8 @@ def test_counts_and_the_reward_std_are_those_of_every_processs_rows():
     equal = torch.full((3,), 0.1, dtype=torch.float64)  # sums whose variance rounds just below 0
     totals = torch.stack([torch.tensor(3.0, dtype=torch.float64), equal.sum(), (equal * equal).sum()])
     assert collectives.global_reward_std(TwoProcesses([totals]), equal) == 0.0
+    nothing = torch.zeros(3, dtype=torch.float64)  # the other process holds no rewards
+    assert collectives.global_reward_std(TwoProcesses([nothing]), torch.tensor([5.0])) == 0.0, "one reward in all"
 
 
 def test_a_steps_metrics_completions_and_prompts_are_every_processs(monkeypatch):

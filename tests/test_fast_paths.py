@@ -227,6 +227,8 @@ def test_a_decode_loop_that_no_longer_matches_generate_falls_back_with_a_warning
     assert "prefill reuse (for" in used and "decode loop" not in used
     assert "decode loop (it sampled other tokens than generate (warped sampling))" in fell
     assert "exponential draws (the decode loop is not in use)" in fell
+    assert "lean decode step (the decode loop is not in use)" in fell
+    assert FastPaths("auto", "cuda").why_not(paths_module.GRAPH_STEP) == "the decode loop is not in use"
     assert fast.prompt_pass() is None
     monkeypatch.setattr(loop, "decode", lambda *args, **kwargs: pytest.fail("the failed loop ran"))
     _same_rollouts(_rollouts(policy, tiny_tokenizer, fast, False), _rollouts(policy, tiny_tokenizer, OFF, False))

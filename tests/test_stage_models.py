@@ -99,3 +99,27 @@ def test_the_grpo_adapter_sits_on_the_sft_weights_and_a_stale_base_under_it_is_r
     write_lineage(paths.model_dir(cfg, "base"), make_lineage("base", changed, paths.stage_inputs(changed, "base")))
     with pytest.raises(StaleArtifactError):
         check_grpo(cfg)
+
+
+def test_sft_records_its_lineage_and_the_metrics_of_the_steps_it_took(tmp_path, capsys):
+    """What ``grpo sft`` leaves beside its weights: the lineage the later stages check (``check_sft``), the
+    summary of its first and last step (``metrics/sft.json``, DVC's metrics) and every step's record
+    (``metrics/sft_history.json``)."""
+    import json
+
+    built = _cfg(tmp_path, 32)
+    cfg = built.model_copy(update={"sft": built.sft.model_copy(update={"epochs": 3})})
+    assert prepare.run(cfg) == 0 and pretrain.run(cfg) == 0
+    capsys.readouterr()
+    assert sft.run(cfg) == 0
+    check_sft(cfg)
+    history = json.loads(paths.metrics_file(cfg, "sft_history").read_text())
+    summary = json.loads(paths.metrics_file(cfg, "sft").read_text())
+    assert len(history) >= 2 and history[0]["loss"] != history[-1]["loss"]
+    assert summary["loss_first"] == history[0]["loss"] and summary["loss_final"] == history[-1]["loss"]
+    assert summary["token_accuracy_final"] == history[-1]["token_accuracy"]
+    assert summary["steps"] == len(history) and summary["examples"] == 16
+    assert 0 < summary["wall_time_s"] < 600
+    assert paths.metrics_file(cfg, "sft").read_text() == json.dumps(summary, indent=2) + "\n"
+    out = capsys.readouterr().out
+    assert f"sft: {len(history)} steps in " in out and str(paths.model_dir(cfg, "sft")) in out
