@@ -337,3 +337,29 @@ def test_data_docs_are_swapped_in_whole_and_the_old_ones_kept_until_then(tmp_pat
     with pytest.raises(FileNotFoundError):
         validate._replace_dir(tmp_path / "never-built", final)
     assert (tmp_path / ".data_docs.old" / "index.html").read_text() == "new"
+
+
+def test_a_leftover_of_an_interrupted_swap_does_not_block_the_next(tmp_path):
+    """A run killed between the two renames leaves ``.data_docs.old``: the next swap clears it first."""
+    final, staged, old = tmp_path / "data_docs", tmp_path / ".data_docs.new", tmp_path / ".data_docs.old"
+    for folder, text in ((final, "current"), (staged, "new"), (old, "left by a killed run")):
+        folder.mkdir()
+        (folder / "index.html").write_text(text)
+    validate._replace_dir(staged, final)
+    assert (final / "index.html").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["data_docs"]
+
+
+def test_a_validation_that_fails_writing_leaves_no_staged_data_docs(tmp_path, clean_rows, monkeypatch):
+    """The reports folder is made with its parents; a run that fails after building its Data Docs (here the
+    reports' write) removes the staged folder and leaves no Data Docs half in place."""
+    cfg = make_cfg(tmp_path, data_docs=True)
+    cfg = cfg.model_copy(update={"paths": cfg.paths.model_copy(update={"reports_dir": str(tmp_path / "out" / "reports")})})
+    write_rows(cfg, clean_rows)
+
+    def disk_full(files):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(validate, "write_atomically", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        validate.run(cfg)
+    assert [p.name for p in (tmp_path / "out" / "reports").iterdir() if not is_lock(p)] == []

@@ -53,3 +53,12 @@ def test_a_kind_with_too_few_gives_what_it_has():
     train, validation = validation_split(few, 8, seed=0)
     assert train == [] and len(validation) == 4
     assert validation_split([], 8, seed=0) == ([], [])
+
+
+def test_one_record_set_aside_none_asked_and_none_to_give():
+    """``n`` 1 sets one record aside (of the first kind by name); ``n`` 0 none; no records give none."""
+    pool = records(40)
+    train, validation = validation_split(pool, 1, seed=3)
+    assert [record_kind(r) for r in validation] == ["ambiguous"] and len(train) == 39
+    assert validation_split(pool, 0, seed=3) == (pool, [])
+    assert validation_split([], 4, seed=3) == ([], [])

@@ -135,3 +135,52 @@ def test_remote_code_runs_only_when_params_allow_it(saved, monkeypatch):
         with pytest.raises(ModelLoadError):
             load_model(saved.parent, ModelConfig(trust_remote_code=trust))
     assert asked == [False, True]
+
+
+def test_nothing_is_fetched_from_a_hub_unless_params_allow_it(saved, monkeypatch):
+    """``model.allow_download`` false (the default): the model and the tokenizer are asked for local files
+    only; true: the library may fetch them."""
+    from grpo.model import loading
+
+    asked = []
+
+    def from_pretrained(source, **kwargs):
+        asked.append(kwargs["local_files_only"])
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", from_pretrained)
+    assert not ModelConfig().allow_download
+    for allow in (False, True):
+        for load in (load_model, loading.load_tokenizer):
+            with pytest.raises(ModelLoadError):
+                load(saved.parent, ModelConfig(allow_download=allow))
+    assert asked == [True, True, False, False]
+
+
+def test_a_pointer_folder_stands_for_the_model_it_names(tmp_path):
+    """``models/base`` of an external model holds a pointer, not the weights: it resolves to the named path."""
+    from grpo.model.loading import resolve, write_pointer
+
+    (tmp_path / "base").mkdir()
+    write_pointer(tmp_path / "base", "/models/smollm2")
+    assert resolve(tmp_path / "base") == "/models/smollm2"
+    assert resolve(tmp_path / "elsewhere") == str(tmp_path / "elsewhere")
+
+
+def test_the_safetensors_check_measures_the_header_and_the_tensors_exactly(tmp_path):
+    """A file of a header and no tensor is whole; a header length past the file's end is named as such."""
+    import json
+
+    from grpo.model.loading import safetensors_problem
+
+    header = json.dumps({"__metadata__": {"format": "pt"}}).encode()
+    empty = tmp_path / "empty.safetensors"
+    empty.write_bytes(len(header).to_bytes(8, "little") + header)
+    assert safetensors_problem(empty) is None
+    save_file({}, tmp_path / "saved-empty.safetensors")
+    assert safetensors_problem(tmp_path / "saved-empty.safetensors") is None
+    claims = tmp_path / "claims.safetensors"
+    claims.write_bytes((len(header) + 4).to_bytes(8, "little") + header)  # four bytes more than there are
+    assert safetensors_problem(claims) == (
+        f"cut short: its header should take {len(header) + 4} bytes, the file holds {len(header)} after the length")

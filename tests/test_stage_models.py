@@ -123,3 +123,30 @@ def test_sft_records_its_lineage_and_the_metrics_of_the_steps_it_took(tmp_path, 
     assert paths.metrics_file(cfg, "sft").read_text() == json.dumps(summary, indent=2) + "\n"
     out = capsys.readouterr().out
     assert f"sft: {len(history)} steps in " in out and str(paths.model_dir(cfg, "sft")) in out
+
+
+def test_each_trained_model_is_refused_when_its_own_lineage_is_stale_and_a_cut_adapter_is_named(tmp_path):
+    """The base current and SFT's own params changed: ``check_sft`` and ``load_sft`` refuse the SFT model;
+    SFT current and GRPO's params changed: ``check_grpo`` and ``load_grpo`` refuse the GRPO model; an adapter
+    file cut short is named by its path before PEFT reads it."""
+    from grpo.model.loading import ModelLoadError
+    from grpo.model.stage_models import check_base, check_grpo, load_grpo, load_sft
+    from tests.eval_project import add_grpo_adapter, build_project
+
+    cfg = build_project(tmp_path)
+    adapter = add_grpo_adapter(cfg)
+    check_grpo(cfg)
+    sft_changed = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"lr": cfg.sft.lr * 2})})
+    check_base(sft_changed)
+    for refuse in (check_sft, load_sft):
+        with pytest.raises(StaleArtifactError, match=r"sft\.lr"):
+            refuse(sft_changed)
+    grpo_changed = cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"lr": cfg.grpo.lr * 2})})
+    check_sft(grpo_changed)
+    for refuse in (check_grpo, load_grpo):
+        with pytest.raises(StaleArtifactError, match=r"grpo\.lr"):
+            refuse(grpo_changed)
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match=rf"{weights}: not a whole safetensors file"):
+        load_grpo(cfg)

@@ -108,3 +108,46 @@ def test_a_raw_data_change_is_named_as_such_not_as_an_unknown_code_change(tmp_pa
     monkeypatch.setattr(status_module, "recorded_md5", lambda project: {})
     assert status_module.status(tmp_path, config_from_dict({}))["prepare"] == [
         "code changed (module list unknown: the last run predates it)"]
+
+
+def test_dvc_status_reads_a_real_projects_changes_and_the_lines_name_each(tmp_path):
+    """``dvc status --json`` of a real DVC project (one stage run, then its input file and its param
+    edited): its entries as DVC writes them, and a line for each, a param by its key."""
+    import subprocess
+    import sys
+
+    from grpo.provenance import status as status_module
+
+    def dvc(*args):
+        subprocess.run([sys.executable, "-m", "dvc", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    dvc("init", "--no-scm", "-q")
+    (tmp_path / "in.txt").write_text("a\n")
+    (tmp_path / "params.yaml").write_text("p:\n  x: 1\n")
+    (tmp_path / "dvc.yaml").write_text(
+        "stages:\n  copy:\n    cmd: cp in.txt out.txt\n    deps: [in.txt]\n    outs: [out.txt]\n    params: [p.x]\n")
+    dvc("repro", "-q")
+    assert status_module.dvc_status(tmp_path) == {}
+    (tmp_path / "in.txt").write_text("b\n")
+    (tmp_path / "params.yaml").write_text("p:\n  x: 2\n")
+    found = status_module.dvc_status(tmp_path)
+    assert found == {"copy": [{"changed deps": {"in.txt": "modified", "params.yaml": {"p.x": "modified"}}}]}
+    assert status_module._reasons(["always changed", *found["copy"]], ["code changed (grpo/a.py)"]) == [
+        "always changed", "deps: in.txt modified", "params.yaml: p.x modified"]
+    fingerprint = [{"changed deps": {f"{FINGERPRINT_DIR.as_posix()}/copy.json": "modified"}}]
+    assert status_module._reasons(fingerprint, ["code changed (grpo/a.py)"]) == ["code changed (grpo/a.py)"]
+
+
+def test_a_failed_dvc_status_says_dvcs_own_words_and_grpo_status_exits_0_when_it_reports(
+    tmp_path, monkeypatch, capsys
+):
+    """Outside a DVC project DVC's own error reaches the user as text; ``grpo status`` that reports (stale
+    stages or none) exits 0."""
+    from grpo.config import config_from_dict
+    from grpo.provenance import status as status_module
+
+    with pytest.raises(status_module.StatusError, match=r"\(exit \d+\): ERROR: you are not inside of a DVC repo"):
+        status_module.dvc_status(tmp_path)
+    monkeypatch.setattr(status_module, "status", lambda project, cfg: {"sft": ["deps: data/x modified"]})
+    assert status_module.run(config_from_dict({})) == 0
+    assert capsys.readouterr().out.startswith("grpo status: 1 stage(s) stale")
