@@ -132,6 +132,10 @@ def test_a_distractor_or_a_choice_over_max_answer_chars_is_a_skip_reason():
     assert prepare._too_long(fair_long, checks) == "a choice longer than data.checks.max_answer_chars (200)"
     assert prepare._too_long({**grounded, "distractor": long}, checks) == (
         "distractor longer than data.checks.max_answer_chars (200)")
+    exactly = "x" * checks.max_context_chars  # the suite's bound is inclusive
+    assert prepare._too_long({**grounded, "context": exactly}, checks) is None
+    assert prepare._too_long({**grounded, "context": exactly + "x"}, checks) == (
+        f"context longer than data.checks.max_context_chars ({checks.max_context_chars})")
 
 
 def test_a_halueval_hallucinated_answer_over_the_bound_is_skipped_and_the_output_validates(tmp_path):
@@ -189,3 +193,14 @@ def test_a_train_text_repeated_in_eval_is_dropped_from_eval():
                            DataChecksConfig(), skipped, Path("raw.json"))
     assert kept == {"train": [item], "eval": [other]}
     assert skipped == {("raw.json", "company", "repeated (context, question)"): 1}
+
+
+def test_each_split_interleaves_the_tasks(tmp_path):
+    """The splits are shuffled once the tasks are joined: SFT's batches and GRPO's prompt order see both
+    tasks throughout, not one task's block then the other's."""
+    cfg = make_cfg(tmp_path, n_train=32, n_eval=16)
+    assert prepare.run(cfg) == 0
+    for split in ("train", "eval"):
+        tasks = [json.loads(line)["task"] for line in (tmp_path / "data" / f"{split}.jsonl").read_text().splitlines()]
+        half = len(tasks) // 2
+        assert len(set(tasks[:half])) == 2 and len(set(tasks[half:])) == 2, tasks

@@ -215,3 +215,23 @@ def test_a_dataset_folder_gives_its_own_files_in_sorted_order(tmp_path):
     (tmp_path / "old" / "part-00.jsonl").write_text("{}\n")
     assert files(tmp_path, "*.jsonl") == [tmp_path / name for name in sorted(names)]
     assert files(tmp_path / "part-03.jsonl", "*.jsonl") == [tmp_path / "part-03.jsonl"]
+
+
+def test_a_halueval_row_whose_answer_is_no_span_of_its_knowledge_is_skipped_and_counted(tmp_path):
+    """Its answerable form would reward an answer its context does not hold: dropped, and counted under its
+    reason for the validation report; the other rows keep theirs."""
+    rows = [
+        ("Paris is the capital of France.", "What is the capital of France?", "Paris", "Lyon"),
+        ("The Nile flows through Egypt.", "Which country does the Nile flow through?", "Egypt", "Peru"),
+        ("Mount Fuji is in Japan.", "On which island is Mount Fuji?", "Honshu", "Korea"),
+        ("Canberra is the capital of Australia.", "What is the capital of Australia?", "Canberra", "Sydney"),
+    ]
+    path = tmp_path / "qa.json"
+    path.write_text("".join(json.dumps({"knowledge": k, "question": q, "right_answer": r, "hallucinated_answer": h})
+                            + "\n" for k, q, r, h in rows))
+    loaded = load_halueval(path, 0.25, 0)
+    items = loaded.pools["train"] + loaded.pools["eval"]
+    answerable = sorted(i["answer"] for i in items if i["answerable"])
+    assert answerable == ["Canberra", "Egypt", "Paris"]
+    reason = "right_answer not a span of knowledge (answerable form dropped)"
+    assert loaded.skipped[(str(path), "halueval", reason)] == 1

@@ -158,6 +158,7 @@ def test_base_stage_pretrains_the_embedded_model_only_when_asked(tmp_path):
     assert run(_cfg(trained, 48, n_train=16, n_eval=4)) == 0
     summary = json.loads((trained / "metrics_dir" / "pretrain.json").read_text())
     assert summary["steps"] == 6 and summary["examples"] == 48
+    assert summary["tokens"] > summary["examples"] and 0 < summary["wall_time_s"] < 600
     assert summary["loss_final"] < summary["loss_first"] - 0.5, summary
     before = load_file(plain / "models_dir" / "base" / "model.safetensors")
     after = load_file(trained / "models_dir" / "base" / "model.safetensors")
