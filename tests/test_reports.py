@@ -120,3 +120,21 @@ def test_eval_artifact_leads_with_the_verdict_and_every_kind_then_the_headline()
 def test_an_eval_report_without_a_verdict_is_published_whole():
     today = EVAL_MD.replace("## verdict", "## notes").replace("## by kind of item", "## other")
     assert eval_markdown(today, "details") == today
+
+
+def test_cells_and_lines_are_cut_at_their_exact_width_and_never_inside_an_escape():
+    """A text exactly as wide as allowed stays whole; one character more is cut to the width with ``…``; a
+    cut never leaves half of an escaped pipe (a lone backslash would escape the ellipsis)."""
+    from tasks.reports import cut, short
+
+    assert cut("abcde", 5) == "abcde" and cut("abcdef", 5) == "abcd…"
+    assert short("abcde", 5) == "abcde" and short("abcdef", 5) == "abcd…"
+    assert short("abc|defgh", 5) == "abc…"  # the cell is abc\|defgh: the cut falls after the backslash
+
+
+def test_a_list_of_values_against_one_bound_and_an_overall_line_with_a_status_missing():
+    """Several values against a single bound are listed against it; a status no check has is left out
+    and the ones after it still named."""
+    assert value_vs_bound({"value": [1, 2], "bound": 3}) == "1, 2 vs 3"
+    checks = [{"name": "a", "status": "pass"}, {"name": "b", "status": "fail"}, {"name": "c", "status": "skip"}]
+    assert preflight_overall(checks) == "1 passed, 1 failed: b, 1 skipped: c"
