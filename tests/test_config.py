@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -65,6 +66,7 @@ def test_every_field_is_documented():
         ({"model": {"lora": {"dropout": 1.0}}}, ["model.lora.dropout", "1.0", "less than 1"]),
         ({"data": {"fairness_source": "bbq", "fairness_path": ""}},
          ["data.fairness_path is needed when data.fairness_source is 'bbq'"]),  # "" is no path, not the cwd
+        ({"data": {"fairness_source": "bbq"}}, ["data.fairness_path is needed when data.fairness_source is 'bbq'"]),
         ({"data": {"fairness_fraction": 1.5}}, ["data.fairness_fraction", "1.5", "less than or equal to 1"]),
         ({"model": {"tiny": {"num_attention_heads": 4, "num_key_value_heads": 3}}},
          ["model.tiny", "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"]),
@@ -206,3 +208,109 @@ def test_the_shipped_profiles_load(tmp_path):
                 stand_in.touch()
                 overrides = [f"model.name_or_path={stand_in}"]
         assert load_config(profile, overrides).model_dump() != Config().model_dump(), profile
+
+
+def _bounded_fields(model_cls, prefix=()):
+    """(dotted path, "ge" | "gt" | "le" | "lt", bound, the field's default) of every bounded field of the tree."""
+    import annotated_types
+    from pydantic import BaseModel
+
+    kinds = {annotated_types.Ge: "ge", annotated_types.Gt: "gt", annotated_types.Le: "le", annotated_types.Lt: "lt"}
+    for name, field in model_cls.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _bounded_fields(field.annotation, (*prefix, name))
+            continue
+        for meta in field.metadata:
+            if type(meta) in kinds:
+                kind = kinds[type(meta)]
+                yield (*prefix, name), kind, getattr(meta, kind), field.default
+
+
+# Fields whose value at its bound needs a sibling to agree (the heads must divide by the key/value heads).
+COMPANIONS = {("model", "tiny", "num_attention_heads"): {("model", "tiny", "num_key_value_heads"): 1}}
+
+
+def _tree_with(values: dict[tuple, object]) -> dict:
+    """The default params tree with ``values`` (path -> value) set in it."""
+    from grpo.config import config_to_dict
+
+    tree = config_to_dict(config_from_dict({}))
+    for path, value in values.items():
+        node = tree
+        for key in path[:-1]:
+            if node.get(key) is None:  # a section off by default
+                node[key] = {}
+            node = node[key]
+        node[path[-1]] = value
+    return tree
+
+
+def test_every_bound_accepts_its_edge_and_refuses_one_step_past_it_by_name():
+    """Each ``ge``/``gt``/``le``/``lt`` of the tree, read off the fields themselves: the value at the edge (or one
+    step inside an open bound) loads, one step past it is refused naming the key. An integer steps by 1, a
+    float by 1e-3. A bound moved by one, or dropped, fails here."""
+    fields = list(_bounded_fields(Config))
+    assert len(fields) > 100, len(fields)
+    for path, kind, bound, default in fields:
+        step = 1 if isinstance(bound, int) and not isinstance(default, float) else 1e-3
+        inside = {"ge": bound, "le": bound, "gt": bound + step, "lt": bound - step}[kind]
+        outside = {"ge": bound - step, "le": bound + step, "gt": bound, "lt": bound}[kind]
+        key = ".".join(path)
+        config_from_dict(_tree_with({path: inside, **COMPANIONS.get(path, {})}))
+        with pytest.raises(ConfigError, match=re.escape(key)):
+            config_from_dict(_tree_with({path: outside, **COMPANIONS.get(path, {})}))
+
+
+# Edges that follow from what a key means, not from the value its bound happens to have: a count of zero,
+# a negative slack, a reward outside the [-1, +1] the rewards span are refused; zero boundary steps (the
+# checks off), a zero slack and the rewards' own ends load.
+MEANINGLESS = [
+    ("data.n_train", 0), ("data.n_eval", 0), ("data.checks.max_context_chars", 0),
+    ("data.checks.max_question_chars", 0), ("data.checks.max_answer_chars", 0), ("data.checks.max_examples", 0),
+    ("data.checks.balance_z", -0.5), ("eval.diagnose.prompts", 0), ("eval.batch_size", 0), ("eval.max_examples", 0),
+    ("eval.diagnose.kl_warn", -0.5), ("model.tiny.num_hidden_layers", 0), ("model.lora.r", 0), ("model.lora.alpha", 0),
+    ("monitor.kind_trade.window", 0), ("rewards.abstain_when_answered.fairness", 1.5),
+    ("rewards.abstain_when_answered.hallucination", -1.5), ("sft.epochs", 0), ("sft.batch_size", 0),
+    ("pretrain.epochs", 0), ("grpo.sampling.max_new_tokens", 0), ("grpo.sampling.temperature", 0.0),
+    ("grpo.selection.every", 0), ("grpo.steps", 0), ("grpo.prompts_per_step", 0), ("grpo.num_iterations", 0),
+    ("grpo.grad_accum", 0), ("checkpoint.keep_last", 0),
+]
+MEANINGFUL = [
+    ("monitor.boundary_steps", 0), ("data.checks.balance_z", 0.0), ("eval.diagnose.kl_warn", 0.5),
+    ("rewards.abstain_when_answered.fairness", 1.0), ("rewards.abstain_when_answered.hallucination", 1.0),
+    ("rewards.abstain_when_answered.fairness", -1.0), ("model.lora.r", 1), ("eval.max_examples", 1),
+    ("pretrain.records", 0), ("grpo.sampling.min_new_tokens", 0), ("grpo.max_resample", 0), ("grpo.group_size", 2),
+]
+
+
+def test_the_edge_tables_name_keys_of_the_tree():
+    """Else "unknown key" would pass for a refusal."""
+    def leaves(model_cls, prefix=""):
+        for name, field in model_cls.model_fields.items():
+            if isinstance(field.annotation, type) and hasattr(field.annotation, "model_fields"):
+                yield from leaves(field.annotation, f"{prefix}{name}.")
+            else:
+                yield prefix + name
+
+    assert {key for key, _ in MEANINGLESS + MEANINGFUL} <= set(leaves(Config))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_the_vllm_engine_is_refused_where_vllm_is_not_installed():
+    with pytest.raises(ConfigError, match=r"grpo\.rollout\.engine.*use the default engine hf"):
+        config_from_dict({"grpo": {"rollout": {"engine": "vllm"}}})
+
+
+@pytest.mark.parametrize(("key", "value"), MEANINGLESS)
+def test_a_value_the_key_cannot_mean_is_refused_by_name(key, value):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        config_from_dict(_tree_with({tuple(key.split(".")): value}))
+
+
+@pytest.mark.parametrize(("key", "value"), MEANINGFUL)
+def test_a_meaningful_edge_value_loads(key, value):
+    cfg = config_from_dict(_tree_with({tuple(key.split(".")): value}))
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    assert node == value

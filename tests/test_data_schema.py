@@ -43,6 +43,18 @@ def test_record_rejects_unknown_fields_and_bad_values():
         make_record({**FAIR, "task": "sentiment"}, "train")
     with pytest.raises(ValidationError, match="label"):
         make_record({**FAIR, "label": 3}, "train")  # three options: 0, 1, 2
+    for index in ("unknown_idx", "target_idx"):
+        with pytest.raises(ValidationError, match=index):
+            make_record({**FAIR, index: 3}, "train")
+
+
+def test_a_content_id_is_the_same_in_every_run_of_every_version():
+    """Ids outlive a run: the splits, the leak check and GRPO's held-out share hash them, so the id of a
+    known item (one with non-ASCII text too) is pinned; a change of its payload re-splits every dataset."""
+    assert content_id("fairness", FAIR["context"], FAIR["question"], FAIR["choices"], FAIR["answer"]) == (
+        "a92fc4b80f2f1104")
+    assert content_id("hallucination", "Zoë lives in Zürich.", "Where does Zoë live?", [], "Zürich") == (
+        "c58bad7ae272170a")
 
 
 @pytest.mark.parametrize(
@@ -59,3 +71,5 @@ def test_record_line_is_one_json_object_in_field_order():
     line = record_line(make_record(FAIR, "train"))
     assert line.endswith("\n") and line.count("\n") == 1
     assert list(json.loads(line)) == list(Record.model_fields)
+    readable = record_line(make_record({**FAIR, "context": "Zoë and B met in Zürich."}, "train"))
+    assert "Zoë and B met in Zürich." in readable, "UTF-8 kept readable, not \\u escapes"

@@ -69,6 +69,40 @@ def test_the_finder_serves_the_mutant_for_its_module_only(tmp_path):
         sys.modules.pop("sweep_probe", None)
 
 
+def test_what_reads_the_source_by_line_reads_the_mutant(tmp_path):
+    """The mutant is ``ast.unparse``'s text, whose lines are not the file's (comments and blank lines
+    gone): pydantic's field docstrings and ``inspect`` must read the mutant, or every served config module
+    loses its field docs and each of its mutants fails the docs test (a kill that is none)."""
+    import importlib
+    import inspect
+    import linecache
+    import sys
+
+    path = tmp_path / "sweep_fields.py"
+    path.write_text(
+        "# a comment the unparsed mutant drops\n\n"
+        "from pydantic import BaseModel, ConfigDict\n\n\n"
+        "class Section(BaseModel):\n"
+        "    model_config = ConfigDict(use_attribute_docstrings=True)\n\n"
+        "    size: int = 8  # a trailing comment\n"
+        '    """How many."""\n\n\n'
+        "def double(x):\n"
+        "    return x * 2\n"
+    )
+    number = next(s.index for s in sites(path.read_text()) if s.text == "8 -> 9")
+    finder = _ServeSource("sweep_fields", path, mutant_source(path.read_text(), number))
+    sys.meta_path.insert(0, finder)
+    try:
+        module = importlib.import_module("sweep_fields")
+        field = module.Section.model_fields["size"]
+        assert field.default == 9 and field.description == "How many."
+        assert inspect.getsource(module.double).strip() == "def double(x):\n    return x * 2"
+    finally:
+        sys.meta_path.remove(finder)
+        sys.modules.pop("sweep_fields", None)
+        linecache.cache.pop(str(path), None)
+
+
 def test_a_module_that_is_not_there_is_named_with_the_fix(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["grpo/core/no_such_module.py", "tests/test_losses.py", "--list"])

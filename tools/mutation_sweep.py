@@ -23,6 +23,7 @@ import ast
 import importlib.abc
 import importlib.util
 import json
+import linecache
 import os
 import signal
 import subprocess
@@ -57,6 +58,10 @@ class _ServeSource(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         module.__file__ = str(self.path)
+        # What reads the module's source by line (pydantic's field docstrings, ``inspect``, tracebacks) must
+        # read the mutant, whose lines (``ast.unparse``'s) are not the file's: an entry without a
+        # modification time is never checked against the disk.
+        linecache.cache[str(self.path)] = (len(self.source), None, self.source.splitlines(True), str(self.path))
         exec(compile(self.source, str(self.path), "exec"), module.__dict__)
 
 
